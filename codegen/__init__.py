@@ -1,0 +1,1 @@
+"""kiln code generation: Jinja2 templates rendered into Triton kernels."""

@@ -1,0 +1,59 @@
+"""kiln's user-facing errors.
+
+Every error a user can cause is one of these, with a message that names the thing and the fix. The CLI
+prints them without a traceback and exits 2. Bare asserts are for internal invariants only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KilnError(Exception):
+    """Base of every error a user can cause."""
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One problem in a spec file, with its position (1-based line and column)."""
+
+    path: str
+    line: int
+    column: int
+    message: str
+    hint: str = ""
+    source_line: str = ""
+
+    def render(self) -> str:
+        head = f"{self.path}:{self.line}:{self.column}: error: {self.message}"
+        parts = [head]
+        if self.source_line:
+            parts.append(f"    {self.source_line}")
+            parts.append("    " + " " * max(self.column - 1, 0) + "^")
+        if self.hint:
+            parts.append(f"  hint: {self.hint}")
+        return "\n".join(parts)
+
+
+class SpecError(KilnError):
+    """One or more problems in a spec file. `diagnostics` holds all of them, in source order."""
+
+    def __init__(self, diagnostics: list[Diagnostic]):
+        self.diagnostics = sorted(diagnostics, key=lambda d: (d.line, d.column))
+        super().__init__("\n".join(d.render() for d in self.diagnostics))
+
+
+class WeightError(KilnError):
+    """A checkpoint that does not match the spec: missing, unexpected or wrongly shaped tensors."""
+
+
+class PassError(KilnError):
+    """A compiler pass failed or the pass pipeline is ill-formed."""
+
+
+class CodegenError(KilnError):
+    """A kernel could not be rendered or compiled for the requested parameters."""
+
+
+class RequestError(KilnError):
+    """A generation request with a bad parameter; names the parameter and the allowed range."""

@@ -1,0 +1,192 @@
+"""The resolved, validated model description that the frontend builds graphs from.
+
+Validation (kiln.validate) turns a SpecFile AST into a ModelConfig plus a CompileConfig; the HF importer
+builds the same ModelConfig from a config.json. Everything downstream (frontend, weights, runtime) reads
+only these dataclasses, never the AST.
+
+Parameter names are a contract shared by the frontend, random init and the HF loader; `param_shapes`
+is the single place that defines them:
+
+    embed.weight                       [vocab, dim]
+    pos_embed.weight                   [context, dim]               (positions = learned)
+    layers.{i}.{norm}.weight / .bias   [dim]                        (bias for layer norm only)
+    layers.{i}.{attn}.q.weight         [heads * head_dim, dim]      (.bias [heads * head_dim] if qkv_bias)
+    layers.{i}.{attn}.k.weight         [kv_heads * head_dim, dim]   (.bias if qkv_bias)
+    layers.{i}.{attn}.v.weight         [kv_heads * head_dim, dim]   (.bias if qkv_bias)
+    layers.{i}.{attn}.o.weight         [dim, heads * head_dim]      (.bias [dim] if out_bias)
+    layers.{i}.{mlp}.gate.weight       [ffn, dim]                   (gated activations only; .bias if bias)
+    layers.{i}.{mlp}.up.weight         [ffn, dim]                   (.bias [ffn] if bias)
+    layers.{i}.{mlp}.down.weight       [dim, ffn]                   (.bias [dim] if bias)
+    final_norm.weight / .bias          [dim]                        (final_norm = true)
+    lm_head.weight                     [vocab, dim]                 (absent when tie_embeddings)
+
+Site names ({norm}, {attn}, {mlp}) are assigned in source order within the layer body: norm0, norm1, ...,
+attn0, ..., mlp0, ... Each call of norm()/attention()/mlp() in the body is its own site with its own weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+GATED_ACTS = ("swiglu", "geglu", "geglu_tanh")
+PLAIN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")
+DTYPES = ("fp32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class NormConfig:
+    kind: Literal["rms", "layer"]
+    eps: float
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling. kind "llama3" uses all fields; kind "linear" uses `factor` only."""
+
+    kind: Literal["llama3", "linear"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    scaling: RopeScaling | None = None
+
+
+# ---- the layer program: the layer body after name resolution -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+
+
+@dataclass(frozen=True)
+class Add:
+    left: LayerExpr
+    right: LayerExpr
+
+
+@dataclass(frozen=True)
+class NormCall:
+    arg: LayerExpr
+    site: str
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    arg: LayerExpr
+    site: str
+    causal: bool = True
+    window: int | None = None  # attend to the last `window` positions, the current one included
+    qkv_bias: bool = False
+    out_bias: bool = False
+    rope: bool = True  # rotary embedding on q and k (only meaningful when the model has rope)
+
+
+@dataclass(frozen=True)
+class MlpCall:
+    arg: LayerExpr
+    site: str
+    act: str  # one of GATED_ACTS or PLAIN_ACTS
+    bias: bool = False
+
+    @property
+    def gated(self) -> bool:
+        return self.act in GATED_ACTS
+
+
+LayerExpr = Union[Var, Add, NormCall, AttentionCall, MlpCall]
+
+
+@dataclass(frozen=True)
+class LayerAssign:
+    target: str
+    value: LayerExpr
+
+
+# ---- configs ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    context: int  # the longest sequence the model takes (prompt + generated)
+    norm: NormConfig
+    body: tuple[LayerAssign, ...]  # the layer program; the last assignment is to `x`
+    rope: RopeConfig | None = None
+    positions: Literal["rope", "learned", "none"] = "rope"
+    tie_embeddings: bool = False
+    final_norm: bool = True
+
+    def sites(self) -> list[NormCall | AttentionCall | MlpCall]:
+        """Every norm/attention/mlp call in the layer body, in site-name order."""
+        found: list[NormCall | AttentionCall | MlpCall] = []
+
+        def walk(e: LayerExpr) -> None:
+            if isinstance(e, Add):
+                walk(e.left)
+                walk(e.right)
+            elif isinstance(e, (NormCall, AttentionCall, MlpCall)):
+                walk(e.arg)
+                found.append(e)
+
+        for stmt in self.body:
+            walk(stmt.value)
+        return found
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """The compile part of a spec after validation; CLI flags override it with dataclasses.replace."""
+
+    dtype: str = "fp32"  # one of DTYPES
+    extra: dict = field(default_factory=dict, compare=False)  # reserved for later passes' options
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight the model has, in a stable order (see the module docstring)."""
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (cfg.vocab, cfg.dim)}
+    if cfg.positions == "learned":
+        shapes["pos_embed.weight"] = (cfg.context, cfg.dim)
+    q_out, kv_out = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    for i in range(cfg.layers):
+        for site in cfg.sites():
+            p = f"layers.{i}.{site.site}"
+            if isinstance(site, NormCall):
+                shapes[f"{p}.weight"] = (cfg.dim,)
+                if cfg.norm.kind == "layer":
+                    shapes[f"{p}.bias"] = (cfg.dim,)
+            elif isinstance(site, AttentionCall):
+                for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+                    shapes[f"{p}.{proj}.weight"] = (out, cfg.dim)
+                    if site.qkv_bias:
+                        shapes[f"{p}.{proj}.bias"] = (out,)
+                shapes[f"{p}.o.weight"] = (cfg.dim, q_out)
+                if site.out_bias:
+                    shapes[f"{p}.o.bias"] = (cfg.dim,)
+            else:
+                projs = [("gate", cfg.ffn, cfg.dim)] if site.gated else []
+                projs += [("up", cfg.ffn, cfg.dim), ("down", cfg.dim, cfg.ffn)]
+                for proj, out, inp in projs:
+                    shapes[f"{p}.{proj}.weight"] = (out, inp)
+                    if site.bias:
+                        shapes[f"{p}.{proj}.bias"] = (out,)
+    if cfg.final_norm:
+        shapes["final_norm.weight"] = (cfg.dim,)
+        if cfg.norm.kind == "layer":
+            shapes["final_norm.bias"] = (cfg.dim,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab, cfg.dim)
+    return shapes

@@ -1,0 +1,1 @@
+"""kiln compiler passes: one pass per file."""

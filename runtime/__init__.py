@@ -1,0 +1,1 @@
+"""kiln runtime: sampling, scheduling, the engine."""

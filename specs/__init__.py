@@ -1,0 +1,1 @@
+"""Bundled spec files (data): published architectures and tiny test specs."""

@@ -1,16 +1,24 @@
-"""Test-wide set-up. The Triton interpreter must be enabled before triton is first imported."""
+"""Test-wide set-up.
+
+Without CUDA the generated Triton kernels run in Triton's interpreter, which must be enabled before triton
+is first imported (importing torch does not import triton). With CUDA they run for real, and the `gpu`
+marked tests run too.
+"""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KILN_DEBUG", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -60,8 +60,8 @@ def random_weights(
 ) -> dict[str, torch.Tensor]:
     """Seeded random weights for every name in param_shapes; on device "meta" nothing is allocated.
 
-    Norm weights are 1 and biases 0; embeddings are N(0, 1) and matrices N(0, 1/fan_in), so activations keep
-    unit scale and the logits vary enough that random models produce varied tokens.
+    Norm weights are 1 and biases 0; every matrix, embeddings included, is N(0, 1/dim_in). Small embeddings
+    keep a tied lm_head from simply echoing the current token, so random models produce varied tokens.
     """
     device = torch.device(device)
     if device.type == "meta":
@@ -74,8 +74,7 @@ def random_weights(
         elif len(shape) == 1:
             t = torch.ones(shape)
         else:
-            std = 1.0 if name.endswith("embed.weight") else shape[1] ** -0.5
-            t = torch.randn(shape, generator=gen) * std
+            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
         out[name] = t.to(device=device, dtype=dtype)
     return out
 
@@ -141,9 +140,9 @@ class _Builder:
         return self.linear(out, f"{prefix}.o", site.out_bias)
 
     def mlp(self, x: fx.Node, site: MlpCall, prefix: str) -> fx.Node:
+        gate = self.linear(x, f"{prefix}.gate", site.bias) if site.gated else None
         up = self.linear(x, f"{prefix}.up", site.bias)
-        if site.gated:
-            gate = self.linear(x, f"{prefix}.gate", site.bias)
+        if gate is not None:
             h = self.op(kiln_ops.gated_act.default, (gate, up, GATED_KIND[site.act]), f"{prefix}.act")
         else:
             h = self.op(kiln_ops.act.default, (up, site.act), f"{prefix}.act")
@@ -207,18 +206,25 @@ def build_graph(
     else:
         check_weights(cfg, weights)
     graph = _Builder(cfg).build()
-    gm_params = {
-        name: torch.nn.Parameter(t.detach().to(device=device, dtype=dtype), requires_grad=False)
-        for name, t in weights.items()
-    }
+    root = torch.nn.Module()
+    for name in param_shapes(cfg):  # registration order = param_shapes order, so state_dict() lists it the same way
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(weights[name].detach().to(device, dtype), requires_grad=False))
     uses_rope = any(n.op == "get_attr" and n.target == INV_FREQ for n in graph.nodes)
-    attrs: dict[str, torch.Tensor] = dict(gm_params)
     if uses_rope:
-        attrs[INV_FREQ] = rope_inv_freq(cfg).to(device)  # stays fp32 whatever the model dtype
-    gm = fx.GraphModule(attrs, graph, class_name=_class_name(cfg.name))
+        root.register_buffer(INV_FREQ, rope_inv_freq(cfg).to(device), persistent=False)  # always fp32
+    gm = fx.GraphModule(root, graph, class_name=_class_name(cfg.name))
+    for name, child in root.named_children():  # GraphModule installs submodules in its own order; restore ours
+        delattr(gm, name)
+        gm.add_module(name, child)
     if uses_rope:
-        # GraphModule registers plain tensors as persistent buffers; the frequencies are derived, not weights.
-        gm.register_buffer(INV_FREQ, attrs[INV_FREQ], persistent=False)
+        # GraphModule re-registers it as persistent; the frequencies derive from the config, they are not weights.
+        gm.register_buffer(INV_FREQ, root.get_buffer(INV_FREQ), persistent=False)
     return propagate_fake(gm)
 
 

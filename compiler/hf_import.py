@@ -43,12 +43,22 @@ from kiln.spec_ast import (
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
-_LLAMA_LIKE = ("llama", "mistral", "qwen2")
 # HF activation names -> kiln activation of the gated MLP (llama family) or the plain MLP (gpt2).
-_GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_new": "geglu_tanh",
-          "gelu_pytorch_tanh": "geglu_tanh"}
-_PLAIN = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-          "silu": "silu", "swish": "silu"}
+_GATED = {
+    "silu": "swiglu",
+    "swish": "swiglu",
+    "gelu": "geglu",
+    "gelu_new": "geglu_tanh",
+    "gelu_pytorch_tanh": "geglu_tanh",
+}
+_PLAIN = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
 
 
 def load_hf_config(hf_dir: str | Path) -> dict:
@@ -118,8 +128,9 @@ def _window(hf: dict, model_type: str, layers: int) -> int | None:
 
 def _standard_body(window: int | None, qkv_bias: bool, out_bias: bool, act: str, mlp_bias: bool):
     x = Var("x")
-    attn = AttentionCall(NormCall(x, "norm0"), "attn0", causal=True, window=window, qkv_bias=qkv_bias,
-                         out_bias=out_bias)
+    attn = AttentionCall(
+        NormCall(x, "norm0"), "attn0", causal=True, window=window, qkv_bias=qkv_bias, out_bias=out_bias
+    )
     mlp = MlpCall(NormCall(x, "norm1"), "mlp0", act=act, bias=mlp_bias)
     return (LayerAssign("x", Add(x, attn)), LayerAssign("x", Add(x, mlp)))
 
@@ -134,9 +145,7 @@ def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
     """The ModelConfig for a parsed config.json; `name` defaults to the model type."""
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise KilnError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise KilnError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     name = name or model_type
     if model_type == "gpt2":
         return _gpt2(hf, name)
@@ -237,9 +246,15 @@ def _rope_expr(rope: RopeConfig) -> Call:
     kw: dict[str, Expr] = {"theta": _num(rope.theta)}
     s = rope.scaling
     if s is not None and s.kind == "llama3":
-        kw["scaling"] = Call("llama3", kwargs=_kw(
-            factor=_num(s.factor), low=_num(s.low_freq_factor), high=_num(s.high_freq_factor),
-            original=Num(s.original_context)))
+        kw["scaling"] = Call(
+            "llama3",
+            kwargs=_kw(
+                factor=_num(s.factor),
+                low=_num(s.low_freq_factor),
+                high=_num(s.high_freq_factor),
+                original=Num(s.original_context),
+            ),
+        )
     elif s is not None:
         kw["scaling"] = Call("linear", kwargs=_kw(factor=_num(s.factor)))
     return Call("rope", kwargs=_kw(**kw))

@@ -27,7 +27,7 @@ attn0, ..., mlp0, ... Each call of norm()/attention()/mlp() in the body is its o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 GATED_ACTS = ("swiglu", "geglu", "geglu_tanh")
 PLAIN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")
@@ -100,7 +100,7 @@ class MlpCall:
         return self.act in GATED_ACTS
 
 
-LayerExpr = Union[Var, Add, NormCall, AttentionCall, MlpCall]
+LayerExpr = Var | Add | NormCall | AttentionCall | MlpCall
 
 
 @dataclass(frozen=True)

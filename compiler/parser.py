@@ -1,4 +1,5 @@
-"""Spec text -> SpecFile AST (spec_ast.py) with lark's LALR parser; every node keeps its source span.
+"""Spec text -> SpecFile AST (spec_ast.py) with lark's LALR parser; every node keeps its source span, and
+the `# ...` comments are collected into SpecFile.comments for the formatter.
 
 Syntax errors become a SpecError whose one Diagnostic says, in plain words, what was found and what was
 expected there (never lark's token names), with a hint.
@@ -7,6 +8,8 @@ expected there (never lark's token names), with a hint.
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
+from copy import copy
 from functools import lru_cache
 from importlib.resources import files
 
@@ -15,8 +18,22 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 
 from kiln.errors import Diagnostic, SpecError
 from kiln.spec_ast import (
-    Assign, BinOp, Bool, Call, CompileBlock, Expr, Keyword, LayerBlock, ModelBlock, Name, Num, Setting, Span,
-    SpecFile, Str,
+    Assign,
+    BinOp,
+    Bool,
+    Call,
+    Comment,
+    CompileBlock,
+    Expr,
+    Keyword,
+    LayerBlock,
+    ModelBlock,
+    Name,
+    Num,
+    Setting,
+    Span,
+    SpecFile,
+    Str,
 )
 
 # Regex terminals in plain words; string terminals are shown as themselves in backticks.
@@ -26,10 +43,22 @@ _GENERIC_HINT = ("settings are `key = value`, separated by spaces or newlines; v
                  "true/false, names, calls like f(x, key = value), and `+`")
 
 
+# The comments of the parse in progress: the cached Lark's lexer callback is fixed, so it reports here.
+_comment_sink: ContextVar[list[Comment] | None] = ContextVar("kiln_spec_comments", default=None)
+
+
+def _on_comment(tok: Token) -> Token:
+    sink = _comment_sink.get()
+    if sink is not None:
+        sink.append(Comment(tok.line, tok.column, str(tok).rstrip()))  # rstrip: trailing blanks and a CRLF's \r
+    return tok
+
+
 @lru_cache(maxsize=1)
 def _lark() -> Lark:
     grammar = files("kiln").joinpath("grammar.lark").read_text(encoding="utf-8")
-    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False)
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False,
+                lexer_callbacks={"COMMENT": _on_comment})
 
 
 class _CallError(Exception):
@@ -121,24 +150,28 @@ class _ToAst(Transformer):
 
 def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
     """Parse spec source text into a SpecFile; raises SpecError (one Diagnostic) on a syntax error."""
+    comments: list[Comment] = []
+    token = _comment_sink.set(comments)
     try:
         tree: Tree = _lark().parse(text)
     except UnexpectedInput as e:
         raise SpecError([_syntax_diagnostic(e, text, path)]) from None
+    finally:
+        _comment_sink.reset(token)
     try:
         model, compile_block = _ToAst().transform(tree)
     except VisitError as e:
         err = e.orig_exc
         if not isinstance(err, _CallError):
             raise
-        line = err.span.line
-        raise SpecError([Diagnostic(path, line, err.span.column, err.message, err.hint, _line(text, line))]) from None
-    return SpecFile(model=model, compile=compile_block, path=path, source=text)
+        line, col = err.span.line, err.span.column
+        raise SpecError([Diagnostic(path, line, col, err.message, err.hint, source_line(text, line))]) from None
+    return SpecFile(model=model, compile=compile_block, path=path, source=text, comments=tuple(comments))
 
 
-def _line(text: str, line: int) -> str:
-    lines = text.splitlines()
-    return lines[line - 1] if 0 < line <= len(lines) else ""
+def source_line(text: str, line: int) -> str:
+    lines = text.split("\n")  # lark counts lines by "\n" only; splitlines() would also break at \x0c, \u2028, ...
+    return lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
 
 
 def _describe(names: set[str]) -> str:
@@ -164,7 +197,7 @@ def _syntax_diagnostic(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         expected = _describe(set(e.accepts or e.expected))
         if tok.type == "$END":
             line, col = (tok.end_line or 1, tok.end_column or 1) if tok.line else (1, 1)
-            found, hint = "end of file", "every `{` needs a matching `}`" if "`}`" in expected else _GENERIC_HINT
+            found, hint = "end of file", _token_hint(tok, expected)
         else:
             line, col = tok.line, tok.column
             found, hint = f"`{tok}`", _token_hint(tok, expected)
@@ -172,18 +205,42 @@ def _syntax_diagnostic(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         assert isinstance(e, UnexpectedCharacters)
         line, col = e.line, e.column
         char = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
-        expected = _describe(set(e.allowed or ()))
+        expected = _describe(_accepts(e.state) if e.state is not None else set(e.allowed or ()))
         found, hint = f"character `{char}`", _char_hint(char)
     message = f"unexpected {found}" + (f", expected {expected}" if expected else "")
-    return Diagnostic(path, line, col, message, hint, _line(text, line))
+    return Diagnostic(path, line, col, message, hint, source_line(text, line))
+
+
+def _accepts(state) -> set[str]:
+    """Terminals the parser would really take here (the lexer's set is wider: LALR merges lookaheads)."""
+    conf = copy(state.parse_conf)
+    conf.callbacks = {}  # a trial feed must not build tree nodes
+    found = set()
+    for name in state.parse_conf.states[state.position]:
+        if not name.isupper():
+            continue
+        trial = state.copy(deepcopy_values=False)
+        trial.parse_conf = conf
+        try:
+            trial.feed_token(Token(name, ""), is_end=name == "$END")
+        except UnexpectedInput:
+            continue
+        found.add(name)
+    return found
 
 
 def _token_hint(tok: Token, expected: str) -> str:
+    if tok.type == "$END" and "`}`" in expected:
+        return "every `{` needs a matching `}`"
+    if expected == "`model`":
+        return 'a spec starts with `model "name" {`'
+    if expected == "a string":
+        return 'the model name is a double-quoted string: model "name" {'
     if tok.type == "COMMA":
         return "settings are separated by spaces or newlines, not commas"
     if expected == "`{`":
         return "a block is written `name {` ... `}`"
-    if expected.startswith("`=`") or expected == "`=`":
+    if expected == "`=`":
         return "settings and assignments are written `name = value`"
     if tok.type == "EQUAL":
         return "keyword arguments are written `key = value` inside a call's parentheses"
@@ -197,6 +254,6 @@ def _char_hint(char: str) -> str:
         return "strings use double quotes"
     if char == '"':
         return "a string must end with `\"` on the same line"
-    if char in ";:":
+    if char and char in ";:":
         return "settings are separated by spaces or newlines; no `;` or `:` is needed"
     return _GENERIC_HINT

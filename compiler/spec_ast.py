@@ -2,13 +2,12 @@
 
 The parser builds it, the formatter prints it, validation resolves it into a ModelConfig. Every node keeps
 its source position in `span`, which takes no part in equality: parse(format(ast)) == ast compares
-structure and values only.
+structure and values only. Comments are kept beside the tree (SpecFile.comments), also outside equality.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class BinOp:
     span: Span = _span()
 
 
-Expr = Union[Num, Bool, Str, Name, Call, BinOp]
+Expr = Num | Bool | Str | Name | Call | BinOp
 
 
 # ---- statements and blocks -------------------------------------------------------------------------------
@@ -131,8 +130,19 @@ class CompileBlock:
 
 
 @dataclass(frozen=True)
+class Comment:
+    """A `# ...` comment: where it starts (1-based) and its text, `#` included."""
+
+    line: int
+    column: int
+    text: str
+
+
+@dataclass(frozen=True)
 class SpecFile:
     model: ModelBlock
     compile: CompileBlock | None = None
     path: str = field(default="<spec>", compare=False)
     source: str = field(default="", compare=False, repr=False)
+    # Comments in source order; the formatter puts them back next to their constructs by position.
+    comments: tuple[Comment, ...] = field(default=(), compare=False, repr=False)

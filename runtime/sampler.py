@@ -31,18 +31,34 @@ class SamplingParams:
         """Raise RequestError naming the first bad parameter, its value and the allowed range; return self."""
         # _finite rejects NaN and inf, which would slip through the range comparisons.
         checks = (
-            ("temperature", self.temperature, _finite(self.temperature) and self.temperature >= 0,
-             "temperature >= 0 (0 means greedy)"),
+            (
+                "temperature",
+                self.temperature,
+                _finite(self.temperature) and self.temperature >= 0,
+                "temperature >= 0 (0 means greedy)",
+            ),
             ("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0, "an integer top_k >= 0 (0 means off)"),
             ("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "0 < top_p <= 1 (1 means off)"),
             ("min_p", self.min_p, _finite(self.min_p) and 0 <= self.min_p < 1, "0 <= min_p < 1 (0 means off)"),
-            ("repetition_penalty", self.repetition_penalty,
-             _finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty > 0 (1 means off)"),
-            ("max_tokens", self.max_tokens, _is_int(self.max_tokens) and self.max_tokens >= 1,
-             "an integer max_tokens >= 1"),
+            (
+                "repetition_penalty",
+                self.repetition_penalty,
+                _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+                "repetition_penalty > 0 (1 means off)",
+            ),
+            (
+                "max_tokens",
+                self.max_tokens,
+                _is_int(self.max_tokens) and self.max_tokens >= 1,
+                "an integer max_tokens >= 1",
+            ),
             ("seed", self.seed, self.seed is None or _is_int(self.seed), "an integer seed or None"),
-            ("stop_token_ids", self.stop_token_ids, all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-             "a tuple of token ids >= 0"),
+            (
+                "stop_token_ids",
+                self.stop_token_ids,
+                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "a tuple of token ids >= 0",
+            ),
         )
         for name, value, ok, allowed in checks:
             if not ok:
@@ -123,10 +139,12 @@ def sample(
         per_row = [prev_tokens] if single else list(prev_tokens)
         if len(per_row) != rows.shape[0]:
             raise ValueError(f"prev_tokens has {len(per_row)} rows for {rows.shape[0]} rows of logits")
-        rows = torch.stack([
-            apply_repetition_penalty(r, torch.as_tensor(p, dtype=torch.long), params.repetition_penalty)
-            for r, p in zip(rows, per_row)
-        ])
+        rows = torch.stack(
+            [
+                apply_repetition_penalty(r, torch.as_tensor(p, dtype=torch.long), params.repetition_penalty)
+                for r, p in zip(rows, per_row, strict=True)
+            ]
+        )
     if params.greedy:
         out = rows.argmax(dim=-1)
     else:

@@ -11,9 +11,20 @@ from pathlib import Path
 import torch
 
 INIT = 0.3
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, initializer_range=INIT,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0)
+VOCAB = 288  # >= 256 so the byte-level tokenizer fallback works with these checkpoints too
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    initializer_range=INIT,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 MISTRAL_WINDOW = 4
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 
@@ -22,16 +33,33 @@ def _config(family: str, **overrides):
     import transformers as tf
 
     if family == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
         return tf.LlamaConfig(**{**SMALL, "rope_parameters": rope, **overrides})
     if family == "mistral":
         return tf.MistralConfig(**{**SMALL, "sliding_window": MISTRAL_WINDOW, **overrides})
     if family == "qwen2":
         return tf.Qwen2Config(**{**SMALL, "tie_word_embeddings": True, **overrides})
     if family == "gpt2":
-        base = dict(n_embd=32, n_head=4, n_layer=2, vocab_size=128, n_positions=64, initializer_range=INIT,
-                    bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        base = dict(
+            n_embd=32,
+            n_head=4,
+            n_layer=2,
+            vocab_size=VOCAB,
+            n_positions=64,
+            initializer_range=INIT,
+            bos_token_id=1,
+            eos_token_id=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         return tf.GPT2Config(**{**base, **overrides})
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
@@ -58,7 +86,7 @@ def save_hf_model(family: str, path: str | Path, seed: int = 0, max_shard_size: 
     return model
 
 
-def prompts(vocab: int = 128, batch: int = 2, length: int = 10, seed: int = 1) -> torch.Tensor:
+def prompts(vocab: int = VOCAB, batch: int = 2, length: int = 10, seed: int = 1) -> torch.Tensor:
     """A [batch, length] batch of token ids avoiding the special ids 0-2."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g)

@@ -1,0 +1,91 @@
+"""Shared host-side helpers for the kernel wrappers: input checks and the load-and-launch step."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from kiln.codegen.cache import load_kernel
+from kiln.errors import CodegenError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_tensor(
+    t: Any,
+    name: str,
+    *,
+    ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    unit_last_stride: bool = True,
+) -> torch.Tensor:
+    """Raise CodegenError naming `name` unless t is a tensor of the right rank and dtype on a usable device."""
+    if not isinstance(t, torch.Tensor):
+        raise CodegenError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise CodegenError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise CodegenError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise CodegenError(
+            f"{name} is on {t.device}; Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
+            "triton is imported to run them on CPU"
+        )
+    if unit_last_stride and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise CodegenError(f"{name} must have a contiguous last dim (stride {t.stride()}); call .contiguous()")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    named = {k: v for k, v in tensors.items() if v is not None}
+    devices = {str(v.device) for v in named.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{k} on {v.device}" for k, v in named.items())
+        raise CodegenError(f"kernel inputs must share one device: {where}")
+
+
+def check_out(out: torch.Tensor | None, like: torch.Tensor, name: str = "out") -> torch.Tensor:
+    """A contiguous output with like's shape, dtype and device: the given one (checked) or a new one."""
+    if out is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    check_tensor(out, name, dtypes=(like.dtype,))
+    if out.shape != like.shape or out.device != like.device or not out.is_contiguous():
+        raise CodegenError(
+            f"{name} must be a contiguous {like.dtype} tensor of shape {tuple(like.shape)} on {like.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
+        )
+    return out
+
+
+def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
+    """t as [rows, features] without copying (a kernel writes through views, so copies are refused)."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise CodegenError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be viewed as rows; call .contiguous()"
+        ) from None
+
+
+def launch(
+    template: str, op: str, grid: tuple[int, ...], args: Sequence[Any], consts: dict[str, Any], options: dict[str, int]
+) -> None:
+    """Load the kernel `template`_kernel for these constexprs (cached) and launch it on `grid`.
+
+    consts are the kernel's tl.constexpr arguments; BLOCK_* ones count as the tile in the header, the others
+    as params. options are launch options (num_warps, num_stages).
+    """
+    tile = {k: v for k, v in consts.items() if k.startswith("BLOCK_")} | options
+    flags = {k: v for k, v in consts.items() if not k.startswith("BLOCK_")}
+    kernel = load_kernel(template, f"{template}_kernel", op=op, tile=tile, params=flags)
+    kernel[grid](*args, **consts, **options)

@@ -1,0 +1,155 @@
+"""The kernel cache: rendered Triton source -> a .py file on disk -> an imported @triton.jit function.
+
+The key hashes the rendered source with triton's version and CODEGEN_VERSION, so upgrading either
+invalidates old files. Files live under KILN_CACHE_DIR (default ~/.cache/kiln/kernels) as readable Python,
+one module per key; @triton.jit needs a real file because it reads its own source with inspect.
+An in-process memo keyed by the request (template, name, params) means a repeated request neither
+renders nor imports again. Triton is imported lazily so importing this module never fixes the
+TRITON_INTERPRET setting too early.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from kiln.codegen.render import render
+from kiln.errors import CodegenError
+
+# Bump when templates or the cache layout change in a way the source hash would not catch.
+CODEGEN_VERSION = "1"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln" / "kernels")
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def kernel_key(source: str, triton_ver: str | None = None) -> str:
+    """Content key of a rendered kernel: sha256 over codegen version, triton version and source."""
+    ver = triton_version() if triton_ver is None else triton_ver
+    h = hashlib.sha256()
+    for part in (CODEGEN_VERSION, ver, source):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0  # requests answered from the in-process memo
+    misses: int = 0  # requests that had to render
+    renders: int = 0
+    imports: int = 0  # modules imported (once per key per process)
+    disk_writes: int = 0  # files written (absent from the disk cache before)
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+class KernelCache:
+    """Renders, writes and imports kernels once; `load` returns the jitted function."""
+
+    def __init__(self, root: Path | str | None = None):
+        self._root = Path(root) if root is not None else None
+        self._by_request: dict[Any, Any] = {}
+        self._by_key: dict[str, ModuleType] = {}
+        self.stats = CacheStats()
+
+    @property
+    def root(self) -> Path:
+        return self._root if self._root is not None else default_cache_dir()
+
+    def load(self, template: str, name: str, **params: Any) -> Any:
+        request = (template, name, _freeze(params))
+        fn = self._by_request.get(request)
+        if fn is not None:
+            self.stats.hits += 1
+            return fn
+        self.stats.misses += 1
+        source = render(template, name=name, **params)
+        self.stats.renders += 1
+        module = self._module(template.removesuffix(".py.j2"), kernel_key(source), source)
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise CodegenError(f"rendered template {template!r} defines no kernel named {name!r}")
+        self._by_request[request] = fn
+        return fn
+
+    def path_for(self, family: str, key: str) -> Path:
+        return self.root / f"{family}_{key}.py"
+
+    def _module(self, family: str, key: str, source: str) -> ModuleType:
+        module = self._by_key.get(key)
+        if module is not None:
+            return module
+        path = self.path_for(family, key)
+        if not path.exists() or path.read_text() != source:
+            self._write(path, source)
+        mod_name = f"kiln_kernel_{family}_{key}"
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module  # inspect (used by @triton.jit) looks modules up here
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise CodegenError(f"generated kernel {path} failed to import: {type(e).__name__}: {e}") from e
+        self.stats.imports += 1
+        self._by_key[key] = module
+        return module
+
+    def _write(self, path: Path, source: str) -> None:
+        # tmp file + os.replace: a concurrent reader sees the old file or the whole new one, never half.
+        tmp = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=path.stem, suffix=".tmp", dir=path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        except OSError as e:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            raise CodegenError(
+                f"cannot write kernel cache file {path}: {e}; set KILN_CACHE_DIR to a writable dir"
+            ) from e
+        self.stats.disk_writes += 1
+
+
+_default: KernelCache | None = None
+
+
+def default_cache() -> KernelCache:
+    global _default
+    if _default is None:
+        _default = KernelCache()
+    return _default
+
+
+def load_kernel(template: str, name: str, **params: Any) -> Any:
+    """The @triton.jit function `name` from `template` rendered with `params`, through the default cache."""
+    return default_cache().load(template, name, **params)
+
+
+def cache_stats() -> CacheStats:
+    """Counters of the default cache (a live object)."""
+    return default_cache().stats

@@ -1,0 +1,130 @@
+"""Host wrappers for the flash_attn family (templates/flash_attn.py.j2): prefill attention over packed
+variable-length sequences, and a dense-batch form with the signature of kiln::attention."""
+
+from __future__ import annotations
+
+import torch
+from kiln.codegen._host import cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
+from kiln.codegen.tiles import TileConfig, default_tile
+from kiln.errors import CodegenError
+
+
+def _head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise CodegenError(
+            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads} (GQA groups)"
+        )
+    if q.shape[-1] % num_heads:
+        raise CodegenError(f"q has {q.shape[-1]} features, not a multiple of num_heads={num_heads}")
+    head_dim = q.shape[-1] // num_heads
+    if not 16 <= head_dim <= 256:
+        raise CodegenError(f"head_dim {head_dim} is outside the supported 16..256 (e.g. 64, 80, 96, 128, 256)")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[-1] != num_kv_heads * head_dim:
+            raise CodegenError(
+                f"{name} has {t.shape[-1]} features; expected num_kv_heads * head_dim = {num_kv_heads * head_dim}"
+            )
+        if t.dtype != q.dtype:
+            raise CodegenError(f"{name} has dtype {t.dtype} but q has {q.dtype}; cast them to one dtype")
+    return head_dim
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool,
+    window: int,
+    scale: float,
+    tile: TileConfig | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention over packed sequences: q [total_q, H * D], k/v [total_k, Hkv * D] -> [total_q, H * D].
+
+    Sequence s is rows cu_seqlens_q[s]:cu_seqlens_q[s + 1] of q and cu_seqlens_k[s]:cu_seqlens_k[s + 1] of
+    k/v (int32, [num_seqs + 1]); its queries are aligned to the end of its keys. max_seqlen_q must bound every
+    query length (it sizes the grid; the cu_seqlens values are not read back to the host). window > 0
+    keeps the last `window` keys (the query itself included), as in kiln::attention.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name, ndim=2)
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(t, name, ndim=1, dtypes=(torch.int32,))
+        if not t.is_contiguous() or t.shape[0] < 2:
+            raise CodegenError(f"{name} must be a contiguous int32 [num_seqs + 1] tensor, got shape {tuple(t.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise CodegenError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
+            "must describe the same number of sequences"
+        )
+    if k.shape[0] != v.shape[0]:
+        raise CodegenError(f"k has {k.shape[0]} tokens but v has {v.shape[0]}")
+    if max_seqlen_q < 0 or max_seqlen_k < 0:
+        raise CodegenError(f"max_seqlen_q={max_seqlen_q} and max_seqlen_k={max_seqlen_k} must be >= 0")
+    head_dim = _head_dim(q, k, v, num_heads, num_kv_heads)
+    check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    out = check_out(out, q)
+    if tile is None:
+        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+        tile = default_tile(head_dim, q.dtype, capability)
+    tile.validate()
+    consts = {
+        "BLOCK_M": tile.block_m,
+        "BLOCK_N": tile.block_n,
+        "BLOCK_D": max(16, next_power_of_2(head_dim)),
+        "CAUSAL": bool(causal),
+        "HAS_WINDOW": window > 0,
+        # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
+        "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else None,
+    }
+    args = (
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), head_dim, k.stride(0), head_dim, v.stride(0), head_dim, out.stride(0), head_dim,
+        float(scale), int(window), head_dim, num_heads // num_kv_heads,
+    )  # fmt: skip
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if max_seqlen_q > 0 and q.shape[0] > 0:
+        grid = (cdiv(max_seqlen_q, tile.block_m), num_heads, num_seqs)
+        launch("flash_attn", "attention", grid, args, consts, tile.options())
+    return out
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool,
+    window: int,
+    scale: float,
+    tile: TileConfig | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """kiln::attention on dense batches: q [B, T, H * D], k/v [B, S, Hkv * D] -> [B, T, H * D] (S >= T)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name, ndim=3)
+    b, t, _ = q.shape
+    s = k.shape[1]
+    if k.shape[:2] != (b, s) or v.shape[:2] != (b, s) or k.shape[0] != b:
+        raise CodegenError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, S, Hkv * D] with q's batch B={b}")
+    out = check_out(out, q)
+    # A dense batch is a packed batch of equal lengths; reshape is a view for contiguous (or row-sliced) inputs.
+    cu_q = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)[: b + 1]
+    cu_k = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)[: b + 1]
+    if t == 0 or s == 0:
+        cu_q = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+        cu_k = cu_q
+    flash_attention_varlen(
+        q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s,
+        num_heads, num_kv_heads, causal, window, scale, tile, out=out.view(b * t, -1),
+    )  # fmt: skip
+    return out

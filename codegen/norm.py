@@ -1,0 +1,90 @@
+"""Host wrappers for the norm family (templates/norm.py.j2): rms_norm and layer_norm, optionally fused
+with the residual add that precedes them (out = norm(x + residual), plus the sum for the next layer)."""
+
+from __future__ import annotations
+
+import torch
+from kiln.codegen._host import check_out, check_same_device, check_tensor, launch, next_power_of_2, rows_view
+from kiln.errors import CodegenError
+
+
+def _num_warps(block_d: int) -> int:
+    return 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
+
+
+def _norm(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    out: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    check_tensor(x, "x")
+    d = x.shape[-1]
+    check_tensor(weight, "weight", ndim=1)
+    if weight.shape[0] != d:
+        raise CodegenError(f"weight has {weight.shape[0]} features but x has {d}")
+    if bias is not None:
+        check_tensor(bias, "bias", ndim=1)
+        if bias.shape[0] != d:
+            raise CodegenError(f"bias has {bias.shape[0]} features but x has {d}")
+    if residual is not None:
+        check_tensor(residual, "residual", dtypes=(x.dtype,))
+        if residual.shape != x.shape:
+            raise CodegenError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    check_same_device(x=x, weight=weight, bias=bias, residual=residual)
+    out = check_out(out, x)
+    x2, o2 = rows_view(x, "x"), rows_view(out, "out")
+    if residual is not None:
+        residual_out = check_out(residual_out, x, "residual_out")
+        r2, ro2 = rows_view(residual, "residual"), rows_view(residual_out, "residual_out")
+    else:
+        r2, ro2 = x2, o2  # unused placeholders: HAS_RESIDUAL=False compiles the loads away
+    block_d = next_power_of_2(d)
+    consts = {
+        "BLOCK_D": block_d,
+        "IS_RMS": op == "rms_norm",
+        "HAS_RESIDUAL": residual is not None,
+        "HAS_BIAS": bias is not None,
+    }
+    args = (
+        x2, r2, weight, bias if bias is not None else weight, o2, ro2,
+        x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
+        d, float(eps),
+    )  # fmt: skip
+    if x2.shape[0] > 0:
+        launch("norm", op, (x2.shape[0],), args, consts, {"num_warps": _num_warps(block_d)})
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """kiln::rms_norm over the last dim of x [..., D].
+
+    With `residual`, returns (rms_norm(x + residual), x + residual): the fused pre-norm residual add.
+    """
+    return _norm("rms_norm", x, weight, None, eps, residual, out, residual_out)
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """kiln::layer_norm over the last dim of x [..., D] (bias may be None); `residual` as in rms_norm."""
+    return _norm("layer_norm", x, weight, bias, eps, residual, out, residual_out)

@@ -1,0 +1,68 @@
+"""Tile configurations for the flash-attention kernels and the heuristic table that picks one.
+
+The table is a starting point for the autotuner, not a measurement: the sizes follow the usual
+flash-attention choices (128-row query tiles, 64-key tiles for head_dim <= 128, smaller tiles for 256 so
+Q, K and V fit in shared memory with two pipeline stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kiln.errors import CodegenError
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # query rows per program
+    block_n: int  # keys per inner-loop step
+    num_warps: int
+    num_stages: int
+
+    def validate(self) -> TileConfig:
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise CodegenError(f"TileConfig.{name}={v} must be a power of two >= 16 (tl.dot needs 16)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise CodegenError(f"TileConfig.num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise CodegenError(f"TileConfig.num_stages={self.num_stages} must be >= 1")
+        return self
+
+    def options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+# (max head_dim, block_m, block_n, num_warps, num_stages) for sm80+ with 2-byte inputs, first match wins.
+_AMPERE_PLUS = (
+    (64, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+    (256, 64, 32, 4, 2),
+)
+# Pre-Ampere parts have less shared memory and no async copies: halve the tiles, no deep pipelining.
+_OLDER = (
+    (64, 64, 64, 4, 2),
+    (128, 64, 32, 4, 2),
+    (256, 32, 32, 4, 1),
+)
+# The CPU interpreter runs every program and loop step serially with a fixed per-op cost, so fewer,
+# larger steps are faster (T=100, D=128: 16x16 takes 7.9 s, 32x32 3.5 s, 64x64 1.7 s); 32 still gives
+# short test sequences several blocks, so block skipping and the online rescale stay exercised.
+INTERPRETER_TILE = TileConfig(32, 32, 4, 1)
+
+
+def default_tile(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> TileConfig:
+    """The heuristic tile for a head size, input dtype and CUDA compute capability (None: interpreter/CPU)."""
+    if head_dim > 256:
+        raise CodegenError(f"flash attention supports head_dim <= 256, got {head_dim}")
+    if capability is None:
+        return INTERPRETER_TILE
+    table = _AMPERE_PLUS if capability >= (8, 0) else _OLDER
+    _, block_m, block_n, warps, stages = next(row for row in table if head_dim <= row[0])
+    if dtype == torch.float32:
+        # 4-byte tiles take twice the shared memory and registers.
+        block_n = max(16, block_n // 2)
+        stages = min(stages, 2)
+    return TileConfig(block_m, block_n, warps, stages)

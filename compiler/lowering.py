@@ -1,0 +1,206 @@
+"""Lowering: Level-1/Level-2 kiln nodes -> calls of the generated-kernel host wrappers (kiln.codegen).
+
+One table maps each op to a small function with the op's own signature that calls the codegen wrapper; the
+lowered graph's nodes call those functions, so it is still a readable fx graph (`format_graph` prints them
+as e.g. `k_add_rms_norm(...)`). Dense GEMMs (kiln::linear) and embedding gathers stay on torch (cuBLAS on
+GPU). Tile configs come from the flash_attention node's arguments (set by flash_tiling); a plain
+kiln::attention (flash_tiling disabled) gets codegen's default tile at run time.
+
+`kernel_requests` finds which kernels a lowered graph needs without running any: it interprets the graph
+on FakeTensors with codegen's kernel loader replaced by a recorder, so the wrappers compute their launch
+parameters (the constexprs that pick a kernel instance) exactly as they will at run time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kiln.ops_level2  # noqa: F401  (registers the Level-2 ops)
+from kiln.errors import CodegenError
+
+kiln_ops = torch.ops.kiln
+
+
+def _cg():
+    # Imported on first use: kiln.codegen imports triton, whose interpreter switch must be set first.
+    from kiln.codegen import act, flash_attn, norm, rope, tiles
+
+    return act, flash_attn, norm, rope, tiles
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    # Elementwise kernels take flat contiguous buffers; gate/up pieces of a fused projection are row-strided.
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def k_embedding(weight, ids):
+    return F.embedding(ids, weight)
+
+
+def k_linear(x, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+def k_add(a, b):
+    return torch.add(a, b)
+
+
+def k_rms_norm(x, weight, eps):
+    return _cg()[2].rms_norm(x, weight, eps)
+
+
+def k_layer_norm(x, weight, bias, eps):
+    return _cg()[2].layer_norm(x, weight, bias, eps)
+
+
+def k_add_rms_norm(x, residual, weight, eps):
+    return _cg()[2].rms_norm(x, weight, eps, residual=residual)
+
+
+def k_add_layer_norm(x, residual, weight, bias, eps):
+    return _cg()[2].layer_norm(x, weight, bias, eps, residual=residual)
+
+
+def k_rope(x, positions, inv_freq):
+    return _cg()[3].rope(x, positions, inv_freq)
+
+
+def k_gated_act(gate, up, kind):
+    return _cg()[0].gated_act(_dense(gate), _dense(up), kind)
+
+
+def k_act(x, kind):
+    return _cg()[0].act(_dense(x), kind)
+
+
+def k_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale):
+    return _cg()[1].flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale)
+
+
+def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, warps, stages):
+    tile = _cg()[4].TileConfig(block_m, block_n, warps, stages)
+    return _cg()[1].flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile=tile)
+
+
+KERNEL_TABLE: dict[Any, Callable] = {
+    kiln_ops.embedding.default: k_embedding,
+    kiln_ops.linear.default: k_linear,
+    kiln_ops.add.default: k_add,
+    kiln_ops.rms_norm.default: k_rms_norm,
+    kiln_ops.layer_norm.default: k_layer_norm,
+    kiln_ops.add_rms_norm.default: k_add_rms_norm,
+    kiln_ops.add_layer_norm.default: k_add_layer_norm,
+    kiln_ops.rope.default: k_rope,
+    kiln_ops.gated_act.default: k_gated_act,
+    kiln_ops.act.default: k_act,
+    kiln_ops.attention.default: k_attention,
+    kiln_ops.flash_attention.default: k_flash_attention,
+}
+
+
+def lower(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace every kiln op by its kernel call (in place); a kiln op without a lowering is a CodegenError."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace != "kiln":
+            continue
+        fn = KERNEL_TABLE.get(node.target)
+        if fn is None:
+            raise CodegenError(
+                f"no kernel lowering for {node.target} (node %{node.name}); add it to kiln.lowering.KERNEL_TABLE"
+            )
+        node.meta["kiln_op"] = str(node.target)
+        node.target = fn
+    gm.recompile()
+    return gm
+
+
+# ---- which kernels a graph needs ---------------------------------------------------------------------------
+
+
+@dataclass
+class KernelRequest:
+    """One kernel instance (as codegen's cache keys it) and the graph nodes that launch it."""
+
+    template: str
+    name: str
+    params: dict[str, Any]
+    nodes: list[str] = field(default_factory=list)  # "%node: op(inputs) -> outputs" lines for headers
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _describe(node: fx.Node, args: tuple, result: Any) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(fmt(x) for x in v) + ")"
+        return repr(v)
+
+    return f"%{node.name}: {node.meta.get('kiln_op', node.target)}({', '.join(fmt(a) for a in args)}) -> {fmt(result)}"
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, device: torch.device):
+        super().__init__(gm)
+        self.mode, self.device = mode, device
+        self.current: fx.Node | None = None
+        self.requests: dict[Any, KernelRequest] = {}
+
+    def fetch_attr(self, target: str):
+        t = super().fetch_attr(target)
+        with self.mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+
+    def run_node(self, n: fx.Node):
+        self.current = n
+        self.seen: list[KernelRequest] = []
+        result = super().run_node(n)
+        for req in self.seen:
+            line = _describe(n, tuple(self.map_nodes_to_values(n.args, n)), result)
+            if line not in req.nodes:
+                req.nodes.append(line)
+        return result
+
+    def load_kernel(self, template: str, name: str, **params: Any) -> _NoLaunch:
+        key = (template, name, repr(sorted(params.items())))  # params are plain dicts of ints/bools/strs
+        req = self.requests.setdefault(key, KernelRequest(template, name, params))
+        self.seen.append(req)
+        return _NoLaunch()
+
+
+def kernel_requests(gm: fx.GraphModule) -> list[KernelRequest]:
+    """The distinct kernels a lowered graph launches for its example input shapes (placeholders' meta['val'])."""
+    import kiln.codegen._host as host
+
+    ref = next(iter(gm.parameters()), None)
+    # Record on the target device when it is a GPU (wrappers may ask it for its capability), else on meta.
+    device = ref.device if ref is not None and ref.device.type == "cuda" else torch.device("meta")
+    # The wrappers refuse non-CUDA tensors unless the interpreter is on; nothing is launched while recording,
+    # so claim it for the duration. (Triton itself was imported long before, by the first FakeTensorMode.)
+    env = {} if device.type == "cuda" else {"TRITON_INTERPRET": "1"}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = [
+            torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype, device=device)
+            for n in gm.graph.nodes
+            if n.op == "placeholder"
+        ]
+    rec = _Recorder(gm, mode, device)
+    with mock.patch.object(host, "load_kernel", rec.load_kernel), mock.patch.dict(os.environ, env), mode:
+        rec.run(*inputs)
+    return list(rec.requests.values())

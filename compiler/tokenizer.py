@@ -1,0 +1,91 @@
+"""Tokenizers: a checkpoint's tokenizer.json through the `tokenizers` library, or a byte-level fallback.
+
+The fallback lets a spec with random weights (or a checkpoint without tokenizer.json) still take text in
+and give text out: UTF-8 bytes are the ids 0-255.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from kiln.errors import KilnError
+
+_noted = False  # the fallback note is printed once per process
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class HFTokenizer:
+    """A tokenizer.json loaded with the `tokenizers` library. Special tokens are not added on encode."""
+
+    def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()):
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception on malformed files
+            raise KilnError(f"{path}: cannot load tokenizer ({e})") from None
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255; ids >= 256 (the rest of a bigger vocab) decode to nothing."""
+
+    def __init__(self, vocab: int, eos_token_ids: tuple[int, ...] = ()):
+        if vocab < 256:
+            raise KilnError(
+                f"the byte-level tokenizer needs vocab >= 256 (ids 0-255), the model has {vocab}; "
+                "give the checkpoint a tokenizer.json or use a larger vocab"
+            )
+        self.vocab_size = vocab
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
+    """eos_token_id from generation_config.json, else config.json (an int or a list); () when neither says."""
+    for name in ("generation_config.json", "config.json"):
+        path = Path(hf_dir) / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        if value is None:
+            continue
+        return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+    return ()
+
+
+def load_tokenizer(hf_dir: str | Path | None, *, vocab: int) -> Tokenizer:
+    """The checkpoint's tokenizer.json when there is one, else the byte-level tokenizer (with a note on stderr)."""
+    global _noted
+    if hf_dir is not None and (Path(hf_dir) / "tokenizer.json").is_file():
+        return HFTokenizer(Path(hf_dir) / "tokenizer.json", eos_ids(hf_dir))
+    tok = ByteTokenizer(vocab, eos_ids(hf_dir) if hf_dir is not None else ())
+    if not _noted:
+        where = f"in {hf_dir}" if hf_dir is not None else "(no checkpoint)"
+        print(f"kiln: no tokenizer.json {where}; using a byte-level tokenizer (ids 0-255)", file=sys.stderr)
+        _noted = True
+    return tok

@@ -1,0 +1,132 @@
+"""The renderer (codegen/render.py) and the kernel cache (codegen/cache.py).
+
+Snapshots: each template rendered with one fixed parameter set is compared to tests/snapshots/<family>.py;
+after an intended template change, regenerate them with KILN_UPDATE_SNAPSHOTS=1 and review the diff.
+"""
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+from kiln.codegen import render as render_mod
+from kiln.codegen.render import render, template_names
+from kiln.errors import CodegenError
+
+SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
+
+SNAPSHOT_PARAMS = {
+    "norm": dict(
+        op="rms_norm",
+        tile={"BLOCK_D": 128, "num_warps": 4},
+        params={"IS_RMS": True, "HAS_RESIDUAL": True, "HAS_BIAS": False},
+    ),
+    "rope": dict(op="rope", tile={"BLOCK_H": 4, "BLOCK_HALF": 32, "num_warps": 4}, params={}),
+    "act": dict(op="gated_act", tile={"BLOCK_SIZE": 1024, "num_warps": 4}, params={"ACT": "silu", "GATED": True}),
+    "flash_attn": dict(
+        op="attention",
+        tile={"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
+        params={"CAUSAL": True, "HAS_WINDOW": False, "INPUT_PRECISION": None},
+    ),
+}
+
+
+def test_every_template_has_a_snapshot_case():
+    assert sorted(SNAPSHOT_PARAMS) == template_names()
+
+
+@pytest.mark.parametrize("family", sorted(SNAPSHOT_PARAMS))
+def test_render_matches_snapshot(family):
+    source = render(family, name=f"{family}_kernel", **SNAPSHOT_PARAMS[family])
+    ast.parse(source)
+    path = SNAPSHOT_DIR / f"{family}.py"
+    if os.environ.get("KILN_UPDATE_SNAPSHOTS") == "1":
+        path.write_text(source)
+    assert path.exists(), f"no snapshot {path}; run with KILN_UPDATE_SNAPSHOTS=1 to create it"
+    assert source == path.read_text(), f"{family} rendering changed; KILN_UPDATE_SNAPSHOTS=1 updates {path}"
+
+
+def test_header_names_family_op_tile_and_params():
+    source = render("norm.py.j2", name="k", op="layer_norm", tile={"BLOCK_D": 64}, params={"IS_RMS": False})
+    head = source.splitlines()[:6]
+    assert "# family: norm" in head
+    assert "# op: layer_norm" in head
+    assert "# tile: BLOCK_D=64" in head
+    assert "# params: IS_RMS=False" in head
+
+
+def test_undefined_variable_is_a_codegen_error():
+    with pytest.raises(CodegenError, match="'name' is undefined"):
+        render("norm")
+
+
+def test_unknown_template_is_a_codegen_error():
+    with pytest.raises(CodegenError, match="no kernel template 'matmul'"):
+        render("matmul", name="k")
+
+
+def _counting_render(monkeypatch):
+    calls = []
+
+    def counted(template, **params):
+        calls.append(template)
+        return render_mod.render(template, **params)
+
+    monkeypatch.setattr("kiln.codegen.cache.render", counted)
+    return calls
+
+
+def test_second_load_is_a_hit_that_neither_renders_nor_imports(tmp_path, monkeypatch):
+    from kiln.codegen.cache import KernelCache
+
+    renders = _counting_render(monkeypatch)
+    cache = KernelCache(tmp_path)
+    params = SNAPSHOT_PARAMS["act"]
+    first = cache.load("act", "act_kernel", **params)
+    second = cache.load("act", "act_kernel", **params)
+    assert first is second
+    assert len(renders) == 1
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.imports, cache.stats.disk_writes) == (1, 1, 1, 1)
+    cache.load("act", "act_kernel", **{**params, "params": {"ACT": "gelu", "GATED": True}})
+    assert len(renders) == 2 and cache.stats.imports == 2
+
+    # A fresh process (a new cache object) renders again but finds the file and does not rewrite it.
+    again = KernelCache(tmp_path)
+    again.load("act", "act_kernel", **params)
+    assert again.stats.disk_writes == 0 and again.stats.imports == 1
+
+
+def test_cache_files_are_valid_python_and_kernels(tmp_path):
+    from kiln.codegen.cache import KernelCache
+
+    cache = KernelCache(tmp_path)
+    for family, params in SNAPSHOT_PARAMS.items():
+        fn = cache.load(family, f"{family}_kernel", **params)
+        # A triton JITFunction (or the interpreter's stand-in); both wrap the plain function as .fn.
+        assert fn.fn.__module__.startswith(f"kiln_kernel_{family}_")
+    files = sorted(tmp_path.glob("*.py"))
+    assert len(files) == len(SNAPSHOT_PARAMS)
+    for f in files:
+        compile(f.read_text(), str(f), "exec")
+    assert not list(tmp_path.glob("*.tmp")), "atomic writes leave no temp files behind"
+
+
+def test_key_depends_on_source_and_triton_version():
+    from kiln.codegen.cache import kernel_key
+
+    source = render("act", name="act_kernel", **SNAPSHOT_PARAMS["act"])
+    assert kernel_key(source, "3.6.0") == kernel_key(source, "3.6.0")
+    assert kernel_key(source, "3.6.0") != kernel_key(source, "3.9.0")
+    assert kernel_key(source, "3.6.0") != kernel_key(source + "\n", "3.6.0")
+
+
+def test_default_cache_honours_kiln_cache_dir_and_counts(tmp_path, monkeypatch):
+    import kiln.codegen.cache as cache_mod
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cache_mod, "_default", None)  # a fresh default cache for this test only
+    fn = cache_mod.load_kernel("rope", "rope_kernel", **SNAPSHOT_PARAMS["rope"])
+    assert cache_mod.load_kernel("rope", "rope_kernel", **SNAPSHOT_PARAMS["rope"]) is fn
+    stats = cache_mod.cache_stats()
+    assert (stats.hits, stats.misses, stats.renders) == (1, 1, 1)
+    assert len(list(tmp_path.glob("rope_*.py"))) == 1

@@ -1,0 +1,112 @@
+"""SamplingParams validation and the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.errors import RequestError
+from kiln.runtime.sampler import SamplingParams, apply_repetition_penalty, make_generator, process_logits, sample
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("temperature", -0.5, "temperature >= 0"),
+        ("temperature", float("nan"), "temperature >= 0"),
+        ("top_k", -1, "top_k >= 0"),
+        ("top_k", 2.5, "top_k >= 0"),
+        ("top_p", 0.0, "0 < top_p <= 1"),
+        ("top_p", 1.5, "0 < top_p <= 1"),
+        ("min_p", 1.0, "0 <= min_p < 1"),
+        ("min_p", -0.1, "0 <= min_p < 1"),
+        ("repetition_penalty", 0.0, "repetition_penalty > 0"),
+        ("max_tokens", 0, "max_tokens >= 1"),
+        ("seed", "abc", "seed or None"),
+        ("stop_token_ids", (3, -1), "token ids >= 0"),
+    ],
+)
+def test_validation_names_parameter_value_and_range(field, value, allowed):
+    with pytest.raises(RequestError) as err:
+        SamplingParams(**{field: value}).validate()
+    msg = str(err.value)
+    assert f"{field} = {value!r}" in msg and allowed in msg
+
+
+def test_defaults_and_edges_are_valid():
+    for p in (SamplingParams(), SamplingParams(temperature=0, top_p=1.0, min_p=0.0, top_k=0, max_tokens=1, seed=0)):
+        assert p.validate() is p
+
+
+def _logits(seed: int = 0, n: int | None = None, vocab: int = 50) -> torch.Tensor:
+    shape = (vocab,) if n is None else (n, vocab)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_greedy_is_argmax():
+    logits = _logits(n=4)
+    assert sample(logits[0], SamplingParams(temperature=0)) == int(logits[0].argmax())
+    assert torch.equal(sample(logits, SamplingParams(temperature=0)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(min_p=0.999),
+        SamplingParams(temperature=1e-4),
+    ],
+)
+def test_degenerate_filters_equal_greedy(params):
+    logits = _logits(1, n=16)
+    for seed in range(3):
+        assert torch.equal(sample(logits, params, make_generator(seed)), logits.argmax(-1))
+
+
+def test_seed_reproducible_and_seeds_differ():
+    logits = _logits(2, n=64, vocab=100)
+    p = SamplingParams(temperature=1.5)
+    a, b = sample(logits, p, make_generator(7)), sample(logits, p, make_generator(7))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, sample(logits, p, make_generator(8)))
+
+
+def test_top_k_and_top_p_restrict_support():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = process_logits(logits[None], SamplingParams(top_p=0.8))[0]
+    assert torch.isfinite(kept).tolist() == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    kept = process_logits(logits[None], SamplingParams(top_p=0.81))[0]
+    assert torch.isfinite(kept).tolist() == [True, True, True, False]
+    kept = process_logits(logits[None], SamplingParams(top_k=3))[0]
+    assert torch.isfinite(kept).tolist() == [True, True, True, False]
+    kept = process_logits(logits[None], SamplingParams(min_p=0.2))[0]  # threshold 0.1
+    assert torch.isfinite(kept).tolist() == [True, True, True, False]
+    gen = make_generator(0)
+    draws = {sample(logits, SamplingParams(top_k=2), gen) for _ in range(200)}
+    assert draws == {0, 1}
+
+
+def test_sampling_follows_distribution():
+    logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
+    draws = sample(logits.expand(4000, 3), SamplingParams(), make_generator(0))
+    freq = torch.bincount(draws, minlength=3).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03, rtol=0)
+    hot = sample(logits.expand(4000, 3), SamplingParams(temperature=100.0), make_generator(0))
+    assert torch.bincount(hot, minlength=3).min() > 1100  # high temperature flattens towards uniform
+
+
+def test_repetition_penalty_hf_rule():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    out = apply_repetition_penalty(logits, torch.tensor([0, 1, 1]), 2.0)
+    assert out.tolist() == [1.0, -2.0, 0.5, 3.0]  # positive divided, negative multiplied, unseen untouched
+    assert logits.tolist() == [2.0, -1.0, 0.5, 3.0]  # input not modified
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    logits = torch.tensor([3.0, 2.5, -1.0])
+    assert sample(logits, SamplingParams(temperature=0), prev_tokens=[0]) == 0
+    assert sample(logits, SamplingParams(temperature=0, repetition_penalty=1.5), prev_tokens=[0]) == 1
+    rows = torch.stack([logits, logits])
+    got = sample(rows, SamplingParams(temperature=0, repetition_penalty=1.5), prev_tokens=[[0], [1]])
+    assert got.tolist() == [1, 0]

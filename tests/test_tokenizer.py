@@ -1,0 +1,91 @@
+"""tokenizer.json through the `tokenizers` library, eos ids from the checkpoint, and the byte-level fallback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+import kiln.tokenizer as tokmod
+from kiln.errors import KilnError
+from kiln.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "a kiln fires clay into pots", "hello world"] * 20
+
+
+def write_bpe(d) -> RawTokenizer:
+    tok = RawTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    return tok
+
+
+def test_hf_tokenizer_round_trip_and_eos_from_generation_config(tmp_path):
+    raw = write_bpe(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
+    tok = load_tokenizer(tmp_path, vocab=300)
+    assert isinstance(tok, HFTokenizer) and isinstance(tok, Tokenizer)
+    text = "the lazy fox fires clay"
+    ids = tok.encode(text)
+    assert ids == raw.encode(text).ids and len(ids) < len(text)  # merges happened
+    assert tok.decode(ids) == text
+    assert tok.decode(ids + [2]) == text  # special tokens are skipped on decode
+    assert tok.eos_token_ids == (2, 1)
+    assert tok.vocab_size == raw.get_vocab_size()
+
+
+def test_eos_from_config_json_and_none(tmp_path):
+    write_bpe(tmp_path)
+    assert load_tokenizer(tmp_path, vocab=300).eos_token_ids == ()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert load_tokenizer(tmp_path, vocab=300).eos_token_ids == (7,)
+
+
+def test_word_level_tokenizer(tmp_path):
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path, vocab=3)
+    assert tok.encode("hello world zebra") == [1, 2, 0]
+    assert tok.vocab_size == 3
+
+
+def test_broken_tokenizer_json(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(KilnError, match="cannot load tokenizer"):
+        load_tokenizer(tmp_path, vocab=300)
+
+
+def test_byte_fallback_and_one_time_note(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tokmod, "_noted", False)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [3]}))
+    tok = load_tokenizer(tmp_path, vocab=512)
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 512 and tok.eos_token_ids == (3,)
+    err = capsys.readouterr().err
+    assert f"kiln: no tokenizer.json in {tmp_path}; using a byte-level tokenizer (ids 0-255)" in err
+    load_tokenizer(None, vocab=256)
+    assert capsys.readouterr().err == ""  # once per process
+
+
+def test_byte_tokenizer_codec():
+    tok = ByteTokenizer(300)
+    ids = tok.encode("héllo ✓")
+    assert ids == list("héllo ✓".encode()) and max(ids) < 256
+    assert tok.decode(ids) == "héllo ✓"
+    assert tok.decode([104, 105, 256, 299]) == "hi"  # ids past the byte range decode to nothing
+    assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut multi-byte character is replaced, not an error
+
+
+def test_byte_tokenizer_needs_256_ids():
+    with pytest.raises(KilnError, match="needs vocab >= 256"):
+        load_tokenizer(None, vocab=100)

@@ -40,6 +40,9 @@ class PassResult:
 
 @dataclass(frozen=True)
 class Pass:
+    """A named graph rewrite. `run` edits gm.graph (and gm's parameters) in place and says whether it changed
+    anything; the driver recompiles and refreshes node.meta["val"] afterwards."""
+
     name: str
     run: Callable[[fx.GraphModule], PassResult]
     requires: tuple[str, ...] = ()  # passes that must run before this one (when both are in the pipeline)

@@ -47,19 +47,24 @@ class HFTokenizer:
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0-255; ids >= 256 (the rest of a bigger vocab) decode to nothing."""
+    """UTF-8 bytes as ids 0-255; ids >= 256 (the rest of a bigger vocab) decode to nothing.
+
+    A model with fewer than 256 ids can still run from --prompt-ids; only text that needs a byte id the
+    vocab lacks is refused, when it is encoded.
+    """
 
     def __init__(self, vocab: int, eos_token_ids: tuple[int, ...] = ()):
-        if vocab < 256:
-            raise KilnError(
-                f"the byte-level tokenizer needs vocab >= 256 (ids 0-255), the model has {vocab}; "
-                "give the checkpoint a tokenizer.json or use a larger vocab"
-            )
         self.vocab_size = vocab
         self.eos_token_ids = tuple(eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        ids = list(text.encode("utf-8"))
+        if ids and max(ids) >= self.vocab_size:
+            raise KilnError(
+                f"the byte-level tokenizer needs ids up to {max(ids)} for this text but the model's vocab is "
+                f"{self.vocab_size}; give the checkpoint a tokenizer.json or pass --prompt-ids"
+            )
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")

@@ -40,7 +40,7 @@ def _projection(arg: object) -> fx.Node | None:
     return node if is_call(node, kiln_ops.linear.default) else None
 
 
-def _fusable(linears: list[fx.Node | None]) -> bool:
+def _fusable(gm: fx.GraphModule, linears: list[fx.Node | None]) -> bool:
     if any(n is None for n in linears) or len(set(linears)) != len(linears):
         return False
     x = linears[0].args[0]
@@ -52,7 +52,9 @@ def _fusable(linears: list[fx.Node | None]) -> bool:
             return False
         if b is not None and not (isinstance(b, fx.Node) and b.op == "get_attr"):
             return False
-    return True
+    # One GEMM needs one input width and one dtype (always so in spec-built graphs; a guard for hand-made ones).
+    weights = [attr_tensor(gm, n.args[1]) for n in linears]
+    return len({(w.shape[1:], w.dtype, w.device) for w in weights}) == 1
 
 
 def _fused_name(weight: fx.Node, suffix: str) -> str:
@@ -111,11 +113,11 @@ def run(gm: fx.GraphModule) -> PassResult:
             continue
         if node.target in _ATTENTION:
             linears = [_projection(a) for a in node.args[:3]]
-            if _fusable(linears):
+            if _fusable(gm, linears):
                 groups.append((linears, "qkv"))
         elif node.target == kiln_ops.gated_act.default:
             linears = [a if is_call(a, kiln_ops.linear.default) else None for a in node.args[:2]]
-            if _fusable(linears):
+            if _fusable(gm, linears):
                 groups.append((linears, "gate_up"))
     for linears, suffix in groups:
         _fuse(gm, linears, suffix)

@@ -21,7 +21,7 @@ SPLIT = torch.ops.aten.split_with_sizes.default
 SPECS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-gpt2")
 
 
-def inputs(cfg: ModelConfig, batch: int = 2, seq: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(cfg: ModelConfig, batch: int = 2, seq: int = 10) -> tuple[torch.Tensor, torch.Tensor]:  # seq > window 8
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
     return tokens, torch.arange(seq).expand(batch, seq).contiguous()

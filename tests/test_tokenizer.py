@@ -86,6 +86,9 @@ def test_byte_tokenizer_codec():
     assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut multi-byte character is replaced, not an error
 
 
-def test_byte_tokenizer_needs_256_ids():
-    with pytest.raises(KilnError, match="needs vocab >= 256"):
-        load_tokenizer(None, vocab=100)
+def test_byte_tokenizer_with_a_small_vocab_refuses_only_text_it_cannot_encode():
+    tok = load_tokenizer(None, vocab=100)
+    assert tok.encode("0A") == [48, 65]  # bytes below 100 are fine
+    assert tok.decode([104, 105]) == "hi"
+    with pytest.raises(KilnError, match="needs ids up to 122 .* vocab is 100.*--prompt-ids"):
+        tok.encode("z")

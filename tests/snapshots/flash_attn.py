@@ -3,7 +3,7 @@
 # kernel: flash_attn_kernel
 # op: attention
 # tile: BLOCK_D=128 BLOCK_M=128 BLOCK_N=64 num_stages=3 num_warps=8
-# params: CAUSAL=True HAS_WINDOW=False INPUT_PRECISION='tf32'
+# params: CAUSAL=True HAS_WINDOW=False INPUT_PRECISION=None
 import triton
 import triton.language as tl
 

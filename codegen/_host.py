@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from kiln.codegen.cache import load_kernel
 from kiln.errors import CodegenError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kiln.codegen._host import cdiv, check_out, check_same_device, check_tensor, launch
 from kiln.errors import CodegenError
 

@@ -1,10 +1,12 @@
-"""The kernel cache: rendered Triton source -> a .py file on disk -> an imported @triton.jit function.
+"""The kernel cache: a kernel request -> rendered Triton source in a .py file on disk -> a @triton.jit function.
 
-The key hashes the rendered source with triton's version and CODEGEN_VERSION, so upgrading either
-invalidates old files. Files live under KILN_CACHE_DIR (default ~/.cache/kiln/kernels) as readable Python,
-one module per key; @triton.jit needs a real file because it reads its own source with inspect.
-An in-process memo keyed by the request (template, name, params) means a repeated request neither
-renders nor imports again. Triton is imported lazily so importing this module never fixes the
+The key hashes the request (template text, kernel name, parameters) with triton's version and CODEGEN_VERSION,
+so editing a template or upgrading either invalidates old files, and a later process that finds the file
+imports it without rendering. Files live under KILN_CACHE_DIR (default ~/.cache/kiln/kernels) as readable
+Python, one module per key; @triton.jit needs a real file because it reads its own source with inspect.
+An in-process memo means a repeated request neither renders nor imports again. Compiled binaries are
+cached by triton itself (keyed by the source), so a cache hit here also compiles nothing.
+Triton is imported lazily so importing this module never fixes the
 TRITON_INTERPRET setting too early.
 """
 
@@ -20,7 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from kiln.codegen.render import render
+from kiln.codegen.render import _SUFFIX, TEMPLATE_DIR, render, template_names
 from kiln.errors import CodegenError
 
 # Bump when templates or the cache layout change in a way the source hash would not catch.
@@ -37,11 +39,16 @@ def triton_version() -> str:
     return triton.__version__
 
 
-def kernel_key(source: str, triton_ver: str | None = None) -> str:
-    """Content key of a rendered kernel: sha256 over codegen version, triton version and source."""
+def kernel_key(template: str, name: str, params: dict[str, Any], triton_ver: str | None = None) -> str:
+    """Key of a kernel request: sha256 over codegen version, triton version, template text, name and params."""
     ver = triton_version() if triton_ver is None else triton_ver
+    family = template.removesuffix(_SUFFIX)
+    try:
+        text = (TEMPLATE_DIR / f"{family}{_SUFFIX}").read_text()
+    except OSError:
+        raise CodegenError(f"unknown kernel template {template!r}; templates: {', '.join(template_names())}") from None
     h = hashlib.sha256()
-    for part in (CODEGEN_VERSION, ver, source):
+    for part in (CODEGEN_VERSION, ver, text, name, repr(_freeze(params))):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
@@ -49,7 +56,7 @@ def kernel_key(source: str, triton_ver: str | None = None) -> str:
 
 @dataclass
 class CacheStats:
-    hits: int = 0  # requests answered from the in-process memo
+    hits: int = 0  # requests answered without rendering (in-process memo, or a file a previous process wrote)
     misses: int = 0  # requests that had to render
     renders: int = 0
     imports: int = 0  # modules imported (once per key per process)
@@ -70,7 +77,6 @@ class KernelCache:
     def __init__(self, root: Path | str | None = None):
         self._root = Path(root) if root is not None else None
         self._by_request: dict[Any, Any] = {}
-        self._by_key: dict[str, ModuleType] = {}
         self.stats = CacheStats()
 
     @property
@@ -83,27 +89,28 @@ class KernelCache:
         if fn is not None:
             self.stats.hits += 1
             return fn
-        self.stats.misses += 1
-        source = render(template, name=name, **params)
-        self.stats.renders += 1
-        module = self._module(template.removesuffix(".py.j2"), kernel_key(source), source)
-        fn = getattr(module, name, None)
+        family = template.removesuffix(_SUFFIX)
+        path = self.path_for(family, kernel_key(template, name, params))
+        if path.exists():
+            self.stats.hits += 1
+        else:
+            self.stats.misses += 1
+            self._write(path, render(template, name=name, **params))
+            self.stats.renders += 1
+        fn = getattr(self._import(path), name, None)
         if fn is None:
-            raise CodegenError(f"rendered template {template!r} defines no kernel named {name!r}")
+            raise CodegenError(f"kernel file {path} (template {template!r}) defines no kernel named {name!r}")
         self._by_request[request] = fn
         return fn
 
     def path_for(self, family: str, key: str) -> Path:
         return self.root / f"{family}_{key}.py"
 
-    def _module(self, family: str, key: str, source: str) -> ModuleType:
-        module = self._by_key.get(key)
-        if module is not None:
+    def _import(self, path: Path) -> ModuleType:
+        mod_name = f"kiln_kernel_{path.stem}"
+        module = sys.modules.get(mod_name)
+        if module is not None:  # another cache object in this process imported it already
             return module
-        path = self.path_for(family, key)
-        if not path.exists() or path.read_text() != source:
-            self._write(path, source)
-        mod_name = f"kiln_kernel_{family}_{key}"
         spec = importlib.util.spec_from_file_location(mod_name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -112,9 +119,9 @@ class KernelCache:
             spec.loader.exec_module(module)
         except Exception as e:
             del sys.modules[mod_name]
-            raise CodegenError(f"generated kernel {path} failed to import: {type(e).__name__}: {e}") from e
+            raise CodegenError(f"generated kernel {path} failed to import: {type(e).__name__}: {e}; "
+                               "delete it to have it rendered again") from e
         self.stats.imports += 1
-        self._by_key[key] = module
         return module
 
     def _write(self, path: Path, source: str) -> None:

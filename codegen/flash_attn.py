@@ -4,6 +4,7 @@ variable-length sequences, and a dense-batch form with the signature of kiln::at
 from __future__ import annotations
 
 import torch
+
 from kiln.codegen._host import cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
 from kiln.codegen.tiles import TileConfig, default_tile
 from kiln.errors import CodegenError

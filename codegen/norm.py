@@ -4,6 +4,7 @@ with the residual add that precedes them (out = norm(x + residual), plus the sum
 from __future__ import annotations
 
 import torch
+
 from kiln.codegen._host import check_out, check_same_device, check_tensor, launch, next_power_of_2, rows_view
 from kiln.errors import CodegenError
 

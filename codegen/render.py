@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+
 from kiln.errors import CodegenError
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"

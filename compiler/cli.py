@@ -110,20 +110,40 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    import tempfile
+
     from kiln.build import TORCH_DTYPES
+    from kiln.compile import compile_model, emit
     from kiln.frontend import build_graph
-    from kiln.ir_text import format_graph, weight_bytes
+    from kiln.ir_text import weight_bytes
     from kiln.spec_loader import load_spec
 
     loaded = load_spec(args.spec)
-    dtype = TORCH_DTYPES[args.dtype or loaded.compile.dtype]
+    dtype_name = args.dtype or loaded.compile.dtype
+
     # Meta tensors: the graph and every shape are real, the weights cost no memory (an 8B spec builds instantly).
-    gm = build_graph(loaded.model, dtype=dtype, device="meta")
-    if args.dump_ir:
-        sys.stdout.write(format_graph(gm, title=f"{loaded.model.name}: Level-1 graph"))
+    def graph():
+        return build_graph(loaded.model, dtype=TORCH_DTYPES[dtype_name], device="meta")
+
+    gm = graph()
+    size = weight_bytes(gm)
     n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    print(f"kiln: {loaded.model.name}: {n_ops} ops, {weight_bytes(gm) / 2**20:.1f} MiB of weights "
-          f"in {args.dtype or loaded.compile.dtype}", file=sys.stderr)
+    if args.emit:
+        written = emit(gm, args.emit, loaded.compile)
+        print(f"kiln: wrote {len(written)} files under {args.emit} (graphs/ after every pass, kernels/)",
+              file=sys.stderr)
+        gm = graph()
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = compile_model(gm, loaded.compile, use_kernels=True, dump_dir=dump if args.dump_ir else None)
+        if args.dump_ir:
+            from kiln.ir_text import format_graph
+
+            sys.stdout.write(format_graph(graph(), title=f"{loaded.model.name}: Level-1 graph (frontend)"))
+            for path in sorted(Path(dump).glob("*.txt")):
+                sys.stdout.write("\n" + path.read_text())
+    print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
+          f"passes: {', '.join(compiled.passes) or 'none'}; {len(compiled.kernels)} kernels "
+          f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled)", file=sys.stderr)
     return 0
 
 
@@ -172,9 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_import)
 
     k = sub.add_parser("compile", help="build a spec's graph and show it",
-                       description="Build a spec's graph on meta tensors (no weight memory) and report it.")
+                       description="Build a spec's graph on meta tensors (no weight memory), run the passes, "
+                       "render and compile its kernels (cached on disk), and report it.")
     k.add_argument("spec", metavar="SPEC")
-    k.add_argument("--dump-ir", action="store_true", help="print the graph, one op per line with shapes")
+    k.add_argument("--dump-ir", action="store_true",
+                   help="print the graph after the frontend and after every pass, one op per line with shapes")
+    k.add_argument("--emit", metavar="DIR", help="write the graph after every pass and every generated kernel "
+                   "(a .py file with a header naming op, shapes, dtypes and tile config) under DIR")
     k.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     k.set_defaults(func=cmd_compile)
     return p

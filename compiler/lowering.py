@@ -158,8 +158,8 @@ class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, device: torch.device):
         super().__init__(gm)
         self.mode, self.device = mode, device
-        self.current: fx.Node | None = None
         self.requests: dict[Any, KernelRequest] = {}
+        self.seen: list[KernelRequest] = []  # requests made by the node being run
 
     def fetch_attr(self, target: str):
         t = super().fetch_attr(target)
@@ -167,8 +167,7 @@ class _Recorder(fx.Interpreter):
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
 
     def run_node(self, n: fx.Node):
-        self.current = n
-        self.seen: list[KernelRequest] = []
+        self.seen = []
         result = super().run_node(n)
         for req in self.seen:
             line = _describe(n, tuple(self.map_nodes_to_values(n.args, n)), result)

@@ -6,6 +6,7 @@ marked tests run too.
 """
 
 import os
+import tempfile
 
 import torch
 
@@ -13,6 +14,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("KILN_DEBUG", "1")
+# Generated kernels go to a per-run directory: tests never read or fill the user's ~/.cache/kiln.
+os.environ.setdefault("KILN_CACHE_DIR", tempfile.mkdtemp(prefix="kiln-test-kernels-"))
 
 import pytest  # noqa: E402
 

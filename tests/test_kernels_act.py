@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from kiln import ops
 from kiln.errors import CodegenError
 

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+
 from kiln import ops
 from kiln.errors import CodegenError
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from kiln import ops
 from kiln.errors import CodegenError
 

@@ -1,0 +1,61 @@
+"""The one interface between the runtime and a compiled model: a step over a flat batch of tokens.
+
+The scheduler picks, for each running sequence, a chunk of new tokens (a prefill chunk, or one decode
+token); the model runner flattens them into a StepBatch; the compiled step model writes each new token's
+K/V into its cache slot, attends over the sequence's blocks, and returns logits only for the rows that are
+sampled. Prefill chunks and decodes mix freely in one step.
+
+Cache layout: one tensor [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]. Slot s of the
+pool is block s // block_size, offset s % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    tokens: torch.Tensor  # int64 [N]: the new tokens of every scheduled sequence, concatenated
+    positions: torch.Tensor  # int64 [N]: each new token's position in its sequence
+    slot_mapping: torch.Tensor  # int64 [N]: cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # int32 [S, max_blocks]: each sequence's blocks in order (padding: 0)
+    context_lens: torch.Tensor  # int32 [S]: tokens in the cache for each sequence after this step
+    query_start_loc: torch.Tensor  # int32 [S + 1]: sequence i's new tokens are rows [q[i], q[i + 1])
+    sample_indices: torch.Tensor  # int64 [R]: rows of N whose logits are returned, in this order
+    max_query_len: int  # host-side copies so kernels need no device -> host sync
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+class StepModel(Protocol):
+    """What the model runner calls. Built by kiln.compile.compile_step (the kv_cache pass and its kernels)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: torch.dtype  # of the weights and the KV cache
+    device: torch.device
+
+    def __call__(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache."""
+        ...
+
+
+def kv_cache_shape(model: StepModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+
+
+def kv_bytes_per_block(model: StepModel, block_size: int) -> int:
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * model.dtype.itemsize

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -12,6 +13,21 @@ from kiln.codegen.cache import load_kernel
 from kiln.errors import CodegenError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# While set (see `recording`), launches report their kernel request here instead of loading and running it.
+_recorder: Callable[..., None] | None = None
+
+
+@contextmanager
+def recording(record: Callable[..., None]) -> Iterator[None]:
+    """Dry run: inside, every launch calls record(template, name, **params) and launches nothing, and tensors
+    on any device (meta, fake) pass the device check. Lowering uses it to list a graph's kernels."""
+    global _recorder
+    prev, _recorder = _recorder, record
+    try:
+        yield
+    finally:
+        _recorder = prev
 
 
 def next_power_of_2(n: int) -> int:
@@ -37,7 +53,7 @@ def check_tensor(
         raise CodegenError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise CodegenError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
-    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and _recorder is None:
         raise CodegenError(
             f"{name} is on {t.device}; Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
             "triton is imported to run them on CPU"
@@ -88,5 +104,8 @@ def launch(
     """
     tile = {k: v for k, v in consts.items() if k.startswith("BLOCK_")} | options
     flags = {k: v for k, v in consts.items() if not k.startswith("BLOCK_")}
+    if _recorder is not None:
+        _recorder(template, f"{template}_kernel", op=op, tile=tile, params=flags)
+        return
     kernel = load_kernel(template, f"{template}_kernel", op=op, tile=tile, params=flags)
     kernel[grid](*args, **consts, **options)

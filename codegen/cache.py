@@ -108,9 +108,6 @@ class KernelCache:
 
     def _import(self, path: Path) -> ModuleType:
         mod_name = f"kiln_kernel_{path.stem}"
-        module = sys.modules.get(mod_name)
-        if module is not None:  # another cache object in this process imported it already
-            return module
         spec = importlib.util.spec_from_file_location(mod_name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

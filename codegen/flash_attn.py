@@ -18,8 +18,8 @@ def _head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
     if q.shape[-1] % num_heads:
         raise CodegenError(f"q has {q.shape[-1]} features, not a multiple of num_heads={num_heads}")
     head_dim = q.shape[-1] // num_heads
-    if not 16 <= head_dim <= 256:
-        raise CodegenError(f"head_dim {head_dim} is outside the supported 16..256 (e.g. 64, 80, 96, 128, 256)")
+    if not 1 <= head_dim <= 256:  # below 16 the head is masked up to 16, tl.dot's smallest K
+        raise CodegenError(f"head_dim {head_dim} is outside the supported 1..256 (e.g. 64, 80, 96, 128, 256)")
     for name, t in (("k", k), ("v", v)):
         if t.shape[-1] != num_kv_heads * head_dim:
             raise CodegenError(

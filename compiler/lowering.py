@@ -7,17 +7,15 @@ GPU). Tile configs come from the flash_attention node's arguments (set by flash_
 kiln::attention (flash_tiling disabled) gets codegen's default tile at run time.
 
 `kernel_requests` finds which kernels a lowered graph needs without running any: it interprets the graph
-on FakeTensors with codegen's kernel loader replaced by a recorder, so the wrappers compute their launch
-parameters (the constexprs that pick a kernel instance) exactly as they will at run time.
+on FakeTensors inside codegen's `recording` dry run, so the wrappers compute their launch parameters (the
+constexprs that pick a kernel instance) exactly as they will at run time, and launch nothing.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -138,11 +136,6 @@ class KernelRequest:
     nodes: list[str] = field(default_factory=list)  # "%node: op(inputs) -> outputs" lines for headers
 
 
-class _NoLaunch:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def _describe(node: fx.Node, args: tuple, result: Any) -> str:
     def fmt(v: Any) -> str:
         if isinstance(v, torch.Tensor):
@@ -175,11 +168,10 @@ class _Recorder(fx.Interpreter):
                 req.nodes.append(line)
         return result
 
-    def load_kernel(self, template: str, name: str, **params: Any) -> _NoLaunch:
+    def record(self, template: str, name: str, **params: Any) -> None:
         key = (template, name, repr(sorted(params.items())))  # params are plain dicts of ints/bools/strs
         req = self.requests.setdefault(key, KernelRequest(template, name, params))
         self.seen.append(req)
-        return _NoLaunch()
 
 
 def kernel_requests(gm: fx.GraphModule) -> list[KernelRequest]:
@@ -189,17 +181,16 @@ def kernel_requests(gm: fx.GraphModule) -> list[KernelRequest]:
     ref = next(iter(gm.parameters()), None)
     # Record on the target device when it is a GPU (wrappers may ask it for its capability), else on meta.
     device = ref.device if ref is not None and ref.device.type == "cuda" else torch.device("meta")
-    # The wrappers refuse non-CUDA tensors unless the interpreter is on; nothing is launched while recording,
-    # so claim it for the duration. (Triton itself was imported long before, by the first FakeTensorMode.)
-    env = {} if device.type == "cuda" else {"TRITON_INTERPRET": "1"}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = [
             torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype, device=device)
+            if isinstance(n.meta["val"], torch.Tensor)
+            else n.meta["val"]  # host-side scalars pass through (the step graph's max_query_len, ...)
             for n in gm.graph.nodes
             if n.op == "placeholder"
         ]
     rec = _Recorder(gm, mode, device)
-    with mock.patch.object(host, "load_kernel", rec.load_kernel), mock.patch.dict(os.environ, env), mode:
+    with host.recording(rec.record), mode:
         rec.run(*inputs)
     return list(rec.requests.values())

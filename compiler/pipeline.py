@@ -63,6 +63,7 @@ ALLOWED_TORCH_TARGETS: frozenset = frozenset(
         operator.getitem,
         torch.ops.aten.split_with_sizes.default,
         torch.ops.aten.slice.Tensor,
+        torch.ops.aten.index_select.default,  # kv_cache: the sampled rows before the lm_head
     }
 )
 
@@ -151,6 +152,9 @@ def propagate(gm: fx.GraphModule) -> fx.GraphModule:
         inputs = []
         for n in placeholders:
             val = n.meta.get("val")
+            if isinstance(val, (int, float, bool)):  # host-side scalars (the step graph's max_query_len, ...)
+                inputs.append(val)
+                continue
             if not isinstance(val, torch.Tensor):
                 raise PassError(f"input {n.name} has no example value (meta['val']); build the graph with the frontend")
             inputs.append(torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device))

@@ -26,6 +26,15 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: the same seed gives the same tokens
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings: generation ends when the text contains one (trimmed from the text)
+
+    def __post_init__(self) -> None:
+        # Accept a single stop string and lists for convenience; keep the stored fields hashable tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def validate(self) -> SamplingParams:
         """Raise RequestError naming the first bad parameter, its value and the allowed range; return self."""
@@ -59,6 +68,13 @@ class SamplingParams:
                 all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                 "a tuple of token ids >= 0",
             ),
+            (
+                "stop",
+                self.stop,
+                isinstance(self.stop, tuple) and all(isinstance(t, str) and t for t in self.stop),
+                "a tuple of non-empty strings",
+            ),
+            ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
         )
         for name, value, ok, allowed in checks:
             if not ok:
@@ -68,6 +84,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_stop(
+    token: int, num_output: int, params: SamplingParams, eos_token_ids: Sequence[int] = ()
+) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) when the token just generated ends the request, else None.
+
+    A stop token id or eos (unless ignore_eos) gives "stop"; reaching max_tokens gives "length". Stop strings
+    need the text, so the detokenizer checks those.
+    """
+    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+        return "stop", token
+    if num_output >= params.max_tokens:
+        return "length", None
+    return None
 
 
 def _finite(x: object) -> bool:
@@ -151,3 +182,28 @@ def sample(
         probs = process_logits(rows, params).softmax(dim=-1)
         out = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return int(out[0]) if single else out
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    prev_tokens: Sequence[Sequence[int]],
+) -> list[int]:
+    """One token per row of [R, V] logits, each row with its own request's parameters and generator.
+
+    Greedy rows without a repetition penalty share one argmax; every other row is drawn alone with its own
+    generator, so a seeded request gives the same tokens whatever else is in the batch.
+    """
+    rows = logits.float()
+    out = [0] * rows.shape[0]
+    plain = [i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
+    if plain:
+        idx = torch.tensor(plain, device=rows.device)
+        for i, tok in zip(plain, rows.index_select(0, idx).argmax(dim=-1).tolist(), strict=True):
+            out[i] = tok
+    done = set(plain)
+    for i, p in enumerate(params):
+        if i not in done:
+            out[i] = int(sample(rows[i], p, generators[i], prev_tokens=prev_tokens[i]))
+    return out

@@ -27,6 +27,7 @@ CASES = {
     "prefix-t17-s40": (2, 17, 40, 4, 1, 64, True, 0, (16, 16)),
     "prefix-t17-s100-window30": (1, 17, 100, 8, 1, 128, True, 30, (16, 16)),
     "decode-t1-s30-gqa8": (1, 1, 30, 8, 1, 64, True, 0, None),
+    "t17-d8-gqa2": (1, 17, 17, 4, 2, 8, True, 0, None),  # tiny test models' head size, masked up to 16
 }
 
 

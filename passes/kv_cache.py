@@ -1,0 +1,137 @@
+"""kv_cache: the Level-1 graph (whole sequences, no cache) becomes the step graph over a paged KV cache.
+
+Matches: a graph whose inputs are `tokens` and `positions` and that holds kiln::attention nodes (or
+kiln::flash_attention ones, if flash_tiling ran first: their tile arguments are dropped).
+Emits:
+- inputs tokens [1, N], positions [1, N] (the flat batch of runtime.step.StepBatch), then slot_mapping [N],
+  block_tables [S, max_blocks], context_lens [S], query_start_loc [S + 1], sample_indices [R],
+  kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim], max_query_len, max_context_len (ints);
+- every attention node becomes kiln::paged_attention (kiln.ops_paged) with its cache layer index, which is
+  the attention node's ordinal in graph order (one per layer for the usual layer body); windows stay
+  per node, so sliding-window layers attend only within their window;
+- aten.index_select(·, 1, sample_indices) so the lm_head runs only on the sampled rows: it gathers the
+  final norm's input, or both inputs of the residual add that feeds only that norm (so norm_fusion can still
+  fuse the gathered add and norm), or else the lm_head's input. The output is logits [1, R, vocab].
+Requires: node.meta["val"] on the attention inputs (for the cache's kv_heads, head_dim and dtype). No pass
+strictly: compile_step runs it after gqa_fusion and rope_fusion (gqa_fusion only fuses projections that feed
+kiln::attention) and before norm_fusion and flash_tiling (which then finds no attention left).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kiln.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+from kiln.errors import PassError
+from kiln.passes._graph import is_call, rename
+from kiln.pipeline import Pass, PassResult
+
+kiln_ops = torch.ops.kiln
+_ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
+_NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
+INPUTS = (
+    "tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "sample_indices",
+    "kv_cache", "max_query_len", "max_context_len",
+)  # fmt: skip
+# Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic).
+_N, _S, _R, _MAX_BLOCKS, _NUM_BLOCKS, _BLOCK_SIZE = 8, 2, 2, 4, 8, 16
+
+
+def _cache_geometry(attn: list[fx.Node]) -> tuple[int, int, torch.dtype]:
+    """(kv_heads, head_dim, dtype) shared by every attention node; one cache tensor holds all layers."""
+    found = set()
+    for n in attn:
+        num_heads, num_kv_heads = n.args[3], n.args[4]
+        k_val = n.args[1].meta.get("val") if isinstance(n.args[1], fx.Node) else None
+        if not isinstance(k_val, torch.Tensor):
+            raise PassError(f"attention %{n.name}: its k input has no meta['val']; propagate shapes first")
+        found.add((num_kv_heads, k_val.shape[-1] // num_kv_heads, k_val.dtype))
+    if len(found) != 1:
+        raise PassError(f"attention layers disagree on (kv_heads, head_dim, dtype): {sorted(map(str, found))}; "
+                        "one paged cache needs one geometry")
+    return found.pop()
+
+
+def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int) -> dict:
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        cache = (layers, 2, _NUM_BLOCKS, _BLOCK_SIZE, kv_heads, head_dim)
+        return {
+            "tokens": torch.empty(1, _N, **i64),
+            "positions": torch.empty(1, _N, **i64),
+            "slot_mapping": torch.empty(_N, **i64),
+            "block_tables": torch.empty(_S, _MAX_BLOCKS, **i32),
+            "context_lens": torch.empty(_S, **i32),
+            "query_start_loc": torch.empty(_S + 1, **i32),
+            "sample_indices": torch.empty(_R, **i64),
+            "kv_cache": torch.empty(cache, dtype=dtype, device=device),
+            "max_query_len": _N,
+            "max_context_len": _MAX_BLOCKS * _BLOCK_SIZE,
+        }
+
+
+def _add_inputs(graph: fx.Graph, examples: dict) -> dict[str, fx.Node]:
+    nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    last = nodes["positions"]
+    for name in INPUTS[2:]:
+        with graph.inserting_after(last):
+            last = graph.placeholder(name)
+        nodes[name] = last
+    for name in INPUTS:
+        nodes[name].meta["val"] = examples[name]
+    return nodes
+
+
+def _gather_sites(logits: fx.Node) -> list[tuple[fx.Node, int]]:
+    """(consumer, argument index) pairs whose argument is replaced by its sampled rows."""
+    x = logits.args[0]
+    if not (is_call(x, _NORMS[0]) or is_call(x, _NORMS[1])) or len(x.users) != 1:
+        return [(logits, 0)]
+    y = x.args[0]
+    if is_call(y, kiln_ops.add.default) and len(y.users) == 1:
+        return [(y, 0), (y, 1)]
+    return [(x, 0)]
+
+
+def run(gm: fx.GraphModule) -> PassResult:
+    graph = gm.graph
+    attn = [n for n in graph.nodes if n.op == "call_function" and n.target in _ATTENTION]
+    if not attn:
+        return PassResult(gm, modified=False)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if [p.name for p in placeholders] != ["tokens", "positions"]:
+        raise PassError(f"kv_cache expects a Level-1 graph with inputs (tokens, positions), got "
+                        f"({', '.join(p.name for p in placeholders)}); build it with kiln.frontend.build_graph")
+    outputs = graph.find_nodes(op="output")[0].args[0]
+    logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
+    if not is_call(logits, kiln_ops.linear.default):
+        raise PassError(f"kv_cache expects the graph output to be the lm_head's kiln::linear, got %{logits.name}")
+    kv_heads, head_dim, dtype = _cache_geometry(attn)
+    device = placeholders[0].meta["val"].device
+    inputs = _add_inputs(graph, _example_inputs(device, kv_heads, head_dim, dtype, len(attn)))
+    step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
+    bounds = [inputs["max_query_len"], inputs["max_context_len"]]
+
+    for layer, node in enumerate(attn):
+        q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args[:8]
+        args = (q, k, v, inputs["kv_cache"], layer, *step_args, *bounds, num_heads, num_kv_heads, causal, window, scale)
+        with graph.inserting_before(node):
+            new = graph.call_function(kiln_ops.paged_attention.default, args)
+        new.meta["kv_layer"] = layer
+        node.replace_all_uses_with(new)
+        name = node.name
+        graph.erase_node(node)
+        rename(new, name)
+
+    for consumer, i in _gather_sites(logits):
+        src = consumer.args[i]
+        with graph.inserting_before(consumer):
+            gathered = graph.call_function(torch.ops.aten.index_select.default, (src, 1, inputs["sample_indices"]))
+        rename(gathered, f"{src.name}_sampled")
+        consumer.update_arg(i, gathered)
+    return PassResult(gm, modified=True)
+
+
+PASS = Pass(name="kv_cache", run=run, doc=__doc__ or "")

@@ -1,0 +1,130 @@
+"""Request state inside the engine, and the outputs the engine hands back (vLLM's shape).
+
+A request's KV lives in the block manager under its request id; here is only what the scheduler and the
+sampler need: the tokens known so far (prompt + generated), how many of them are in the cache, the status,
+the per-request generator, the incremental detokenizer and the timings.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.sampler import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV was freed and will be recomputed
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+    @property
+    def done(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.ABORTED)
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (summed over re-admissions)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def tpot_s(self, num_tokens: int) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.finish_time is None or num_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (num_tokens - 1)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: Detokenizer
+    generator: torch.Generator | None = None
+    arrival_order: int = 0  # ties on arrival_time are broken by this; lower is higher priority
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    _sent_tokens: int = 0  # how much the last RequestOutput already carried (for deltas)
+    _sent_text: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def priority(self) -> tuple[float, int]:
+        return (self.metrics.arrival_time, self.arrival_order)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    def make_output(self) -> RequestOutput:
+        """The cumulative output so far plus what is new since the previous call."""
+        text = self.detokenizer.visible_text(final=self.status.done)
+        out = CompletionOutput(
+            index=0,
+            token_ids=list(self.output_token_ids),
+            text=text,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            delta_token_ids=self.output_token_ids[self._sent_tokens :],
+            delta_text=text[self._sent_text :],
+        )
+        self._sent_tokens, self._sent_text = len(self.output_token_ids), len(text)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out], self.status.done,
+                             self.metrics)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]  # every generated token so far (a stop token that ended generation included)
+    text: str  # their text; a stop string that ended generation is trimmed
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    delta_token_ids: list[int] = field(default_factory=list)  # new since the previous output of this request
+    delta_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

@@ -7,6 +7,7 @@ the per-request generator, the incremental detokenizer and the timings.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -102,7 +103,7 @@ class Request:
         )
         self._sent_tokens, self._sent_text = len(self.output_token_ids), len(text)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out], self.status.done,
-                             self.metrics)
+                             dataclasses.replace(self.metrics))
 
 
 @dataclass

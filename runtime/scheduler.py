@@ -17,6 +17,7 @@ joins until every member has finished.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -167,6 +168,8 @@ class Scheduler:
         self.waiting.popleft()
         req.status = RequestStatus.RUNNING
         req.metrics.num_cached_tokens += req.num_computed_tokens
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.perf_counter()
         bisect.insort(self.running, req, key=lambda r: r.priority)
 
     @staticmethod

@@ -1,0 +1,226 @@
+"""The serving engine: requests in, one batched model step at a time, outputs (streaming deltas) out.
+
+    engine = Engine(step_model, tokenizer, cfg)
+    rid = engine.add_request("Once upon a time", SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+A bad request raises RequestError from add_request and is never queued, so the others keep being served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kiln.errors import KilnError, RequestError
+from kiln.model_config import ModelConfig
+from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.kv_pool import choose_num_blocks
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.request import Request, RequestOutput, RequestStatus
+from kiln.runtime.sampler import SamplingParams, check_stop, make_generator, sample_batch
+from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.step import StepModel
+from kiln.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineStats:
+    num_steps: int
+    num_preemptions: int
+    prefix_cache_queries: int  # full prompt blocks looked up
+    prefix_cache_hits: int  # of those, reused
+    prefix_cache_evictions: int
+    num_shared_blocks: int  # blocks referenced by more than one request right now
+    num_free_blocks: int
+    num_blocks: int  # usable blocks in the pool (the null block excluded)
+    kv_waste_slots: int  # allocated minus used slots over the running requests
+    num_running: int
+    num_waiting: int
+    num_batched_tokens: int  # rows run through the model (prefill, recompute and decode)
+    num_generated_tokens: int
+
+
+class Engine:
+    def __init__(
+        self,
+        step_model: StepModel,
+        tokenizer: Tokenizer | None,
+        cfg: ModelConfig,
+        *,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
+        use_cuda_graphs: bool | None = None,
+        pad_decode_batches: bool = False,
+        scheduling_policy: str = "continuous",
+    ):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise KilnError(f"{name} = {value!r} is out of range; allowed: an integer >= 1")
+        self.model = step_model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.max_model_len = cfg.context
+        self.eos_token_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        n = choose_num_blocks(step_model, cfg.context, block_size=block_size, num_blocks=num_blocks,
+                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
+        self.block_manager = BlockManager(n, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
+        graphs = step_model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.runner = ModelRunner(step_model, self.block_manager, max_num_seqs=max_num_seqs,
+                                  max_model_len=cfg.context, use_cuda_graphs=graphs,
+                                  pad_decode_batches=pad_decode_batches)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_batched_tokens = 0
+        self.num_generated_tokens = 0
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int] | None = None, params: SamplingParams | None = None,
+                    request_id: str | None = None, *, prompt_token_ids: Sequence[int] | None = None) -> str:
+        """Queue one request and return its id. A prompt is text (tokenized here) or a list of token ids."""
+        params = (params or SamplingParams()).validate()
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
+            prompt_token_ids = prompt
+        if prompt_token_ids is None:
+            if text is None:
+                raise RequestError("no prompt: give prompt text or prompt_token_ids")
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer; give prompt_token_ids instead of text")
+            prompt_token_ids = self.tokenizer.encode(text)
+        ids = self._check_prompt(list(prompt_token_ids), params)
+        order = next(self._ids)
+        rid = str(order) if request_id is None else str(request_id)
+        if rid in self.requests:
+            raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
+        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop),
+                      make_generator(params.seed, self.model.device), order)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        vocab = self.model.vocab
+        if not ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt_token_ids {bad[:8]} out of range; allowed: integers 0 <= id < {vocab} "
+                               "(was the prompt encoded with this model's tokenizer?)")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the model "
+                f"context of {self.max_model_len}; shorten the prompt or lower max_tokens")
+        bm = self.block_manager
+        if bm.blocks_for(total) > bm.num_usable_blocks:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} needs {bm.blocks_for(total)} KV "
+                f"blocks but the pool has {bm.num_usable_blocks}; lower max_tokens or raise --num-blocks")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request (waiting or running) and free its blocks; its last output comes with the next step."""
+        req = self.requests.pop(str(request_id), None)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.ABORTED)
+        self._finish(req, "abort", None)
+        self._pending.append(req.make_output())
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- stepping -----------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched model step; outputs for every request that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return outputs
+        self.num_steps += 1
+        self.num_batched_tokens += sched.num_tokens
+        bs = self.block_manager.block_size
+        logits, sampled = self.runner.execute(sched)
+        for s in sched.seqs:
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_new
+            if req.num_computed_tokens // bs > s.start // bs:  # a block was filled: offer it to the prefix cache
+                self.block_manager.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        if not sampled:
+            return outputs
+        reqs = [s.request for s in sampled]
+        tokens = sample_batch(
+            logits, [r.params for r in reqs], [r.generator for r in reqs],
+            [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
+        now = time.perf_counter()
+        for req, tok in zip(reqs, tokens, strict=True):
+            self._append(req, tok, now)
+            outputs.append(req.make_output())
+        return outputs
+
+    def _append(self, req: Request, tok: int, now: float) -> None:
+        req.output_token_ids.append(tok)
+        self.num_generated_tokens += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        stop_str = req.detokenizer.add(tok)
+        done = ("stop", stop_str) if stop_str is not None else check_stop(
+            tok, len(req.output_token_ids), req.params, self.eos_token_ids)
+        if done is not None:
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            self._finish(req, *done)
+
+    @staticmethod
+    def _finish(req: Request, reason: str, stop_reason: int | str | None) -> None:
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        req.metrics.finish_time = time.perf_counter()
+        req.detokenizer.flush()
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding each step's outputs."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run(self) -> list[RequestOutput]:
+        """Step until every request has finished; the final output of each, in finishing order."""
+        return [out for out in self.stream() if out.finished]
+
+    # ---- stats --------------------------------------------------------------------------------------------
+
+    def kv_waste(self) -> list[int]:
+        """Allocated minus used (K/V written) slots of each running request."""
+        bm = self.block_manager
+        return [bm.num_slots(r.request_id) - r.num_computed_tokens for r in self.scheduler.running]
+
+    @property
+    def stats(self) -> EngineStats:
+        bm, sch = self.block_manager, self.scheduler
+        return EngineStats(
+            num_steps=self.num_steps, num_preemptions=sch.num_preemptions,
+            prefix_cache_queries=bm.stats.prefix_queries, prefix_cache_hits=bm.stats.prefix_hits,
+            prefix_cache_evictions=bm.stats.evictions, num_shared_blocks=bm.num_shared_blocks(),
+            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_usable_blocks, kv_waste_slots=sum(self.kv_waste()),
+            num_running=len(sch.running), num_waiting=len(sch.waiting),
+            num_batched_tokens=self.num_batched_tokens,
+            num_generated_tokens=self.num_generated_tokens)
+
+    def stats_dict(self) -> dict:
+        return dataclasses.asdict(self.stats)

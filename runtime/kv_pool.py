@@ -1,0 +1,45 @@
+"""How many KV blocks the pool gets: explicit, from free GPU memory, or a CPU default; refused when too small."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.runtime.step import StepModel, kv_bytes_per_block
+
+CPU_KV_BYTES = 1 << 30  # the CPU default pool stops growing at 1 GiB (but always holds one full-context sequence)
+
+
+def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_blocks: int | None = None,
+                      gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64) -> int:
+    """Blocks in the pool, block 0 (the null block) included.
+
+    CUDA: what fits in `gpu_memory_utilization` of the device's memory after what is already used (weights,
+    other processes). CPU: room for max_num_seqs full-context sequences, capped at CPU_KV_BYTES.
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise KilnError(f"block_size = {block_size!r} is out of range; allowed: an integer >= 1 (16 is usual)")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise KilnError(f"gpu_memory_utilization = {gpu_memory_utilization!r} is out of range; allowed: (0, 1]")
+    per_block = kv_bytes_per_block(model, block_size)
+    per_seq = -(-context // block_size)
+    need = per_seq + 1
+    if num_blocks is not None:
+        n, source = int(num_blocks), f"--num-blocks {num_blocks}"
+    elif model.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(model.device)
+        budget = free - (1 - gpu_memory_utilization) * total
+        n = max(int(budget // per_block), 0)
+        source = (f"--gpu-memory-utilization {gpu_memory_utilization} ({free / 2**30:.2f} GiB free of "
+                  f"{total / 2**30:.2f} GiB)")
+    else:
+        cap = max(CPU_KV_BYTES // per_block, per_seq)
+        n, source = min(max_num_seqs * per_seq, cap) + 1, "the CPU default"
+    if n < need:
+        raise KilnError(
+            f"the KV cache pool would have {n} blocks of {block_size} tokens ({n * per_block / 2**20:.1f} MiB, "
+            f"from {source}), but one sequence of the model's full context ({context} tokens) needs {per_seq} "
+            f"blocks plus the reserved null block = {need} ({need * per_block / 2**20:.1f} MiB); "
+            f"raise --num-blocks to at least {need} or --gpu-memory-utilization"
+        )
+    return n

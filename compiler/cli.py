@@ -27,9 +27,19 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def _engine(args: argparse.Namespace, m, **kw):
+    """The serving engine over a loaded model, from the shared --num-blocks / --block-size / ... flags."""
+    from kiln.compile_step import compile_step
+    from kiln.runtime.engine import Engine
+
+    # Generated kernels on CUDA; on CPU the reference ops (Triton's interpreter is for testing codegen only).
+    step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda")
+    return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
+                  gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from kiln.build import load_model, say
-    from kiln.reference import generate
     from kiln.runtime.sampler import SamplingParams
 
     params = SamplingParams(
@@ -38,19 +48,75 @@ def cmd_run(args: argparse.Namespace) -> int:
     params.validate()
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0)
-    say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}) in {time.perf_counter() - t0:.2f}s")
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(args.prompt)
-    gen = generate(m.gm, prompt_ids, params, context=m.model.context, eos_token_ids=m.tokenizer.eos_token_ids)
-    text = m.tokenizer.decode(gen.token_ids)
-    timings = {"ttft_s": gen.ttft_s, "decode_tokens_per_s": gen.decode_tokens_per_s}
+    # One request: the pool only needs room for it (a longer one is refused below with the model's context).
+    total = len(prompt_ids) + params.max_tokens
+    engine = _engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
+    say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}) in {time.perf_counter() - t0:.2f}s")
+    engine.add_request(prompt_token_ids=prompt_ids, params=params)
+    final = None
+    for out in engine.stream():
+        if not args.json:
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        final = out
+    assert final is not None and final.finished
+    gen, metrics = final.outputs[0], final.metrics
+    n = len(gen.token_ids)
+    decode_s = metrics.finish_time - metrics.first_token_time
+    timings = {"ttft_s": metrics.ttft_s, "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0}
     if args.json:
-        out = {"token_ids": gen.token_ids, "text": text, "prompt_token_ids": list(prompt_ids),
+        out = {"token_ids": gen.token_ids, "text": gen.text, "prompt_token_ids": list(prompt_ids),
                "finish_reason": gen.finish_reason, "model": m.model.name, "device": str(m.device), **timings}
         print(json.dumps(out))
     else:
-        print(text)
-    say(f"{len(gen.token_ids)} tokens, time to first token {gen.ttft_s * 1e3:.1f} ms, "
-        f"{gen.decode_tokens_per_s:.1f} tokens/s (uncached reference path)")
+        print()
+    say(f"{n} tokens, time to first token {timings['ttft_s'] * 1e3:.1f} ms, "
+        f"{timings['decode_tokens_per_s']:.1f} tokens/s (paged KV cache engine)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import gc
+
+    from kiln.build import load_model, say
+    from kiln.runtime.throughput import environment, format_report, make_trace, parse_range, run_trace
+
+    try:
+        input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
+    except ValueError as e:
+        raise KilnError(f"--input-len / --output-len: {e}") from None
+    if args.num_requests < 1:
+        raise KilnError(f"--num-requests {args.num_requests}: give at least 1")
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed)
+    trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=m.model.vocab,
+                                context=m.model.context, seed=args.seed)
+    if clipped:
+        say(f"{clipped} of {len(trace)} requests shortened to fit the context of {m.model.context} tokens")
+    result = {"model": m.model.name, **environment(m.device),
+              "trace": {"num_requests": len(trace), "input_len": list(input_len), "output_len": list(output_len),
+                        "seed": args.seed, "clipped": clipped,
+                        "prompt_tokens": sum(len(r.prompt_token_ids) for r in trace),
+                        "output_tokens": sum(r.output_len for r in trace)},
+              "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                         "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype}}
+    for policy in ("continuous", "static"):
+        engine = _engine(args, m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         scheduling_policy=policy)
+        say(f"bench {policy}: {len(trace)} requests on {m.device}, {engine.block_manager.num_usable_blocks} KV blocks")
+        result[policy] = run_trace(engine, trace, label=f"{policy}-", progress=say)
+        result[policy]["num_blocks"] = engine.block_manager.num_usable_blocks
+        del engine  # free this pool before the next one is allocated
+        gc.collect()
+        if m.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    c, st = result["continuous"], result["static"]
+    result["speedup"] = {"output_tokens_per_s": c["output_tokens_per_s"] / st["output_tokens_per_s"],
+                         "requests_per_s": c["requests_per_s"] / st["requests_per_s"],
+                         "ttft_mean": st["ttft_s"]["mean"] / max(c["ttft_s"]["mean"], 1e-9)}
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
 
 
@@ -170,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     r.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
+    _engine_flags(r)
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check", help="validate spec files, reporting every error",
@@ -201,7 +268,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a .py file with a header naming op, shapes, dtypes and tile config) under DIR")
     k.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     k.set_defaults(func=cmd_compile)
+
+    b = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    t = bsub.add_parser("throughput", help="replay a synthetic trace: continuous vs static batching",
+                        description="Replay a seeded synthetic trace (every request arriving at once) with "
+                        "continuous batching, then with static batching on the same step model, and report "
+                        "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
+    t.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    t.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    t.add_argument("--num-requests", type=int, default=256, help="requests in the trace (default 256)")
+    t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
+    t.add_argument("--output-len", default="100:1024", metavar="LO:HI", help="output lengths, uniform (100:1024)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the trace and of random weights (default 0)")
+    t.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most, and static batch size")
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
+    t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    t.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    t.add_argument("--json", action="store_true", help="print the full result as JSON")
+    _engine_flags(t)
+    t.set_defaults(func=cmd_bench)
     return p
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: from free GPU memory, or a CPU default)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the weights and KV cache may use (default 0.9)")
 
 
 def main(argv: list[str] | None = None) -> int:

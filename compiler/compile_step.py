@@ -104,8 +104,14 @@ def compile_step(
         from kiln.lowering import kernel_requests, lower
 
         gm = lower(gm)
-        for req in kernel_requests(gm):  # render and import every kernel now, not on the first step
-            default_cache().load(req.template, req.name, **req.params)
+        # Render and import every kernel now, not on the first step: for a prefill step and for a decode step.
+        bound = gm.graph.find_nodes(op="placeholder", target="max_query_len")[0]
+        example = bound.meta["val"]
+        for max_query_len in (example, 1):
+            bound.meta["val"] = max_query_len
+            for req in kernel_requests(gm):
+                default_cache().load(req.template, req.name, **req.params)
+        bound.meta["val"] = example
     return CompiledStep(gm, num_layers, kv_heads, head_dim, cfg.vocab, dtype, model_device, use_kernels,
                         [p.name for p in passes])  # fmt: skip
 

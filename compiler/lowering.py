@@ -23,6 +23,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ops_level2  # noqa: F401  (registers the Level-2 ops)
+import kiln.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+import kiln.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
 from kiln.errors import CodegenError
 
 kiln_ops = torch.ops.kiln
@@ -89,6 +91,34 @@ def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, b
     return _cg()[1].flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile=tile)
 
 
+def k_paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
+                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale):
+    from kiln.codegen import paged
+
+    return paged.paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
+                                 max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale)
+
+
+def k_linear_w8(x, qweight, scales, bias):
+    from kiln.codegen import quant
+
+    return quant.linear_w8(x, qweight, scales, bias)
+
+
+def k_linear_w4(x, qweight, scales, zeros, group, bias):
+    from kiln.codegen import quant
+
+    return quant.linear_w4(x, qweight, scales, zeros, group, bias)
+
+
+def k_embedding_q(qweight, scales, zeros, ids, bits, group, dtype):
+    # A gather of a few rows then their dequantization: torch, like the unquantized embedding.
+    from kiln.quantization import dequantize_parts
+
+    z = zeros[ids] if zeros is not None else None
+    return dequantize_parts(qweight[ids], scales[ids], z, bits, group).to(dtype)
+
+
 KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.embedding.default: k_embedding,
     kiln_ops.linear.default: k_linear,
@@ -102,6 +132,10 @@ KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.act.default: k_act,
     kiln_ops.attention.default: k_attention,
     kiln_ops.flash_attention.default: k_flash_attention,
+    kiln_ops.paged_attention.default: k_paged_attention,
+    kiln_ops.linear_w8.default: k_linear_w8,
+    kiln_ops.linear_w4.default: k_linear_w4,
+    kiln_ops.embedding_q.default: k_embedding_q,
 }
 
 

@@ -123,12 +123,19 @@ def build_pipeline(
     """The ordered passes for a compile config.
 
     The starting list is DEFAULT_PIPELINE, or `compile_cfg.extra["passes"]` (a list of names) when given;
+    `compile_cfg.extra["quantize"]` (a scheme, see kiln.quantization) adds the quantize pass bound to it;
     `compile_cfg.extra["disable_passes"]` drops names; `overrides` (CLI flags) map a pass name to True
     (run it) or False (skip it) and win over the config.
     """
     registry = known_passes() if registry is None else registry
     extra = compile_cfg.extra if compile_cfg is not None else {}
     names = list(extra.get("passes", DEFAULT_PIPELINE))
+    if extra.get("quantize"):  # the spec's `quantize = ...`: the pass joins, bound to that scheme, after gqa_fusion
+        from kiln.passes.quantize import make_pass
+
+        registry = {**registry, "quantize": make_pass(extra["quantize"])}
+        if "quantize" not in names:
+            names.insert(names.index("gqa_fusion") + 1 if "gqa_fusion" in names else 0, "quantize")
     wanted = {n: True for n in names} | {n: False for n in extra.get("disable_passes", ())} | dict(overrides or {})
     unknown = sorted(n for n in wanted if n not in registry)
     if unknown:

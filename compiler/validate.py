@@ -7,6 +7,7 @@ carries on with a placeholder, and resolve() raises one SpecError holding them a
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
 from kiln.errors import Diagnostic, SpecError
 from kiln.formatter import format_expr
@@ -28,14 +29,27 @@ from kiln.model_config import (
 )
 from kiln.model_config import Add as AddExpr
 from kiln.parser import source_line
-from kiln.spec_ast import BinOp, Bool, Call, CompileBlock, Expr, LayerBlock, ModelBlock, Name, Num, Setting, SpecFile
+from kiln.spec_ast import (
+    BinOp,
+    Bool,
+    Call,
+    CompileBlock,
+    Expr,
+    LayerBlock,
+    ModelBlock,
+    Name,
+    Num,
+    Setting,
+    SpecFile,
+    Str,
+)
 
 SIZE_KEYS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "ffn", "context")
 MODEL_KEYS = (*SIZE_KEYS, "norm", "rope", "positions", "tie_embeddings", "final_norm")
 REQUIRED = {"vocab": "32000", "dim": "4096", "layers": "32", "heads": "32", "context": "8192",
             "norm": "rms(eps = 1e-5)"}
-COMPILE_KEYS = ("dtype",)
-PLANNED_COMPILE_KEYS = ("kv_cache", "attention", "quantize", "routing", "speculation")
+COMPILE_KEYS = ("dtype", "quantize")
+PLANNED_COMPILE_KEYS = ("kv_cache", "attention", "routing", "speculation")
 ACTS = GATED_ACTS + PLAIN_ACTS
 POSITIONS = ("rope", "learned", "none")
 LAYER_OPS = {"norm": (), "attention": ("causal", "window", "bias", "qkv_bias", "out_bias", "rope"),
@@ -314,12 +328,56 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
     )
 
 
+_QUANT_COMMON = ("method", "calibration", "tokens", "lm_head", "embeddings")
+QUANT_FUNCS = {"int8": _QUANT_COMMON, "int4": ("group", "symmetric", *_QUANT_COMMON)}
+QUANT_GROUPS = (32, 64, 128)
+
+
+def _quantize(r: _Report, e: Expr) -> dict | None:
+    """`quantize = int8` or `int4(group = 128, method = gptq, ...)` -> the kwargs of kiln.quantization.QuantScheme."""
+    found = _config_call(r, e, "quantize", QUANT_FUNCS, "int4(group = 128, method = gptq)")
+    if found is None:
+        return None
+    func, kw = found
+    out: dict = {"bits": 8 if func == "int8" else 4, "group": 0 if func == "int8" else 128}
+    if "group" in kw:
+        g = kw["group"]
+        if isinstance(g, Num) and g.value in QUANT_GROUPS:
+            out["group"] = g.value
+        else:
+            r.error(g, f"group must be one of {', '.join(map(str, QUANT_GROUPS))}, got {format_expr(g)}",
+                    "weights share one scale per group of this many input features, e.g. group = 128")
+            out = None
+    if "method" in kw and out is not None:
+        method = _enum(r, kw["method"], "method", "quantization method", ("rtn", "gptq"))
+        out = out | {"method": method} if method else None
+    if "calibration" in kw and out is not None:
+        c = kw["calibration"]
+        if isinstance(c, Str) and c.value:
+            path = Path(c.value)
+            if not path.is_absolute() and r.spec.path not in ("", "<spec>"):
+                path = Path(r.spec.path).parent / path  # relative to the spec file, like any include
+            out["calibration"] = str(path)
+        else:
+            r.error(c, f"calibration must be a file name in quotes, got {format_expr(c)}",
+                    'e.g. calibration = "calib.txt" (a text file), or tokens = 512 for random tokens')
+            out = None
+    vals = {k: (_int if k == "tokens" else _bool)(r, kw[k], k) for k in ("tokens", "symmetric", "lm_head",
+                                                                        "embeddings") if k in kw}
+    if out is None or None in vals.values():
+        return None
+    return out | vals
+
+
 def _compile(r: _Report, block: CompileBlock | None) -> CompileConfig:
     if block is None:
         return CompileConfig()
     s = _unique(r, block.settings, "compile setting", COMPILE_KEYS, PLANNED_COMPILE_KEYS)
     dtype = _enum(r, s["dtype"].value, "dtype", "dtype", DTYPES) if "dtype" in s else "fp32"
-    return CompileConfig(dtype=dtype or "fp32")
+    extra = {}
+    if "quantize" in s:
+        extra["quantize"] = _quantize(r, s["quantize"].value)
+    return CompileConfig(dtype=dtype or "fp32", extra=extra)
 
 
 def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:

@@ -43,14 +43,16 @@ def _cache_geometry(attn: list[fx.Node]) -> tuple[int, int, torch.dtype]:
     """(kv_heads, head_dim, dtype) shared by every attention node; one cache tensor holds all layers."""
     found = set()
     for n in attn:
-        num_heads, num_kv_heads = n.args[3], n.args[4]
+        num_kv_heads = n.args[4]
         k_val = n.args[1].meta.get("val") if isinstance(n.args[1], fx.Node) else None
         if not isinstance(k_val, torch.Tensor):
             raise PassError(f"attention %{n.name}: its k input has no meta['val']; propagate shapes first")
         found.add((num_kv_heads, k_val.shape[-1] // num_kv_heads, k_val.dtype))
     if len(found) != 1:
-        raise PassError(f"attention layers disagree on (kv_heads, head_dim, dtype): {sorted(map(str, found))}; "
-                        "one paged cache needs one geometry")
+        raise PassError(
+            f"attention layers disagree on (kv_heads, head_dim, dtype): {sorted(map(str, found))}; "
+            "one paged cache needs one geometry"
+        )
     return found.pop()
 
 
@@ -102,14 +104,17 @@ def run(gm: fx.GraphModule) -> PassResult:
         return PassResult(gm, modified=False)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if [p.name for p in placeholders] != ["tokens", "positions"]:
-        raise PassError(f"kv_cache expects a Level-1 graph with inputs (tokens, positions), got "
-                        f"({', '.join(p.name for p in placeholders)}); build it with kiln.frontend.build_graph")
+        raise PassError(
+            f"kv_cache expects a Level-1 graph with inputs (tokens, positions), got "
+            f"({', '.join(p.name for p in placeholders)}); build it with kiln.frontend.build_graph"
+        )
     outputs = graph.find_nodes(op="output")[0].args[0]
     logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
     if not is_call(logits, kiln_ops.linear.default):
         raise PassError(f"kv_cache expects the graph output to be the lm_head's kiln::linear, got %{logits.name}")
     kv_heads, head_dim, dtype = _cache_geometry(attn)
-    device = placeholders[0].meta["val"].device
+    weight = next(iter(gm.parameters()), None)  # the weights' device wins: gm.to(device) leaves input metas behind
+    device = weight.device if weight is not None else placeholders[0].meta["val"].device
     inputs = _add_inputs(graph, _example_inputs(device, kv_heads, head_dim, dtype, len(attn)))
     step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
     bounds = [inputs["max_query_len"], inputs["max_context_len"]]

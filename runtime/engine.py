@@ -62,6 +62,7 @@ class Engine:
         use_cuda_graphs: bool | None = None,
         pad_decode_batches: bool = False,
         scheduling_policy: str = "continuous",
+        max_model_len: int | None = None,
     ):
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
@@ -69,16 +70,17 @@ class Engine:
         self.model = step_model
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.max_model_len = cfg.context
+        # max_model_len below the model's context shrinks the smallest acceptable pool (one max-length sequence).
+        self.max_model_len = cfg.context if max_model_len is None else min(int(max_model_len), cfg.context)
         self.eos_token_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
-        n = choose_num_blocks(step_model, cfg.context, block_size=block_size, num_blocks=num_blocks,
+        n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
         self.block_manager = BlockManager(n, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
         graphs = step_model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.runner = ModelRunner(step_model, self.block_manager, max_num_seqs=max_num_seqs,
-                                  max_model_len=cfg.context, use_cuda_graphs=graphs,
+                                  max_model_len=self.max_model_len, use_cuda_graphs=graphs,
                                   pad_decode_batches=pad_decode_batches)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
@@ -123,9 +125,10 @@ class Engine:
                                "(was the prompt encoded with this model's tokenizer?)")
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
+            limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
             raise RequestError(
-                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the model "
-                f"context of {self.max_model_len}; shorten the prompt or lower max_tokens")
+                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the {limit} "
+                f"of {self.max_model_len}; shorten the prompt or lower max_tokens")
         bm = self.block_manager
         if bm.blocks_for(total) > bm.num_usable_blocks:
             raise RequestError(
@@ -133,14 +136,18 @@ class Engine:
                 f"blocks but the pool has {bm.num_usable_blocks}; lower max_tokens or raise --num-blocks")
         return ids
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request (waiting or running) and free its blocks; its last output comes with the next step."""
+    def abort(self, request_id: str, notify: bool = True) -> bool:
+        """Stop a request (waiting or running) and free its blocks; False if it is unknown or already done.
+
+        With notify, its final output (finish_reason "abort") comes with the next step.
+        """
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
         self.scheduler.finish(req, RequestStatus.ABORTED)
         self._finish(req, "abort", None)
-        self._pending.append(req.make_output())
+        if notify:
+            self._pending.append(req.make_output())
         return True
 
     def has_unfinished(self) -> bool:

@@ -38,7 +38,7 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
     if n < need:
         raise KilnError(
             f"the KV cache pool would have {n} blocks of {block_size} tokens ({n * per_block / 2**20:.1f} MiB, "
-            f"from {source}), but one sequence of the model's full context ({context} tokens) needs {per_seq} "
+            f"from {source}), but one sequence of the longest allowed length ({context} tokens) needs {per_seq} "
             f"blocks plus the reserved null block = {need} ({need * per_block / 2**20:.1f} MiB); "
             f"raise --num-blocks to at least {need} or --gpu-memory-utilization"
         )

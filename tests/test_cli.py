@@ -119,9 +119,13 @@ def main_fmt_of(path: Path, capsys) -> str:
 def test_compile_dump_ir_of_the_8b_spec_costs_no_memory(capsys):
     code, out, err = run_cli(capsys, "compile", "llama-3.1-8b", "--dump-ir", "--dtype", "bf16")
     assert code == 0
-    assert out.count("kiln.attention(") == 32
-    assert "bf16[1, 8, 4096]" in out  # a hidden state with its shape
-    assert "weight layers.31.mlp0.down.weight" in out
+    sections = {s.split("\n", 1)[0]: s for s in out.split("# ")[1:]}  # one per graph: frontend, every pass
+    level1 = sections["llama-3.1-8b: Level-1 graph (frontend)"]
+    assert level1.count("kiln.attention(") == 32
+    assert "bf16[1, 8, 4096]" in level1  # a hidden state with its shape
+    assert "weight layers.31.mlp0.down.weight" in level1
+    assert sections["after flash_tiling"].count("kiln.flash_attention(") == 32
+    assert "weight layers.31.attn0.qkv.weight" in sections["after gqa_fusion"]
     gib = float(err.split("ops, ")[1].split(" MiB")[0]) / 1024
     assert 14.5 < gib < 15.5  # 8.03 B parameters in bf16
 

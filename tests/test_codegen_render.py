@@ -29,6 +29,29 @@ SNAPSHOT_PARAMS = {
         tile={"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
         params={"CAUSAL": True, "HAS_WINDOW": False, "INPUT_PRECISION": None},
     ),
+    "paged_kv_write": dict(op="paged_kv_write", tile={"BLOCK_H": 8, "BLOCK_D": 128, "num_warps": 1}, params={}),
+    "paged_decode": dict(
+        op="paged_attention_decode",
+        tile={"BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 2},
+        params={"HAS_WINDOW": False, "INPUT_PRECISION": None},
+    ),
+    "paged_merge": dict(op="split_kv_merge", tile={"BLOCK_S": 8, "BLOCK_D": 128, "num_warps": 4}, params={}),
+    "paged_prefill": dict(
+        op="paged_attention_prefill",
+        tile={"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
+        params={"CAUSAL": True, "HAS_WINDOW": True, "INPUT_PRECISION": None},
+    ),
+    "quant_gemv": dict(
+        op="linear_w4",
+        tile={"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
+        params={"BITS": 4, "GROUP": 128, "HAS_ZEROS": False, "HAS_BIAS": False},
+    ),
+    "quant_gemm": dict(
+        op="linear_w8",
+        tile={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+        params={"BITS": 8, "GROUP": 1, "HAS_ZEROS": False, "HAS_BIAS": True, "INPUT_PRECISION": None,
+                "DOT_FP32": False},
+    ),
 }
 
 

@@ -1,0 +1,218 @@
+"""Host wrappers for the paged-KV-cache kernels: the cache write, split-KV decode (+ merge) and paged prefill.
+
+`paged_attention` has the signature of kiln::paged_attention (kiln.ops_paged): it writes the step's K/V
+(templates/paged_kv_write.py.j2), then runs the decode kernels when every sequence has one new query
+(max_query_len == 1: templates/paged_decode.py.j2 per split, templates/paged_merge.py.j2 to combine) and the
+prefill kernel otherwise (templates/paged_prefill.py.j2). Nothing here reads device values back to the host:
+grids come from the host-side bounds max_query_len and max_context_len, which must bound the batch.
+Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim] (kiln.runtime.step).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kiln.codegen._host import cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
+from kiln.codegen.tiles import TileConfig, default_tile
+from kiln.errors import CodegenError
+
+_INDEX = (torch.int32, torch.int64)
+_MAX_SPLITS = 32
+_MIN_SPLIT_KEYS = 128  # fewer keys per split than this and the merge costs more than the parallelism gains
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """[N, F] or [1, N, F] -> a [N, F] view with a unit last stride."""
+    check_tensor(t, name)
+    if t.dim() == 3 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2:
+        raise CodegenError(f"{name} must be [N, features] or [1, N, features], got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_cache(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's k and v caches [num_blocks, block_size, kv_heads, head_dim] (views)."""
+    check_tensor(kv_cache, "kv_cache", ndim=6)
+    if kv_cache.shape[1] != 2:
+        raise CodegenError(
+            f"kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}"
+        )
+    if not 0 <= layer < kv_cache.shape[0]:
+        raise CodegenError(f"layer {layer} is outside kv_cache's {kv_cache.shape[0]} layers")
+    if kv_cache.stride(-2) != kv_cache.shape[-1]:
+        raise CodegenError(f"kv_cache must have contiguous [kv_heads, head_dim] rows, strides {kv_cache.stride()}")
+    return kv_cache[layer, 0], kv_cache[layer, 1]
+
+
+def _check_index(t: torch.Tensor, name: str, ndim: int, dtypes=(torch.int32,)) -> torch.Tensor:
+    check_tensor(t, name, ndim=ndim, dtypes=dtypes)
+    if not t.is_contiguous():
+        raise CodegenError(f"{name} must be contiguous; call .contiguous()")
+    return t
+
+
+def paged_kv_write(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
+) -> None:
+    """Write k/v rows ([N, Hkv * D] or [1, N, Hkv * D]) into kv_cache[layer] at slot_mapping [N] (< 0: skip)."""
+    k, v = _rows(k, "k"), _rows(v, "v")
+    k_cache, v_cache = _check_cache(kv_cache, layer)
+    _check_index(slot_mapping, "slot_mapping", 1, _INDEX)
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != (slot_mapping.shape[0], kv_heads * head_dim):
+            raise CodegenError(
+                f"{name} has shape {tuple(t.shape)}; expected [N={slot_mapping.shape[0]}, "
+                f"kv_heads * head_dim = {kv_heads * head_dim}] to match slot_mapping and kv_cache"
+            )
+    check_same_device(k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if k.shape[0] == 0:
+        return
+    consts = {"BLOCK_H": next_power_of_2(kv_heads), "BLOCK_D": next_power_of_2(head_dim)}
+    args = (k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), *k_cache.stride()[:3],
+            block_size, kv_heads, head_dim)  # fmt: skip
+    launch("paged_kv_write", "paged_kv_write", (k.shape[0],), args, consts, {"num_warps": 1})
+
+
+def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads):
+    q = _rows(q, "q")
+    k_cache, v_cache = _check_cache(kv_cache, layer)
+    _check_index(block_tables, "block_tables", 2)
+    _check_index(context_lens, "context_lens", 1)
+    _check_index(query_start_loc, "query_start_loc", 1)
+    if query_start_loc.shape[0] != context_lens.shape[0] + 1 or block_tables.shape[0] != context_lens.shape[0]:
+        raise CodegenError(
+            f"query_start_loc {tuple(query_start_loc.shape)}, context_lens {tuple(context_lens.shape)}"
+            f" and block_tables {tuple(block_tables.shape)} must describe the same S sequences"
+        )
+    kv_heads, head_dim = k_cache.shape[2:]
+    if num_heads % kv_heads or q.shape[1] != num_heads * head_dim:
+        raise CodegenError(
+            f"q has {q.shape[1]} features; expected num_heads * head_dim = {num_heads} * {head_dim} "
+            f"with num_heads a multiple of the cache's {kv_heads} kv heads"
+        )
+    if not 16 <= head_dim <= 256:
+        raise CodegenError(f"head_dim {head_dim} is outside the supported 16..256")
+    if q.dtype != kv_cache.dtype:
+        raise CodegenError(f"q has dtype {q.dtype} but kv_cache has {kv_cache.dtype}; use one dtype")
+    check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, context_lens=context_lens,
+                      query_start_loc=query_start_loc)  # fmt: skip
+    return q, k_cache, v_cache, head_dim, num_heads // kv_heads
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
+    return "ieee" if dtype == torch.float32 else None
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def choose_splits(num_seqs: int, kv_heads: int, span: int, block_n: int, device: torch.device) -> int:
+    """Splits per sequence for decode over `span` visible keys: enough programs to fill the GPU (two per SM),
+    each split at least _MIN_SPLIT_KEYS long."""
+    sms = 1
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    useful = max(1, min(_MAX_SPLITS, cdiv(span, max(_MIN_SPLIT_KEYS, block_n))))
+    return max(1, min(useful, cdiv(2 * sms, max(1, num_seqs * kv_heads))))
+
+
+def paged_attention_decode(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, max_context_len: int, num_heads: int, window: int, scale: float,
+    *, num_splits: int | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of one new query per sequence (at its last key's position) over its paged context, split-KV.
+
+    q [N, H * D] or [1, N, H * D]; every sequence has at most one new row (query_start_loc). num_splits
+    overrides choose_splits; splits partition the visible keys (the last `window` ones when window > 0).
+    """
+    q, k_cache, v_cache, head_dim, group = _check_attention(
+        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
+    )
+    out = check_out(out, q)
+    n, num_seqs = q.shape[0], context_lens.shape[0]
+    block_n = 64 if q.is_cuda and head_dim <= 128 else 32
+    span = max(1, min(max_context_len, window) if window > 0 else max_context_len)
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs, k_cache.shape[2], span, block_n, q.device)
+    split_len = cdiv(cdiv(span, num_splits), block_n) * block_n
+    num_splits = cdiv(span, split_len)  # no split wholly past the longest span
+    if n == 0 or num_seqs == 0:
+        return out
+    part_o = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = max(16, next_power_of_2(head_dim))
+    consts = {"BLOCK_G": max(16, next_power_of_2(group)), "BLOCK_N": block_n, "BLOCK_D": block_d,
+              "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype)}  # fmt: skip
+    args = (q, k_cache, v_cache, part_o, part_lse, block_tables, context_lens, query_start_loc,
+            q.stride(0), head_dim, *k_cache.stride()[:3], block_tables.stride(0), *part_o.stride()[:3],
+            *part_lse.stride()[:2], float(scale), int(window), k_cache.shape[1], split_len,
+            head_dim, group)  # fmt: skip
+    grid = (num_seqs, k_cache.shape[2], num_splits)
+    launch("paged_decode", "paged_attention_decode", grid, args, consts, {"num_warps": 4, "num_stages": 2})
+    merge_args = (part_o, part_lse, out, *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), head_dim,
+                  num_splits, head_dim)  # fmt: skip
+    merge_consts = {"BLOCK_S": next_power_of_2(num_splits), "BLOCK_D": block_d}
+    launch("paged_merge", "split_kv_merge", (n, num_heads), merge_args, merge_consts, {"num_warps": 4})
+    return out
+
+
+def paged_attention_prefill(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, causal: bool, window: int, scale: float,
+    tile: TileConfig | None = None, *, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of each sequence's new queries (a chunk aligned to the end of its keys) over its paged context.
+
+    q [N, H * D] or [1, N, H * D]; max_query_len must bound every sequence's new rows (it sizes the grid).
+    """
+    q, k_cache, v_cache, head_dim, group = _check_attention(
+        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
+    )
+    out = check_out(out, q)
+    if tile is None:
+        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+        tile = default_tile(head_dim, q.dtype, capability)
+    tile.validate()
+    num_seqs = context_lens.shape[0]
+    if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
+        return out
+    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": max(16, next_power_of_2(head_dim)),
+              "CAUSAL": bool(causal), "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype)}  # fmt: skip
+    args = (q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
+            q.stride(0), head_dim, out.stride(0), head_dim, *k_cache.stride()[:3], block_tables.stride(0),
+            float(scale), int(window), k_cache.shape[1], head_dim, group)  # fmt: skip
+    grid = (cdiv(max_query_len, tile.block_m), num_heads, num_seqs)
+    launch("paged_prefill", "paged_attention_prefill", grid, args, consts, tile.options())
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+    slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, max_query_len: int, max_context_len: int, num_heads: int, num_kv_heads: int,
+    causal: bool, window: int, scale: float,
+    *, num_splits: int | None = None, tile: TileConfig | None = None, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """kiln::paged_attention: write the step's K/V into kv_cache, then attend (decode or prefill kernels).
+
+    q [1, N, H * D] (or [N, H * D]) -> out of q's shape. The decode path runs when max_query_len == 1.
+    """
+    if num_kv_heads != kv_cache.shape[-2]:
+        raise CodegenError(f"num_kv_heads={num_kv_heads} but kv_cache holds {kv_cache.shape[-2]} kv heads")
+    paged_kv_write(k, v, kv_cache, layer, slot_mapping)
+    out = check_out(out, q)
+    flat = out.view(-1, out.shape[-1])
+    common = (kv_cache, layer, block_tables, context_lens, query_start_loc)
+    if max_query_len == 1:
+        paged_attention_decode(q, *common, max_context_len, num_heads, window, scale, num_splits=num_splits, out=flat)
+    else:
+        paged_attention_prefill(q, *common, max_query_len, num_heads, causal, window, scale, tile, out=flat)
+    return out

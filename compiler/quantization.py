@@ -1,0 +1,214 @@
+"""Weight quantization math: schemes, quantize / dequantize, int4 packing.
+
+Stored forms (what the quantized-linear ops and kernels read):
+- int8 (W8A16): qweight int8 [N, K] symmetric per output channel, w = q * scales[n]; scales fp32 [N].
+- int4: qweight uint8 [N, K / 2], two codes per byte along K (low nibble = even k); scales fp32 [N, K / G];
+  w = (q - z) * scales[n, k // G] with z = zeros[n, k // G] (uint8 [N, K / G]) when asymmetric, and z = 8 when
+  symmetric (codes are the signed value + 8, so no zeros tensor is stored).
+Scales stay fp32 whatever the model dtype: a bf16 scale would add a per-row error as large as int8's own.
+
+One fake-quant rule (`fake_quant`) serves round-to-nearest and GPTQ, so both produce the same stored form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+
+from kiln.errors import KilnError
+
+INT4_GROUPS = (32, 64, 128)
+METHODS = ("rtn", "gptq")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What to quantize and how. group 0 means per output channel (int8 only)."""
+
+    bits: int = 8  # 8 or 4
+    group: int = 0  # int4: 32 / 64 / 128
+    symmetric: bool = True
+    method: str = "rtn"  # rtn (round to nearest) | gptq (calibrated)
+    calibration: str | None = None  # a text file of calibration text; None = seeded random tokens
+    tokens: int = 512  # calibration tokens
+    seq_len: int = 128  # calibration sequence length
+    lm_head: bool = False
+    embeddings: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise KilnError(f"quantize: bits must be 8 or 4, got {self.bits}")
+        if self.bits == 8 and (self.group != 0 or not self.symmetric):
+            raise KilnError("quantize: int8 is per output channel and symmetric; drop group / symmetric = false")
+        if self.bits == 4 and self.group not in INT4_GROUPS:
+            raise KilnError(f"quantize: int4 group must be one of {INT4_GROUPS}, got {self.group}")
+        if self.method not in METHODS:
+            raise KilnError(f"quantize: method must be one of {METHODS}, got {self.method!r}")
+        if self.tokens < 1 or self.seq_len < 1:
+            raise KilnError("quantize: tokens and seq_len must be at least 1")
+
+    @property
+    def label(self) -> str:
+        """A short name: int8, int8-gptq, int4-rtn-g128, int4-gptq-g64-asym."""
+        if self.bits == 8:
+            return "int8" if self.method == "rtn" else "int8-gptq"
+        return f"int4-{self.method}-g{self.group}" + ("" if self.symmetric else "-asym")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantScheme:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise KilnError(f"quantize: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+def parse_scheme(text: str, **overrides) -> QuantScheme:
+    """A scheme from a short name (CLI --quantize): int8, int4, int4-g64, int4-gptq, int4-gptq-g128-asym, ..."""
+    parts = text.strip().lower().split("-")
+    head, opts = parts[0], parts[1:]
+    if head not in ("int8", "int4"):
+        raise KilnError(f"--quantize {text!r}: expected int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
+    scheme = QuantScheme(bits=8) if head == "int8" else QuantScheme(bits=4, group=128)
+    for opt in opts:
+        if opt in METHODS:
+            scheme = replace(scheme, method=opt)
+        elif opt == "asym":
+            scheme = replace(scheme, symmetric=False)
+        elif opt.startswith("g") and opt[1:].isdigit():
+            scheme = replace(scheme, group=int(opt[1:]))
+        else:
+            raise KilnError(f"--quantize {text!r}: unknown part {opt!r} (rtn, gptq, g32, g64, g128, asym)")
+    return replace(scheme, **overrides)
+
+
+def as_scheme(value: QuantScheme | dict | str) -> QuantScheme:
+    if isinstance(value, QuantScheme):
+        return value
+    if isinstance(value, str):
+        return parse_scheme(value)
+    return QuantScheme.from_dict(dict(value))
+
+
+@dataclass
+class QuantizedWeight:
+    """One quantized [N, K] matrix in its stored form (see the module docstring)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group: int  # 0 for int8 per channel
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, k = self.qweight.shape
+        return (n, k * 2 if self.bits == 4 else k)
+
+
+# ---- the fake-quant rule ----------------------------------------------------------------------------------
+
+
+def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
+    """Integer code range: signed for symmetric (int8 uses +-127 so the range is symmetric), unsigned otherwise."""
+    if symmetric:
+        return (-127, 127) if bits == 8 else (-8, 7)
+    return 0, 2**bits - 1
+
+
+def group_params(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [N, 1] for the rows of w [N, G] (one group each); zero is 0 when symmetric."""
+    w = w.float()
+    if symmetric:
+        scale = w.abs().amax(dim=1, keepdim=True) / qrange(bits, True)[1]
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return scale, torch.zeros_like(scale)
+    qmax = 2**bits - 1
+    lo, hi = w.amin(dim=1, keepdim=True).clamp(max=0), w.amax(dim=1, keepdim=True).clamp(min=0)
+    scale = (hi - lo) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, torch.round(-lo / scale).clamp(0, qmax)
+
+
+def fake_quant(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integer codes, dequantized values) of w under (scale, zero); shapes broadcast."""
+    lo, hi = qrange(bits, symmetric)
+    codes = torch.clamp(torch.round(w.float() / scale) + zero, lo, hi)
+    return codes, (codes - zero) * scale
+
+
+# ---- stored form ------------------------------------------------------------------------------------------
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 2] from codes in 0..15 [N, K]: low nibble = even k, high nibble = odd k."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 uint8 [N, K] from packed [N, K / 2]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def store(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int, symmetric: bool):
+    """QuantizedWeight from integer codes [N, K] and per-group scales / zeros [N, K / G] (int8: [N, 1])."""
+    if bits == 8:
+        return QuantizedWeight(codes.to(torch.int8), scales.reshape(-1).float().contiguous(), None, 8, 0)
+    if symmetric:
+        return QuantizedWeight(pack_int4(codes + 8), scales.float().contiguous(), None, 4, group)
+    return QuantizedWeight(pack_int4(codes), scales.float().contiguous(), zeros.to(torch.uint8), 4, group)
+
+
+def check_shape(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> None:
+    """KilnError unless a [N, K] weight can take the scheme (K a multiple of the group)."""
+    if len(shape) != 2:
+        raise KilnError(f"cannot quantize {name}: expected a 2-D weight, got shape {list(shape)}")
+    k = shape[1]
+    if scheme.bits == 4 and k % scheme.group:
+        raise KilnError(
+            f"cannot quantize {name} to int4 with group {scheme.group}: its K = {k} is not a multiple of "
+            f"{scheme.group}; pick a group that divides {k} (one of {[g for g in INT4_GROUPS if k % g == 0]}) "
+            "or use int8"
+        )
+
+
+def quantize_rtn(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
+    """Round-to-nearest quantization of w [N, K] (any float dtype, any device, meta included)."""
+    check_shape("weight", tuple(w.shape), scheme)
+    n, k = w.shape
+    group = k if scheme.bits == 8 else scheme.group
+    wg = w.float().reshape(n * (k // group), group)
+    scale, zero = group_params(wg, scheme.bits, scheme.symmetric)
+    codes, _ = fake_quant(wg, scale, zero, scheme.bits, scheme.symmetric)
+    shaped = (n, k // group)
+    return store(codes.reshape(n, k), scale.reshape(shaped), zero.reshape(shaped), scheme.bits, group, scheme.symmetric)
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [N, K] matrix a QuantizedWeight stands for."""
+    return dequantize_parts(qw.qweight, qw.scales, qw.zeros, qw.bits, qw.group).to(dtype)
+
+
+def dequantize_parts(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group: int
+) -> torch.Tensor:
+    """fp32 weights from the stored tensors; works on any leading rows (gathered embedding rows included)."""
+    if bits == 8:
+        return qweight.float() * scales.float()[..., None]
+    lead = qweight.shape[:-1]
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(*lead, -1).float()
+    z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)
+    codes = codes.reshape(*lead, scales.shape[-1], group)
+    return ((codes - z[..., None]) * scales.float()[..., None]).reshape(*lead, -1)
+
+
+def stored_bytes(qw: QuantizedWeight) -> int:
+    return sum(t.numel() * t.element_size() for t in (qw.qweight, qw.scales, qw.zeros) if t is not None)

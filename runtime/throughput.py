@@ -1,0 +1,140 @@
+"""Offline throughput: replay a seeded synthetic trace through an engine and measure it.
+
+Every request of the trace arrives at once (an offline batch, as in vLLM's throughput benchmark); outputs
+have exactly their sampled length (greedy, ignore_eos). The same trace runs with continuous batching and with
+the static baseline (kiln.runtime.scheduler's "static" policy: a batch of up to max_num_seqs requests is
+admitted only when the previous batch has completely finished) on the same step model, in the same process.
+Finished members leave a static batch instead of decoding padding, so the baseline is if anything flattered.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import SamplingParams
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """"100:1024" -> (100, 1024); "64" -> (64, 64)."""
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise ValueError(f"{text!r}: expected LO:HI with 1 <= LO <= HI")
+    return a, b
+
+
+def make_trace(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], *, vocab: int,
+               context: int, seed: int = 0) -> tuple[list[TraceRequest], int]:
+    """Seeded requests with uniform lengths; pairs longer than the context are shortened (returns how many)."""
+    rng = random.Random(seed)
+    trace, clipped = [], 0
+    for _ in range(num_requests):
+        n_in, n_out = rng.randint(*input_len), rng.randint(*output_len)
+        if n_in + n_out > context:
+            clipped += 1
+            n_out = max(1, min(n_out, context // 2))
+            n_in = min(n_in, context - n_out)
+        trace.append(TraceRequest([rng.randrange(vocab) for _ in range(n_in)], n_out))
+    return trace, clipped
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    s = sorted(xs)
+
+    def pct(q: float) -> float:
+        return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+    return {"mean": sum(s) / len(s), "p50": pct(0.5), "p99": pct(0.99)}
+
+
+def run_trace(engine: Engine, trace: list[TraceRequest], *, label: str = "",
+              progress: Callable[[str], None] | None = None, progress_every_s: float = 5.0) -> dict:
+    """Run every request to completion; throughput, TTFT and TPOT (seconds) over the whole trace."""
+    start = time.perf_counter()
+    for i, r in enumerate(trace):
+        params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(prompt_token_ids=r.prompt_token_ids, params=params, request_id=f"{label}{i}")
+    finished = []
+    last = start
+    while engine.has_unfinished():
+        finished += [o for o in engine.step() if o.finished]
+        now = time.perf_counter()
+        if progress is not None and now - last >= progress_every_s:
+            progress(f"{label or 'bench'}: {len(finished)}/{len(trace)} requests done, {now - start:.1f} s")
+            last = now
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
+    ttft = [o.metrics.first_token_time - start for o in finished]
+    tpot = [t for o in finished if (t := o.metrics.tpot_s(len(o.outputs[0].token_ids))) is not None]
+    st = engine.stats
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(finished) / elapsed,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "total_tokens_per_s": (out_tokens + sum(len(r.prompt_token_ids) for r in trace)) / elapsed,
+        "ttft_s": _stats(ttft),
+        "tpot_s": _stats(tpot),
+        "steps": st.num_steps,
+        "preemptions": st.num_preemptions,
+        "prefix_cache_hits": st.prefix_cache_hits,
+        "batched_tokens": st.num_batched_tokens,
+    }
+
+
+def environment(device: torch.device | str) -> dict:
+    """Where a benchmark ran: device name, library versions, git commit, date."""
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    try:
+        root = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "device": dev.type,
+        "device_name": name,
+        "torch": torch.__version__,
+        "triton": triton,
+        "python": sys.version.split()[0],
+        "git_commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def format_report(result: dict) -> str:
+    """The human-readable table of a throughput result (the JSON has everything)."""
+    lines = [f"{'':12}{'req/s':>9}{'out tok/s':>11}{'TTFT mean':>11}{'p50':>9}{'p99':>9}"
+             f"{'TPOT mean':>11}{'p50':>9}{'p99':>9}"]
+    for name in ("continuous", "static"):
+        r = result[name]
+        t, p = r["ttft_s"], r["tpot_s"]
+        lines.append(f"{name:12}{r['requests_per_s']:9.2f}{r['output_tokens_per_s']:11.1f}"
+                     f"{t['mean'] * 1e3:9.0f}ms{t['p50'] * 1e3:7.0f}ms{t['p99'] * 1e3:7.0f}ms"
+                     f"{p['mean'] * 1e3:9.1f}ms{p['p50'] * 1e3:7.1f}ms{p['p99'] * 1e3:7.1f}ms")
+    lines.append(f"continuous / static: {result['speedup']['output_tokens_per_s']:.2f}x output tokens/s, "
+                 f"{result['speedup']['ttft_mean']:.2f}x lower mean TTFT")
+    return "\n".join(lines)

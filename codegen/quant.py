@@ -15,7 +15,7 @@ from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_same_device, check_tens
 from kiln.errors import CodegenError
 
 GEMV_MAX_M = 4
-_GEMV_BLOCK_N, _GEMV_BLOCK_K = 16, 128
+_GEMV_BLOCK_N, _GEMV_BLOCK_K = 8, 256  # small N tiles: enough programs to keep every SM streaming
 _GEMM_BLOCK_N, _GEMM_BLOCK_K = 64, 64
 
 

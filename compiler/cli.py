@@ -192,7 +192,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return build_graph(loaded.model, dtype=TORCH_DTYPES[dtype_name], device="meta")
 
     gm = graph()
-    size = weight_bytes(gm)
     n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     if args.emit:
         written = emit(gm, args.emit, loaded.compile)
@@ -207,6 +206,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
             sys.stdout.write(format_graph(graph(), title=f"{loaded.model.name}: Level-1 graph (frontend)"))
             for path in sorted(Path(dump).glob("*.txt")):
                 sys.stdout.write("\n" + path.read_text())
+    size = weight_bytes(compiled.gm)  # after the passes: quantized weights count at their packed size
+    if "quantize" in compiled.passes:
+        from kiln.quality import weight_breakdown
+
+        parts = weight_breakdown(compiled.gm)
+        print(f"kiln: weights {parts['quantized'] / 2**20:.1f} MiB quantized + {parts['scales_zeros'] / 2**20:.1f} "
+              f"MiB scales/zeros + {parts['dense'] / 2**20:.1f} MiB dense (embeddings, norms, unquantized); "
+              f"{size / weight_bytes(graph()):.2f}x the {dtype_name} size", file=sys.stderr)
     print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
           f"passes: {', '.join(compiled.passes) or 'none'}; {len(compiled.kernels)} kernels "
           f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled)", file=sys.stderr)

@@ -26,7 +26,7 @@ from kiln.model_config import CompileConfig, ModelConfig
 from kiln.pipeline import build_pipeline, known_passes, order_passes, run_pipeline
 from kiln.runtime.step import StepBatch, kv_cache_shape
 
-STEP_ORDER = ("gqa_fusion", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling")
+STEP_ORDER = ("gqa_fusion", "quantize", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling")
 
 
 @dataclass

@@ -62,8 +62,9 @@ def parse_options(options: dict[str, Any] | None) -> Options:
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise KilnError(f"unknown option(s) {', '.join(map(repr, unknown))} for backend 'kiln'; "
-                        f"allowed: {', '.join(OPTIONS)}")
+        raise KilnError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for backend 'kiln'; allowed: {', '.join(OPTIONS)}"
+        )
     fallback = options.get("fallback", "eager")
     if fallback not in FALLBACKS:
         raise KilnError(f"option fallback={fallback!r} for backend 'kiln'; expected one of {', '.join(FALLBACKS)}")
@@ -154,8 +155,9 @@ def _dump(path: Path | None, name: str, gm: fx.GraphModule) -> None:
         (path / name).write_text(gm.print_readable(print_output=False))
 
 
-def kiln_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
-                 ) -> Callable[..., Any]:
+def kiln_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
     """The Dynamo backend (registered as "kiln" through the torch_dynamo_backends entry point)."""
     opts = parse_options(options)
     index = STATS.graphs
@@ -167,11 +169,18 @@ def kiln_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dic
     nz = normalize(gm, oracle.spec)
     _dump(dump, "01_normalized.py", gm)
     fallbacks = _fallbacks(gm, nz.rejections, opts.fallback)
-    regions = extract_regions(gm, example_inputs, use_kernels=opts.use_kernels, dump_dir=dump,
-                              overrides=opts.passes)
+    regions = extract_regions(gm, example_inputs, use_kernels=opts.use_kernels, dump_dir=dump, overrides=opts.passes)
     _dump(dump, "02_regions.py", gm)
-    report = GraphReport(index, nz.claims, nz.rejections, fallbacks, len(regions),
-                         sorted({k for r in regions for k in r.kernels}), dict(nz.masks), opts.fallback)
+    report = GraphReport(
+        index,
+        nz.claims,
+        nz.rejections,
+        fallbacks,
+        len(regions),
+        sorted({k for r in regions for k in r.kernels}),
+        dict(nz.masks),
+        opts.fallback,
+    )
     STATS.regions += len(regions)
     STATS.claims.update(report.counts())
     STATS.reports.append(report)

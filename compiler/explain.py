@@ -39,8 +39,10 @@ class ExplainReport:
         counts = ", ".join(f"{op} {n}" for op, n in sorted(self.counts().items())) or "nothing"
         lines = [f"kiln explain: {len(self.graphs)} graph(s); kiln kernels claimed: {counts}"]
         for g in self.graphs:
-            lines.append(f"graph {g.index}: {len(g.claims)} claim(s) in {g.regions} region(s); "
-                         f"kernels: {', '.join(g.kernels) or 'none'}; unclaimed parts run as {g.fallback}")
+            lines.append(
+                f"graph {g.index}: {len(g.claims)} claim(s) in {g.regions} region(s); "
+                f"kernels: {', '.join(g.kernels) or 'none'}; unclaimed parts run as {g.fallback}"
+            )
             for c in g.claims:
                 lines.append(f"  claimed   {c.op:<10} {c.site}" + (f"  ({c.detail})" if c.detail else ""))
             for name, (causal, window) in g.masks.items():

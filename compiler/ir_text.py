@@ -9,11 +9,21 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32"}
+_DTYPE = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+}
 
 
 def _type_of(node: fx.Node) -> str:
     val = node.meta.get("val")
+    if isinstance(val, (int, float, bool)):  # plain scalar inputs (the step graph's host-side lengths)
+        return type(val).__name__
     if isinstance(val, torch.Tensor):
         dims = ", ".join(str(d) for d in val.shape)
         return f"{_DTYPE.get(val.dtype, str(val.dtype))}[{dims}]"

@@ -185,8 +185,16 @@ class Normalizer:
 
     # ---- editing ----------------------------------------------------------------------------------------
 
-    def emit(self, before: fx.Node, target: Any, args: tuple, *, method: bool = False, name: str | None = None,
-             after: bool = False) -> fx.Node:
+    def emit(
+        self,
+        before: fx.Node,
+        target: Any,
+        args: tuple,
+        *,
+        method: bool = False,
+        name: str | None = None,
+        after: bool = False,
+    ) -> fx.Node:
         """Insert a call (function, or method when `method`) next to `before` and fill its example value."""
         ctx = self.graph.inserting_after(before) if after else self.graph.inserting_before(before)
         with ctx:
@@ -211,8 +219,9 @@ class Normalizer:
             x = self.emit(before, "transpose", (x, 1, 2), method=True)
         return self.emit(before, "flatten", (x, -2), method=True)
 
-    def claim(self, node: fx.Node, op: str, args: tuple, *, layout: tuple[str, int, int] | None = None,
-              detail: str = "") -> fx.Node:
+    def claim(
+        self, node: fx.Node, op: str, args: tuple, *, layout: tuple[str, int, int] | None = None, detail: str = ""
+    ) -> fx.Node:
         """Insert kiln::<op>(args) before node and rewire node's users to it (through the [B, T, H, D] or
         [B, H, T, D] view of its flat output when layout = (form, H, D))."""
         new = self.emit(node, getattr(kiln_ops, op).default, args, name=f"kiln_{op}")

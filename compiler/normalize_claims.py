@@ -45,8 +45,9 @@ def claim_rms(nz: Normalizer, node: fx.Node, s: St, w: fx.Node) -> None:
     nz.claim(node, "rms_norm", (kiln_add(nz, x), w, s.p["eps"]), detail=f"eps={s.p['eps']:g}")
 
 
-def claim_layer_norm(nz: Normalizer, node: fx.Node, x: fx.Node, shape: object, w: object, b: object,
-                     eps: object) -> None:
+def claim_layer_norm(
+    nz: Normalizer, node: fx.Node, x: fx.Node, shape: object, w: object, b: object, eps: object
+) -> None:
     tx = tensor(x)
     if tx is None or tx.dtype not in _FLOATS or tx.dim() < 2:
         return nz.reject(node, "layer_norm", "input is not a float tensor of rank >= 2")
@@ -132,8 +133,17 @@ def _mask(nz: Normalizer, node: fx.Node, mask: fx.Node, t: object, s: object) ->
     return spec
 
 
-def claim_attention(nz: Normalizer, node: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, mask: object,
-                    is_causal: bool, scale: float, enable_gqa: bool) -> None:
+def claim_attention(
+    nz: Normalizer,
+    node: fx.Node,
+    q: fx.Node,
+    k: fx.Node,
+    v: fx.Node,
+    mask: object,
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+) -> None:
     (kb, krep), (vb, vrep) = _kv(nz, k), _kv(nz, v)
     tq, tk, tv = tensor(q), tensor(kb), tensor(vb)
     if tk is None or tv is None or tk.dim() != 4 or tv.dim() != 4:
@@ -166,5 +176,14 @@ def claim_attention(nz: Normalizer, node: fx.Node, q: fx.Node, k: fx.Node, v: fx
     nz.claim(node, "attention", (qf, kf, vf, h, hkv, causal, window, scale), layout=("bhtd", h, d), detail=detail)
 
 
-__all__ = ["claim_act", "claim_attention", "claim_gated", "claim_layer_norm", "claim_linear", "claim_rms",
-           "claim_rope", "kiln_add", "kiln_ops"]
+__all__ = [
+    "claim_act",
+    "claim_attention",
+    "claim_gated",
+    "claim_layer_norm",
+    "claim_linear",
+    "claim_rms",
+    "claim_rope",
+    "kiln_add",
+    "kiln_ops",
+]

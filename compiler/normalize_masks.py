@@ -67,8 +67,9 @@ def _subgraph(gm: fx.GraphModule, outputs: Sequence[fx.Node]) -> tuple[fx.GraphM
             return f"the mask is computed through {n.op} {n.target}"
         if n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("__"):
             return f"the mask is computed with an in-place op ({n.target})"
-        if n.op == "call_function" and (n.target in _MUTATING or getattr(n.target, "_schema", None) is not None
-                                        and n.target._schema.is_mutable):
+        if n.op == "call_function" and (
+            n.target in _MUTATING or getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
+        ):
             return f"the mask is computed with a mutating op ({n.target})"
     graph, env, idx = fx.Graph(), {}, []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -72,8 +72,9 @@ class Region:
             outs = self.fast(*[x.contiguous() for i, x in enumerate(inputs) if i not in self.frozen])
         else:
             if self.fallbacks == 0 and self.fast is not None:
-                warnings.warn(f"kiln region {self.rid}: a frozen weight changed; running its reference ops",
-                              stacklevel=2)
+                warnings.warn(
+                    f"kiln region {self.rid}: a frozen weight changed; running its reference ops", stacklevel=2
+                )
             self.fallbacks += 1
             outs = self.ref(*[x.contiguous() for x in inputs])
         return [o.contiguous() for o in outs]
@@ -134,8 +135,14 @@ def _fast_graph(ref: fx.GraphModule, frozen: dict[int, tuple[torch.Tensor, int]]
     return gm
 
 
-def _build(ref: fx.GraphModule, frozen: dict, names: dict, use_kernels: bool | None, dump_dir: Path | None,
-           overrides: dict[str, bool] | None) -> tuple[Callable, list[str], list[str]]:
+def _build(
+    ref: fx.GraphModule,
+    frozen: dict,
+    names: dict,
+    use_kernels: bool | None,
+    dump_dir: Path | None,
+    overrides: dict[str, bool] | None,
+) -> tuple[Callable, list[str], list[str]]:
     from kiln.compile import compile_model
 
     gm = _fast_graph(ref, frozen, names)
@@ -144,9 +151,14 @@ def _build(ref: fx.GraphModule, frozen: dict, names: dict, use_kernels: bool | N
     return compiled.gm, compiled.passes, kernels
 
 
-def extract_regions(gm: fx.GraphModule, example_inputs: Sequence[object], *, use_kernels: bool | None = None,
-                    dump_dir: str | os.PathLike | None = None, overrides: dict[str, bool] | None = None
-                    ) -> list[Region]:
+def extract_regions(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    use_kernels: bool | None = None,
+    dump_dir: str | os.PathLike | None = None,
+    overrides: dict[str, bool] | None = None,
+) -> list[Region]:
     """Replace every group of kiln ops in gm by a kiln_dynamo::region call (in place); returns the regions."""
     parts = CapabilityBasedPartitioner(gm, _KilnOps(), allows_single_node_partition=True).propose_partitions()
     if not parts:
@@ -155,8 +167,12 @@ def extract_regions(gm: fx.GraphModule, example_inputs: Sequence[object], *, use
     # fuse_by_partitions re-creates the graph's nodes; aot_autograd (fallback="inductor") needs the source
     # Dynamo attached to each placeholder, so carry it over.
     sources = {n.name: n._dynamo_source for n in gm.graph.nodes if hasattr(n, "_dynamo_source")}
-    fuse_by_partitions(gm, [dict.fromkeys(sorted(p.nodes, key=order.__getitem__)) for p in parts],
-                       prefix=_PREFIX, always_return_tuple=True)
+    fuse_by_partitions(
+        gm,
+        [dict.fromkeys(sorted(p.nodes, key=order.__getitem__)) for p in parts],
+        prefix=_PREFIX,
+        always_return_tuple=True,
+    )
     placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     regions = []
     for node in list(gm.graph.nodes):
@@ -170,7 +186,7 @@ def extract_regions(gm: fx.GraphModule, example_inputs: Sequence[object], *, use
                 frozen[i], names[i] = (example, example._version), _weight_name(a.name)
         rid = next(_ids)
         region = Region(rid, ref, frozen, ops=[str(n.target).split(".")[1] for n in ref.graph.nodes if is_kiln(n)])
-        sub_dump = Path(dump_dir) / f"region_{rid}" if dump_dir is not None else None
+        sub_dump = Path(dump_dir) / f"region_{len(regions)}" if dump_dir is not None else None
         region.fast, region.passes, region.kernels = _build(ref, frozen, names, use_kernels, sub_dump, overrides)
         _REGIONS[rid] = region
         regions.append(region)

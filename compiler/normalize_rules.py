@@ -19,7 +19,7 @@ import math
 import torch
 from torch import fx
 
-from kiln.normalize import Normalizer, Op, St, canon, is_kiln, kiln_ops, same, same_shape, scalar, tensor
+from kiln.normalize import Normalizer, Op, St, is_kiln, kiln_ops, same, same_shape, scalar, tensor
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _ACTS = {"silu": "silu", "relu": "relu"}
@@ -366,4 +366,3 @@ RULES = {
     "add": _add, "mul": _mul, "matmul": _matmul, "sdpa": _sdpa, "linear": _linear, "silu": _act, "relu": _act,
     "gelu": _act, "layer_norm": _layer_norm,
 }  # fmt: skip
-assert all(canon is not None for canon in RULES.values())

@@ -2,7 +2,7 @@
 
 Matches:
 - kiln::attention (or kiln::flash_attention) whose q, k and v arguments are kiln::linear nodes, each
-  optionally behind a kiln::rope, all three reading the same input x, each used only on that path, with
+  optionally behind a kiln::rope, all three reading the same input x, (each may have other readers too), with
   weights (and biases, if any) read by get_attr;
 - kiln::gated_act whose gate and up arguments are kiln::linear nodes on one input, likewise.
 Emits: one kiln::linear over the concatenated weight (a new parameter `<site>.qkv.weight` or
@@ -34,8 +34,6 @@ def _projection(arg: object) -> fx.Node | None:
     """The kiln::linear behind an attention input, looking through one rope; None if it is not one."""
     node = arg
     if is_call(node, kiln_ops.rope.default):
-        if len(node.users) != 1:
-            return None
         node = node.args[0]
     return node if is_call(node, kiln_ops.linear.default) else None
 
@@ -46,7 +44,9 @@ def _fusable(gm: fx.GraphModule, linears: list[fx.Node | None]) -> bool:
     x = linears[0].args[0]
     for n in linears:
         w, b = n.args[1], n.args[2] if len(n.args) > 2 else None
-        if n.args[0] is not x or len(n.users) != 1 or n.kwargs:
+        # Other readers of a projection (e.g. the KV-cache update in a Dynamo graph) are fine: every use of the
+        # old linear is rewired to its piece of the split, which holds the same values.
+        if n.args[0] is not x or n.kwargs:
             return False
         if not (isinstance(w, fx.Node) and w.op == "get_attr"):
             return False

@@ -160,6 +160,8 @@ class Engine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.seqs:
+            # Cannot happen while the pool holds one max-length sequence; fail loudly rather than spin forever.
+            assert not self.scheduler.has_unfinished(), "the scheduler made no progress with requests queued"
             return outputs
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens

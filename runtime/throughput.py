@@ -79,7 +79,7 @@ def run_trace(engine: Engine, trace: list[TraceRequest], *, label: str = "",
         finished += [o for o in engine.step() if o.finished]
         now = time.perf_counter()
         if progress is not None and now - last >= progress_every_s:
-            progress(f"{label or 'bench'}: {len(finished)}/{len(trace)} requests done, {now - start:.1f} s")
+            progress(f"{label.rstrip('-') or 'bench'}: {len(finished)}/{len(trace)} requests done, {now - start:.1f} s")
             last = now
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_models import build_hf_model, prompts
 
-from kiln.dynamo_backend import STATS, OPTIONS, parse_options
+from kiln.dynamo_backend import OPTIONS, STATS, parse_options
 from kiln.errors import KilnError
 
 DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}

@@ -15,7 +15,7 @@ SCHEMES = {
     "int4-g32": QuantScheme(bits=4, group=32),
     "int4-g32-asym": QuantScheme(bits=4, group=32, symmetric=False),
 }
-SHAPES = [(72, 96), (40, 160)]  # (N, K)
+SHAPES = [(72, 96), (40, 160), (24, 416)]  # (N, K); K = 416 loops more than once in both kernels
 
 
 def _case(scheme: QuantScheme, m: int, n: int, k: int, bias: bool, dtype=torch.float32):

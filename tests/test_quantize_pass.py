@@ -7,6 +7,8 @@ against the fused graph with each weight replaced by the dequantized form of wha
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from pass_helper import check_pass
@@ -20,6 +22,7 @@ from kiln.passes import gqa_fusion
 from kiln.passes._graph import attr_tensor, set_param
 from kiln.passes.quantize import make_pass, quantize_graph
 from kiln.pipeline import build_pipeline, run_pipeline
+from kiln.quality import weight_breakdown
 from kiln.quantization import QuantScheme, dequantize, dequantize_parts, parse_scheme, quantize_rtn
 from kiln.spec_loader import load_spec
 
@@ -141,17 +144,26 @@ def _linear_bytes(gm) -> int:
     return sum(t.numel() * t.element_size() for n, t in tensors.items() if not n.startswith(skip) and "norm" not in n)
 
 
+def _meta_quantized(base, scheme):
+    gm = copy.deepcopy(base)
+    gqa_fusion.PASS.run(gm)
+    assert make_pass(scheme).run(gm).modified  # bytes only: no recompile or shape propagation needed
+    return gm
+
+
 def test_weight_bytes_int8_half_int4_quarter_plus_scales():
     cfg = load_spec("llama-3.2-1b").model  # real sizes, built on the meta device (nothing allocated)
     base = build_graph(cfg, dtype=torch.bfloat16, device="meta")
     ratios = {}
     for text in ("int8", "int4-g128", "int4-g128-asym"):
-        gm = quantize_graph(build_graph(cfg, dtype=torch.bfloat16, device="meta"), text)
+        gm = _meta_quantized(base, parse_scheme(text))
         ratios[text] = _linear_bytes(gm) / _linear_bytes(base)
         assert weight_bytes(gm) < weight_bytes(base)
     assert 0.5 <= ratios["int8"] < 0.502  # + one fp32 scale per output row
     assert ratios["int4-g128"] == pytest.approx(0.25 + 4 / 128 / 2)  # + an fp32 scale per 128 weights
     assert ratios["int4-g128-asym"] == pytest.approx(0.25 + 5 / 128 / 2)  # + a uint8 zero per group
-    whole = quantize_graph(build_graph(cfg, dtype=torch.bfloat16, device="meta"),
-                           parse_scheme("int8", lm_head=True, embeddings=True))
+    whole = _meta_quantized(base, parse_scheme("int8", lm_head=True, embeddings=True))
     assert 0.5 <= weight_bytes(whole) / weight_bytes(base) < 0.503
+    parts = weight_breakdown(whole)
+    assert parts["total"] == weight_bytes(whole) == parts["quantized"] + parts["scales_zeros"] + parts["dense"]
+    assert parts["quantized"] == weight_bytes(base) // 2 - parts["dense"] // 2  # norms stay bf16

@@ -1,0 +1,96 @@
+"""The Python API: `from kiln import LLM, SamplingParams`, generate and generate_stream in vLLM's shape."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kiln.errors import KilnError, RequestError
+from kiln.reference import generate
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kiln import LLM
+
+    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
+
+
+def test_import_kiln_stays_light_and_exports_the_api():
+    code = ("import sys, kiln; assert 'torch' not in sys.modules, 'import kiln pulled in torch'; "
+            "from kiln import LLM, SamplingParams; assert LLM.__name__ == 'LLM' and SamplingParams().max_tokens")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_generate_text_prompts_in_order_matching_the_reference(llm):
+    from kiln import SamplingParams
+    from kiln.build import load_model
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = ["Hello", "Once upon a time", "x"]
+    outs = llm.generate(prompts, params)
+    ref_gm = load_model("tiny-llama", device="cpu", seed=0).gm
+    assert [o.prompt for o in outs] == prompts
+    for o, p in zip(outs, prompts, strict=True):
+        want = generate(ref_gm, list(p.encode()), params, context=256).token_ids
+        assert o.outputs[0].token_ids == want and o.finished and o.outputs[0].finish_reason == "length"
+        assert o.prompt_token_ids == list(p.encode()) and o.outputs[0].text == llm.tokenizer.decode(want)
+        assert o.metrics.ttft_s is not None and o.metrics.ttft_s >= 0
+
+
+def test_generate_token_ids_and_per_prompt_params(llm):
+    from kiln import SamplingParams
+
+    outs = llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]],
+                        sampling_params=[SamplingParams(temperature=0, max_tokens=2),
+                                         SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 5]
+    single = llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(temperature=0, max_tokens=2))
+    assert single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_generate_stream_yields_deltas_that_add_up(llm):
+    from kiln import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    toks: dict[str, list[int]] = {}
+    finals = {}
+    for out in llm.generate_stream(["ab", "cd"], params):
+        toks.setdefault(out.request_id, []).extend(out.outputs[0].delta_token_ids)
+        if out.finished:
+            finals[out.request_id] = out.outputs[0].token_ids
+    assert len(finals) == 2 and all(toks[r] == finals[r] and len(finals[r]) == 7 for r in finals)
+    again = [o.outputs[0].token_ids for o in llm.generate(["ab", "cd"], params)]
+    assert sorted(again) == sorted(finals.values())
+
+
+def test_closing_a_stream_early_aborts_its_requests(llm):
+    from kiln import SamplingParams
+
+    stream = llm.generate_stream("abc", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+
+
+def test_bad_requests_raise_and_leave_nothing_queued(llm):
+    from kiln import SamplingParams
+
+    with pytest.raises(RequestError, match="temperature"):
+        llm.generate(["a", "b"], SamplingParams(temperature=-1))
+    with pytest.raises(RequestError, match="max_tokens"):
+        llm.generate(["a", "b" * 300], SamplingParams(max_tokens=4))  # the second is beyond the context
+    with pytest.raises(RequestError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()])
+    assert not llm.engine.has_unfinished()
+
+
+def test_pool_too_small_is_refused_at_start_up():
+    from kiln import LLM
+
+    with pytest.raises(KilnError, match="--num-blocks"):
+        LLM("tiny-llama", device="cpu", num_blocks=8)

@@ -1,0 +1,164 @@
+"""kiln.normalize on Dynamo graphs of small modules: what is claimed, what is refused and why, and that the
+normalized graph (kiln ops on their reference implementations) still computes what eager torch does."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.normalize import normalize
+from kiln.normalize_masks import MaskOracle, infer_spec
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def normalized(fn, *inputs):
+    """(normalizer, eager result, normalized-graph result) for fn's single Dynamo graph."""
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    with torch.no_grad():
+        want = torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*inputs)
+        ((gm, example),) = seen
+        nz = normalize(gm, MaskOracle(gm, example).spec)
+        got = gm(*example)
+    return nz, want, got[0] if isinstance(got, (tuple, list)) else got
+
+
+def claimed(nz) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in nz.claims:
+        out[c.op] = out.get(c.op, 0) + 1
+    return out
+
+
+def rms(x, w, eps=1e-6):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def test_rms_norm_is_claimed_with_the_residual_add():
+    x, r, w = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(16)
+    nz, want, got = normalized(lambda x, r, w: rms(x + r, w), x, r, w)
+    assert claimed(nz) == {"rms_norm": 1, "add": 1}
+    torch.testing.assert_close(got, want)
+
+
+def test_rms_norm_with_promoting_weight_is_refused():
+    x, w = torch.randn(2, 3, 16, dtype=torch.bfloat16), torch.randn(16)  # fp32 weight * bf16 -> fp32 output
+    nz, want, got = normalized(rms, x, w)
+    assert claimed(nz) == {}
+    assert [r.pattern for r in nz.rejections] == ["rms_norm"] and "promotes" in nz.rejections[0].reason
+    torch.testing.assert_close(got, want)
+
+
+def rope_attention(q, k, v, pos, inv, scaling=1.0, mask=None):
+    """HF's rotary embedding (rotate-half) and eager attention with repeat_kv, on [B, H, T, D] heads."""
+    freqs = pos[..., None].float() * inv.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * scaling).to(q.dtype).unsqueeze(1), (emb.sin() * scaling).to(q.dtype).unsqueeze(1)
+
+    def rot(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+        return torch.cat((-x2, x1), dim=-1)
+
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    b, hkv, s, d = k.shape
+    rep = q.shape[1] // hkv
+    k = k[:, :, None, :, :].expand(b, hkv, rep, s, d).reshape(b, hkv * rep, s, d)
+    v = v[:, :, None, :, :].expand(b, hkv, rep, s, d).reshape(b, hkv * rep, s, d)
+    w = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(d)
+    if mask is not None:
+        w = w + mask
+    p = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v).transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def heads(t=6):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, t, 8, generator=g) for h in (4, 2, 2))
+    pos = torch.arange(t)[None].expand(2, t)
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    return q, k, v, pos, inv
+
+
+def causal_bias(t, s, window=0):
+    i, j = torch.arange(t)[:, None] + (s - t), torch.arange(s)[None, :]
+    ok = (j <= i) & ((i - j < window) if window else True)
+    return torch.zeros(t, s).masked_fill(~ok, torch.finfo(torch.float32).min)[None, None]
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_rope_and_gqa_attention_with_a_causal_or_window_mask(window):
+    q, k, v, pos, inv = heads()
+    mask = causal_bias(6, 6, window)
+    nz, want, got = normalized(lambda *a: rope_attention(*a, mask=mask), q, k, v, pos, inv)
+    assert claimed(nz) == {"rope": 2, "attention": 1}
+    assert list(nz.masks.values()) == [(True, window)]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_with_attention_scaling_and_attention_with_a_bias_are_refused():
+    q, k, v, pos, inv = heads()
+    bias = torch.randn(1, 1, 6, 6)
+    nz, want, got = normalized(lambda *a: rope_attention(*a, scaling=0.9, mask=bias), q, k, v, pos, inv)
+    assert claimed(nz) == {}
+    assert any("additive bias" in r.reason for r in nz.rejections)
+    torch.testing.assert_close(got, want)
+
+
+def test_sdpa_forms():
+    q, k, v, _, _ = heads()
+    nz, want, got = normalized(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), q, k, v
+    )
+    assert claimed(nz) == {"attention": 1}
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # is_causal with fewer queries than keys: sdpa aligns top-left, kiln bottom-right -> refused
+    nz, want, got = normalized(
+        lambda q, k, v: F.scaled_dot_product_attention(q[:, :, :2], k, v, is_causal=True, enable_gqa=True), q, k, v
+    )
+    assert claimed(nz) == {} and "is_causal" in nz.rejections[0].reason
+    # dropout is not a kiln attention
+    nz, _, _ = normalized(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True), q, k, v
+    )
+    assert claimed(nz) == {} and "dropout" in nz.rejections[0].reason
+
+
+def gelu_new(x):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def test_mlps():
+    x, g, u = torch.randn(2, 3, 8), torch.randn(16, 8), torch.randn(16, 8)
+    nz, want, got = normalized(lambda x: F.silu(F.linear(x, g)) * F.linear(x, u), x)
+    assert claimed(nz) == {"linear": 2, "gated_act": 1}
+    torch.testing.assert_close(got, want)
+    nz, want, got = normalized(gelu_new, x)
+    assert claimed(nz) == {"act": 1} and nz.claims[0].detail == "gelu_tanh"
+    torch.testing.assert_close(got, want)
+    nz, want, got = normalized(lambda x: F.layer_norm(x, (8,), torch.ones(8), torch.zeros(8)), x)
+    assert claimed(nz) == {"layer_norm": 1}
+    torch.testing.assert_close(got, want)
+
+
+def test_infer_spec():
+    assert infer_spec(causal_bias(5, 5)) == (True, 0)
+    assert infer_spec(causal_bias(1, 9, window=4)) == (True, 4)
+    assert infer_spec(torch.ones(1, 1, 4, 4, dtype=torch.bool)) == (False, 0)
+    padded = causal_bias(4, 4).expand(2, 1, 4, 4).clone()
+    padded[0, ..., 0] = torch.finfo(torch.float32).min
+    assert "padding" in infer_spec(padded)

@@ -4,26 +4,25 @@ path, which recomputes the whole sequence for every token), on the same model in
     python bench/kv_cache.py [--spec tiny-llama] [--tokens 200] [--prompt-len 16] [--device auto]
 
 Prints tokens/s of both and their ratio, checks both generated the same greedy tokens, and writes
-bench/results/kv_cache-<device>-<date>.json (--out-dir to change where).
+bench/results/kv_cache-<device>-<date>.json (--out-dir to change where; metadata from bench_meta.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
-import json
 import random
 import sys
 import time
 from pathlib import Path
+
+from bench_meta import result_path, run_metadata, write_json
 
 from kiln.build import load_model
 from kiln.compile_step import compile_step
 from kiln.reference import generate
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
-from kiln.runtime.throughput import environment
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -47,7 +46,7 @@ def run(spec: str, tokens: int, prompt_len: int, device: str, seed: int = 0) -> 
         return generate(ref_gm, prompt, params, context=m.model.context).token_ids
 
     cached()  # warm-up (first-call allocations, kernel loading)
-    result = {"model": m.model.name, **environment(m.device), "prompt_len": prompt_len, "tokens": tokens}
+    result = {"model": m.model.name, **run_metadata(), "prompt_len": prompt_len, "tokens": tokens}
     for name, fn in (("cached", cached), ("uncached", uncached)):
         if m.device.type == "cuda":
             import torch
@@ -73,14 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     r = run(args.spec, args.tokens, args.prompt_len, args.device)
-    print(f"{r['model']} on {r['device_name']}: {r['tokens']} tokens after a {r['prompt_len']}-token prompt\n"
+    print(f"{r['model']} on {r['device']}: {r['tokens']} tokens after a {r['prompt_len']}-token prompt\n"
           f"  cached (engine, paged KV):     {r['cached']['tokens_per_s']:9.1f} tokens/s\n"
           f"  uncached (reference.generate): {r['uncached']['tokens_per_s']:9.1f} tokens/s\n"
           f"  ratio {r['ratio']:.2f}x; same greedy tokens: {r['same_tokens']}")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    day = datetime.date.today().isoformat()
-    path = args.out_dir / f"kv_cache-{r['device']}-{day}.json"
-    path.write_text(json.dumps(r, indent=2) + "\n")
+    path = write_json(result_path(args.out_dir, "kv_cache"), r)
     print(f"wrote {path}", file=sys.stderr)
     return 0 if r["same_tokens"] else 1
 

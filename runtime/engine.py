@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -104,9 +105,11 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; give prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(text)
-        ids = self._check_prompt(list(prompt_token_ids), params)
+        ids = self._check_prompt(prompt_token_ids, params)
         order = next(self._ids)
         rid = str(order) if request_id is None else str(request_id)
+        while request_id is None and rid in self.requests:  # a caller took this number as its own id
+            rid = str(next(self._ids))
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
         req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop),
@@ -115,11 +118,15 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
         vocab = self.model.vocab
+        try:  # ints of any kind (numpy, 0-d tensors), but not floats
+            ids = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise RequestError("prompt_token_ids must be a sequence of integer token ids") from None
         if not ids:
             raise RequestError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt_token_ids {bad[:8]} out of range; allowed: integers 0 <= id < {vocab} "
                                "(was the prompt encoded with this model's tokenizer?)")

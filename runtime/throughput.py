@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import platform
 import random
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,28 +101,29 @@ def run_trace(engine: Engine, trace: list[TraceRequest], *, label: str = "",
 
 
 def environment(device: torch.device | str) -> dict:
-    """Where a benchmark ran: device name, library versions, git commit, date."""
+    """Where a benchmark ran, with the same keys as bench/bench_meta.py: device, versions, git commit, date."""
     dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     try:
         triton = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton = None
+    return {"device": name, "torch": torch.__version__, "triton": triton, "cuda": torch.version.cuda,
+            "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
     try:
-        root = Path(__file__).resolve().parent.parent
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "device": dev.type,
-        "device_name": name,
-        "torch": torch.__version__,
-        "triton": triton,
-        "python": sys.version.split()[0],
-        "git_commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty else "") if head.returncode == 0 else "unknown"
 
 
 def format_report(result: dict) -> str:

@@ -31,7 +31,7 @@ def test_bench_throughput_reports_both_policies(capsys):
     out, err = capsys.readouterr()
     assert code == 0
     r = json.loads(out)
-    assert r["device"] == "cpu" and r["trace"]["num_requests"] == 10 and r["model"] == "tiny-llama"
+    assert r["device"].startswith("cpu") and r["trace"]["num_requests"] == 10 and r["model"] == "tiny-llama"
     for policy in ("continuous", "static"):
         m = r[policy]
         assert m["requests_per_s"] > 0 and m["output_tokens_per_s"] > 0
@@ -52,7 +52,8 @@ def test_bench_throughput_plain_table_and_bad_flags(capsys):
     assert "--input-len" in capsys.readouterr()[1]
 
 
-def test_kv_cache_bench_writes_its_json(tmp_path):
+def test_kv_cache_bench_writes_its_json(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta, as when run as a script
     spec = importlib.util.spec_from_file_location("kv_cache_bench", ROOT / "bench" / "kv_cache.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -61,4 +62,4 @@ def test_kv_cache_bench_writes_its_json(tmp_path):
     assert len(files) == 1
     r = json.loads(files[0].read_text())
     assert r["same_tokens"] and r["tokens"] == 12 and r["ratio"] > 0
-    assert {"torch", "triton", "git_commit", "date", "device"} <= set(r)
+    assert {"torch", "triton", "commit", "date", "device"} <= set(r)

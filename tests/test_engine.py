@@ -129,3 +129,16 @@ def test_generated_kernels_match_the_reference(trace):
     step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=True)
     got, _ = run_all(Engine(step, m.tokenizer, m.model, max_num_seqs=2), [(prompt, 3)])
     assert got == [want]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decodes_match_the_reference(trace):
+    """On CUDA: generated kernels, decode steps replayed from captured graphs (padded batch sizes)."""
+    m = load_model("tiny-llama", device="cuda", seed=0)
+    ref_gm = copy.deepcopy(m.gm)
+    step = compile_step(m.gm, m.model, m.compile, device="cuda", use_kernels=True)
+    engine = Engine(step, m.tokenizer, m.model, max_num_seqs=8, use_cuda_graphs=True)
+    assert sorted(engine.runner.graphs) == [1, 2, 4, 8], "CUDA graph capture failed (see stderr)"
+    want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=256).token_ids for p, n in trace[:6]]
+    got, _ = run_all(engine, trace[:6])
+    assert got == want

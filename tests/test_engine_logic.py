@@ -123,11 +123,15 @@ def test_bad_requests_are_refused_and_the_others_still_finish(prompt, params, ne
     assert done == {good: fake_generate([5, 6, 7], 5, V), also: fake_generate([8], 3, V)}
 
 
-def test_duplicate_request_id_is_refused():
+def test_duplicate_request_id_is_refused_and_generated_ids_avoid_taken_ones():
     e = engine()
     e.add_request(prompt_token_ids=[1], params=greedy(2), request_id="x")
     with pytest.raises(RequestError, match="request_id"):
         e.add_request(prompt_token_ids=[1], params=greedy(2), request_id="x")
+    e.add_request(prompt_token_ids=[1], params=greedy(2), request_id="4")
+    assert {e.add_request(prompt_token_ids=[1], params=greedy(2)) for _ in range(3)} == {"3", "5", "6"}
+    with pytest.raises(RequestError, match="prompt_token_ids"):
+        e.add_request(prompt_token_ids=[1.5], params=greedy(2))
 
 
 def test_pool_too_small_for_one_context_is_refused_at_start_up():

@@ -51,12 +51,14 @@ def load_model(
     dtype: str | None = None,
     device: str = "auto",
     seed: int = 0,
+    quantize: str | None = None,
 ) -> LoadedModel:
     """Build the Level-1 graph with weights.
 
     spec: a .kiln path or a bundled spec name; when None it is read from the checkpoint's config.json, or the
     bundled default spec is used when there is no checkpoint either. weights: a HF checkpoint directory; when
-    None the weights are seeded random. dtype overrides the spec's compile part (CLI flags win).
+    None the weights are seeded random. dtype and quantize (a scheme name such as int8 or int4-gptq-g128)
+    override the spec's compile part (CLI flags win).
     """
     from kiln.frontend import build_graph
     from kiln.spec_loader import DEFAULT_SPEC, load_spec
@@ -81,6 +83,10 @@ def load_model(
         if dtype not in DTYPES:
             raise KilnError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
+    if quantize is not None:
+        from kiln.quantization import parse_scheme
+
+        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
     tdtype = TORCH_DTYPES[comp.dtype]
 
     params = None

@@ -1,4 +1,4 @@
-"""The `kiln` command line: run, check, fmt, import, compile.
+"""The `kiln` command line: run, check, fmt, import, compile, bench.
 
 User errors (KilnError) print one message without a traceback and exit 2; `--debug` shows the traceback.
 Generated text goes to stdout, everything else (timings, notes, progress) to stderr.
@@ -7,6 +7,7 @@ Generated text goes to stdout, everything else (timings, notes, progress) to std
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -15,6 +16,8 @@ from pathlib import Path
 from kiln.errors import KilnError, SpecError
 
 EXIT_USER_ERROR = 2
+QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
+                 "(overrides the spec's `quantize`)")
 
 
 def _ids(text: str) -> list[int]:
@@ -47,7 +50,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     params.validate()
     t0 = time.perf_counter()
-    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0)
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,
+                   quantize=args.quantize)
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(args.prompt)
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
@@ -88,7 +92,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise KilnError(f"--input-len / --output-len: {e}") from None
     if args.num_requests < 1:
         raise KilnError(f"--num-requests {args.num_requests}: give at least 1")
-    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed)
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
+                   quantize=args.quantize)
     trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=m.model.vocab,
                                 context=m.model.context, seed=args.seed)
     if clipped:
@@ -117,6 +122,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          "requests_per_s": c["requests_per_s"] / st["requests_per_s"],
                          "ttft_mean": st["ttft_s"]["mean"] / max(c["ttft_s"]["mean"], 1e-9)}
     print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from kiln.quality import DEFAULT_SCHEMES, bench_quality_main
+
+    schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
+    bench_quality_main(args.spec, args.weights, schemes=schemes, positions=args.positions, eval_text=args.eval_text,
+                       calibration=args.calibration, dtype=args.dtype, device=args.device, json=args.json)
     return 0
 
 
@@ -186,6 +200,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     loaded = load_spec(args.spec)
     dtype_name = args.dtype or loaded.compile.dtype
+    comp = loaded.compile
+    if args.quantize:
+        from kiln.quantization import parse_scheme
+
+        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(args.quantize)})
 
     # Meta tensors: the graph and every shape are real, the weights cost no memory (an 8B spec builds instantly).
     def graph():
@@ -194,12 +213,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     gm = graph()
     n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     if args.emit:
-        written = emit(gm, args.emit, loaded.compile)
+        written = emit(gm, args.emit, comp)
         print(f"kiln: wrote {len(written)} files under {args.emit} (graphs/ after every pass, kernels/)",
               file=sys.stderr)
         gm = graph()
     with tempfile.TemporaryDirectory() as dump:
-        compiled = compile_model(gm, loaded.compile, use_kernels=True, dump_dir=dump if args.dump_ir else None)
+        compiled = compile_model(gm, comp, use_kernels=True, dump_dir=dump if args.dump_ir else None)
         if args.dump_ir:
             from kiln.ir_text import format_graph
 
@@ -243,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     r.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
+    r.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     _engine_flags(r)
     r.set_defaults(func=cmd_run)
 
@@ -274,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--emit", metavar="DIR", help="write the graph after every pass and every generated kernel "
                    "(a .py file with a header naming op, shapes, dtypes and tile config) under DIR")
     k.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    k.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     k.set_defaults(func=cmd_compile)
 
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
@@ -293,8 +314,23 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     t.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     t.add_argument("--json", action="store_true", help="print the full result as JSON")
+    t.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     _engine_flags(t)
     t.set_defaults(func=cmd_bench)
+
+    qb = bsub.add_parser("quality", help="quantization schemes against the unquantized model",
+                         description="Relative logit error and top-1 agreement of each quantization scheme "
+                         "against the unquantized model, over the same evaluation tokens.")
+    qb.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    qb.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,int4-gptq-g128)")
+    qb.add_argument("--positions", type=int, default=256, help="evaluated positions (default 256)")
+    qb.add_argument("--eval-text", metavar="FILE", help="text to evaluate on (default: seeded random tokens)")
+    qb.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
+    qb.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    qb.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    qb.add_argument("--json", action="store_true", help="print the report as JSON")
+    qb.set_defaults(func=cmd_bench_quality)
     return p
 
 

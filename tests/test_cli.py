@@ -144,3 +144,29 @@ def test_console_script_is_installed():
         res = subprocess.run([exe, *argv], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         assert "usage: kiln" in res.stdout
+
+
+def test_run_with_quantize_flag_and_bad_scheme(capsys):
+    code, out, err = run_cli(capsys, "run", "--quantize", "int4-g32", "--prompt-ids", "1,2,3", "--max-tokens", "4",
+                             "--temperature", "0", "--json")
+    assert code == 0
+    assert len(json.loads(out)["token_ids"]) == 4
+    code, _, err = run_cli(capsys, "run", "--quantize", "int5", "--prompt", "x")
+    assert code == 2
+    assert "--quantize 'int5'" in err and "int8" in err
+
+
+def test_compile_reports_quantized_weight_bytes(capsys):
+    code, _, plain = run_cli(capsys, "compile", "llama-3.2-1b", "--dtype", "bf16")
+    assert code == 0
+    code, _, quant = run_cli(capsys, "compile", "llama-3.2-1b", "--dtype", "bf16", "--quantize", "int4-g128")
+    assert code == 0
+    assert "passes: gqa_fusion, quantize" in quant
+    ratio = float(quant.split("MiB dense (embeddings, norms, unquantized); ")[1].split("x the bf16")[0])
+    assert 0.3 < ratio < 0.5  # linears at ~1/4 plus scales; the 128256 x 2048 embedding stays bf16
+
+
+def test_bench_quality_table(capsys):
+    code, out, _ = run_cli(capsys, "bench", "quality", "tiny-llama", "--positions", "32", "--schemes", "int8,int4-g32")
+    assert code == 0
+    assert "int8" in out and "int4-rtn-g32" in out and "top-1" in out

@@ -92,11 +92,15 @@ def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, b
 
 
 def k_paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
-                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale):
+                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales=None,
+                      tile=None):  # fmt: skip
+    # tile: (block_m, block_n, warps, stages) of a spec's fixed flash tile (compile_step pins it), else the default.
     from kiln.codegen import paged
 
+    tile = _cg()[4].TileConfig(*tile) if tile is not None else None
     return paged.paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
-                                 max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale)
+                                 max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale,
+                                 kv_scales=kv_scales, tile=tile)
 
 
 def k_linear_w8(x, qweight, scales, bias):

@@ -124,8 +124,9 @@ def build_pipeline(
 
     The starting list is DEFAULT_PIPELINE, or `compile_cfg.extra["passes"]` (a list of names) when given;
     `compile_cfg.extra["quantize"]` (a scheme, see kiln.quantization) adds the quantize pass bound to it;
-    `compile_cfg.extra["disable_passes"]` drops names; `overrides` (CLI flags) map a pass name to True
-    (run it) or False (skip it) and win over the config.
+    `compile_cfg.extra["attention"]` (the spec's `attention = ...`) turns flash_tiling off (reference) or pins its
+    tile (flash with block_m / block_n / ...); `compile_cfg.extra["disable_passes"]` drops names; `overrides`
+    (CLI flags) map a pass name to True (run it) or False (skip it) and win over the config.
     """
     registry = known_passes() if registry is None else registry
     extra = compile_cfg.extra if compile_cfg is not None else {}
@@ -136,7 +137,15 @@ def build_pipeline(
         registry = {**registry, "quantize": make_pass(extra["quantize"])}
         if "quantize" not in names:
             names.insert(names.index("gqa_fusion") + 1 if "gqa_fusion" in names else 0, "quantize")
-    wanted = {n: True for n in names} | {n: False for n in extra.get("disable_passes", ())} | dict(overrides or {})
+    attention = extra.get("attention") or {}
+    off = {n: False for n in extra.get("disable_passes", ())}
+    if attention.get("kind") == "reference":  # attention stays kiln::attention: the reference op / default kernel
+        off["flash_tiling"] = False
+    elif attention.get("tile"):
+        from kiln.passes.flash_tiling import make_pass as tiled
+
+        registry = {**registry, "flash_tiling": tiled(attention["tile"])}
+    wanted = {n: True for n in names} | off | dict(overrides or {})
     unknown = sorted(n for n in wanted if n not in registry)
     if unknown:
         raise PassError(f"unknown pass(es) {', '.join(unknown)}; known passes: {', '.join(sorted(registry))}")

@@ -6,13 +6,9 @@ carries on with a placeholder, and resolve() raises one SpecError holding them a
 
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
-
-from kiln.errors import Diagnostic, SpecError
+from kiln.errors import SpecError
 from kiln.formatter import format_expr
 from kiln.model_config import (
-    DTYPES,
     GATED_ACTS,
     PLAIN_ACTS,
     AttentionCall,
@@ -28,136 +24,21 @@ from kiln.model_config import (
     Var,
 )
 from kiln.model_config import Add as AddExpr
-from kiln.parser import source_line
-from kiln.spec_ast import (
-    BinOp,
-    Bool,
-    Call,
-    CompileBlock,
-    Expr,
-    LayerBlock,
-    ModelBlock,
-    Name,
-    Num,
-    Setting,
-    SpecFile,
-    Str,
-)
+from kiln.spec_ast import BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Setting, SpecFile
+from kiln.validate_compile import COMPILE_KEYS, PLANNED_COMPILE_KEYS, compile_config
+from kiln.validate_values import _bool, _config_call, _enum, _float, _int, _kwargs, _Report, _suggest, _unique
+
+__all__ = ["COMPILE_KEYS", "MODEL_KEYS", "PLANNED_COMPILE_KEYS", "resolve"]
 
 SIZE_KEYS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "ffn", "context")
 MODEL_KEYS = (*SIZE_KEYS, "norm", "rope", "positions", "tie_embeddings", "final_norm")
 REQUIRED = {"vocab": "32000", "dim": "4096", "layers": "32", "heads": "32", "context": "8192",
             "norm": "rms(eps = 1e-5)"}
-COMPILE_KEYS = ("dtype", "quantize")
-PLANNED_COMPILE_KEYS = ("kv_cache", "attention", "routing", "speculation")
 ACTS = GATED_ACTS + PLAIN_ACTS
 POSITIONS = ("rope", "learned", "none")
 LAYER_OPS = {"norm": (), "attention": ("causal", "window", "bias", "qkv_bias", "out_bias", "rope"),
              "mlp": ("act", "bias")}
 _SITE_PREFIX = {"norm": "norm", "attention": "attn", "mlp": "mlp"}
-
-
-class _Report:
-    def __init__(self, spec: SpecFile):
-        self.spec, self.diags = spec, []
-
-    def error(self, node, message: str, hint: str = "") -> None:
-        line, col = node.span.line, node.span.column
-        self.diags.append(Diagnostic(self.spec.path, line, col, message, hint, source_line(self.spec.source, line)))
-
-
-def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f"; did you mean `{close[0]}`?" if close else ""
-
-
-def _unique(r: _Report, settings, what: str, known, planned=()) -> dict[str, Setting]:
-    """Known settings by key; duplicates, reserved and unknown keys are reported."""
-    seen: dict[str, Setting] = {}
-    for s in settings:
-        if s.key in seen:
-            r.error(s, f"duplicate {what} `{s.key}` (first set on line {seen[s.key].span.line})",
-                    "remove one of the two")
-        elif s.key in planned:
-            r.error(s, f"`{s.key}` is not implemented yet by this kiln version", "remove it from the compile block")
-        elif s.key not in known:
-            r.error(s, f"unknown {what} `{s.key}`{_suggest(s.key, known)}", f"{what}s are: {', '.join(known)}")
-        else:
-            seen[s.key] = s
-    return seen
-
-
-# ---- values ----------------------------------------------------------------------------------------------
-
-
-def _int(r: _Report, e: Expr, name: str) -> int | None:
-    if isinstance(e, Num) and type(e.value) is int and e.value > 0:
-        return e.value
-    if name == "window":
-        hint = "window is how many recent positions each query sees, itself included; omit it for full attention"
-    elif isinstance(e, Num) and type(e.value) is int:
-        hint = f"{name} counts something, so it is at least 1"
-    else:
-        hint = f"write a whole number, e.g. {name} = 8"
-    r.error(e, f"{name} must be a positive integer, got {format_expr(e)}", hint)
-    return None
-
-
-def _float(r: _Report, e: Expr, name: str) -> float | None:
-    if isinstance(e, Num) and not isinstance(e.value, bool) and e.value > 0:
-        return float(e.value)
-    r.error(e, f"{name} must be a positive number, got {format_expr(e)}", f"e.g. {name} = 1e-5 or {name} = 10000")
-    return None
-
-
-def _bool(r: _Report, e: Expr, name: str) -> bool | None:
-    if isinstance(e, Bool):
-        return e.value
-    r.error(e, f"{name} must be true or false, got {format_expr(e)}", f"write {name} = true or {name} = false")
-    return None
-
-
-def _enum(r: _Report, e: Expr, name: str, label: str, choices) -> str | None:
-    if isinstance(e, Name) and e.id in choices:
-        return e.id
-    hint = f"{name} is one of: {', '.join(choices)}"
-    if isinstance(e, Name):
-        r.error(e, f"unknown {label} `{e.id}`{_suggest(e.id, choices)}", hint)
-    else:
-        r.error(e, f"{name} must be one of {', '.join(choices)}, got {format_expr(e)}", hint + " (no quotes)")
-    return None
-
-
-def _kwargs(r: _Report, call: Call, allowed, required=()) -> dict[str, Expr]:
-    """Keyword arguments of `call` by name; unknown, duplicate and missing ones are reported."""
-    out: dict[str, Expr] = {}
-    for kw in call.kwargs:
-        if kw.name in out:
-            r.error(kw, f"duplicate argument `{kw.name}` to {call.func}()", "remove one of the two")
-        elif kw.name not in allowed:
-            takes = f"{call.func}() takes: {', '.join(allowed)}" if allowed else f"{call.func}() takes no arguments"
-            r.error(kw, f"unknown argument `{kw.name}` to {call.func}(){_suggest(kw.name, allowed)}", takes)
-        else:
-            out[kw.name] = kw.value
-    for name in required:
-        if name not in out:
-            r.error(call, f"{call.func}() needs `{name} = ...`", f"{call.func}() takes: {', '.join(allowed)}")
-    return out
-
-
-def _config_call(r: _Report, e: Expr, name: str, funcs: dict[str, tuple[str, ...]], example: str):
-    """A structured value like rms(eps = 1e-5) -> (func, kwargs), or None; a bare name is a call with no args."""
-    call = Call(e.id, span=e.span) if isinstance(e, Name) else e
-    if not isinstance(call, Call):
-        r.error(e, f"{name} must be a call like {example}, got {format_expr(e)}", f"e.g. {name} = {example}")
-        return None
-    if call.func not in funcs:
-        r.error(call, f"unknown {name} `{call.func}`{_suggest(call.func, funcs)}",
-                f"{name} is one of: {', '.join(f'{f}(...)' for f in funcs)}")
-        return None
-    for arg in call.args:
-        r.error(arg, f"{call.func}() takes keyword arguments only", f"e.g. {name} = {example}")
-    return call.func, _kwargs(r, call, funcs[call.func])
 
 
 def _norm(r: _Report, e: Expr) -> NormConfig | None:
@@ -328,63 +209,11 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
     )
 
 
-_QUANT_COMMON = ("method", "calibration", "tokens", "lm_head", "embeddings")
-QUANT_FUNCS = {"int8": _QUANT_COMMON, "int4": ("group", "symmetric", *_QUANT_COMMON)}
-QUANT_GROUPS = (32, 64, 128)
-
-
-def _quantize(r: _Report, e: Expr) -> dict | None:
-    """`quantize = int8` or `int4(group = 128, method = gptq, ...)` -> the kwargs of kiln.quantization.QuantScheme."""
-    found = _config_call(r, e, "quantize", QUANT_FUNCS, "int4(group = 128, method = gptq)")
-    if found is None:
-        return None
-    func, kw = found
-    out: dict = {"bits": 8 if func == "int8" else 4, "group": 0 if func == "int8" else 128}
-    if "group" in kw:
-        g = kw["group"]
-        if isinstance(g, Num) and g.value in QUANT_GROUPS:
-            out["group"] = g.value
-        else:
-            r.error(g, f"group must be one of {', '.join(map(str, QUANT_GROUPS))}, got {format_expr(g)}",
-                    "weights share one scale per group of this many input features, e.g. group = 128")
-            out = None
-    if "method" in kw and out is not None:
-        method = _enum(r, kw["method"], "method", "quantization method", ("rtn", "gptq"))
-        out = out | {"method": method} if method else None
-    if "calibration" in kw and out is not None:
-        c = kw["calibration"]
-        if isinstance(c, Str) and c.value:
-            path = Path(c.value)
-            if not path.is_absolute() and r.spec.path not in ("", "<spec>"):
-                path = Path(r.spec.path).parent / path  # relative to the spec file, like any include
-            out["calibration"] = str(path)
-        else:
-            r.error(c, f"calibration must be a file name in quotes, got {format_expr(c)}",
-                    'e.g. calibration = "calib.txt" (a text file), or tokens = 512 for random tokens')
-            out = None
-    vals = {k: (_int if k == "tokens" else _bool)(r, kw[k], k) for k in ("tokens", "symmetric", "lm_head",
-                                                                        "embeddings") if k in kw}
-    if out is None or None in vals.values():
-        return None
-    return out | vals
-
-
-def _compile(r: _Report, block: CompileBlock | None) -> CompileConfig:
-    if block is None:
-        return CompileConfig()
-    s = _unique(r, block.settings, "compile setting", COMPILE_KEYS, PLANNED_COMPILE_KEYS)
-    dtype = _enum(r, s["dtype"].value, "dtype", "dtype", DTYPES) if "dtype" in s else "fp32"
-    extra = {}
-    if "quantize" in s:
-        extra["quantize"] = _quantize(r, s["quantize"].value)
-    return CompileConfig(dtype=dtype or "fp32", extra=extra)
-
-
 def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
     """Validate `spec` and resolve it; raises one SpecError listing every problem found."""
     r = _Report(spec)
     model = _model(r, spec.model)
-    compile_config = _compile(r, spec.compile)
+    comp = compile_config(r, spec.compile)
     if r.diags or model is None:
         raise SpecError(r.diags)
-    return model, compile_config
+    return model, comp

@@ -7,6 +7,8 @@ capability): on CPU (capability None) the small interpreter-friendly config. On 
 on (KILN_AUTOTUNE, default 1), a small candidate set is timed on random inputs of the node's shape and the
 winner is cached on disk (KILN_CACHE_DIR/../autotune/flash_attention.json) per device and problem shape.
 The autotune path is written against the codegen API but has not run on a GPU in this repository's tests.
+A spec's `attention = flash(block_m = ..., block_n = ..., warps = ..., stages = ...)` pins one tile for every
+node instead (make_pass(tile); build_pipeline binds it from CompileConfig.extra["attention"]).
 Requires: node.meta["val"] on the attention inputs (the pipeline refreshes it after every pass); best after
 gqa_fusion and rope_fusion so it sees their outputs, but it does not depend on them.
 """
@@ -97,14 +99,15 @@ def choose_tile(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int):
     return default
 
 
-def run(gm: fx.GraphModule) -> PassResult:
+def run(gm: fx.GraphModule, fixed=None) -> PassResult:
+    """Tile every kiln::attention node: with `fixed` (a TileConfig) when given, else choose_tile per shape."""
     graph = gm.graph
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target == kiln_ops.attention.default]
     for node in nodes:
         q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args
         q_val, k_val = q.meta["val"], k.meta["val"]
         head_dim = q_val.shape[-1] // num_heads
-        tile = choose_tile(q_val, k_val, (num_heads, num_kv_heads, causal, window, scale), head_dim)
+        tile = fixed or choose_tile(q_val, k_val, (num_heads, num_kv_heads, causal, window, scale), head_dim)
         with graph.inserting_before(node):
             new = graph.create_node(
                 "call_function",
@@ -118,6 +121,16 @@ def run(gm: fx.GraphModule) -> PassResult:
         graph.erase_node(node)
         rename(new, old_name)
     return PassResult(gm, modified=bool(nodes))
+
+
+def make_pass(tile=None) -> Pass:
+    """The pass with one fixed tile (a TileConfig or its fields as a dict) for every node; None: choose per shape."""
+    if tile is None:
+        return PASS
+    from kiln.codegen.tiles import TileConfig
+
+    fixed = (TileConfig(**tile) if isinstance(tile, dict) else tile).validate()
+    return Pass(name="flash_tiling", run=lambda gm: run(gm, fixed), doc=__doc__ or "")
 
 
 PASS = Pass(name="flash_tiling", run=run, doc=__doc__ or "")

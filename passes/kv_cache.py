@@ -12,6 +12,9 @@ Emits:
 - aten.index_select(·, 1, sample_indices) so the lm_head runs only on the sampled rows: it gathers the
   final norm's input, or both inputs of the residual add that feeds only that norm (so norm_fusion can still
   fuse the gathered add and norm), or else the lm_head's input. The output is logits [1, R, vocab].
+With an int8 cache (make_pass("int8"); compile_step binds the spec's `kv_cache = paged(dtype = int8)`) the
+kv_cache input is int8 and a kv_scales input [layers, 2, num_blocks, block_size, kv_heads] fp32 follows it;
+every paged_attention node takes it as its kv_scales argument.
 Requires: node.meta["val"] on the attention inputs (for the cache's kv_heads, head_dim and dtype). No pass
 strictly: compile_step runs it after gqa_fusion and rope_fusion (gqa_fusion only fuses projections that feed
 kiln::attention) and before norm_fusion and flash_tiling (which then finds no attention left).
@@ -61,6 +64,7 @@ def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: t
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         cache = (layers, 2, _NUM_BLOCKS, _BLOCK_SIZE, kv_heads, head_dim)
         return {
+            "kv_scales": torch.empty(cache[:-1], dtype=torch.float32, device=device),
             "tokens": torch.empty(1, _N, **i64),
             "positions": torch.empty(1, _N, **i64),
             "slot_mapping": torch.empty(_N, **i64),
@@ -74,16 +78,22 @@ def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: t
         }
 
 
-def _add_inputs(graph: fx.Graph, examples: dict) -> dict[str, fx.Node]:
+def _add_inputs(graph: fx.Graph, examples: dict, names: tuple[str, ...]) -> dict[str, fx.Node]:
     nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     last = nodes["positions"]
-    for name in INPUTS[2:]:
+    for name in names[2:]:
         with graph.inserting_after(last):
             last = graph.placeholder(name)
         nodes[name] = last
-    for name in INPUTS:
+    for name in names:
         nodes[name].meta["val"] = examples[name]
     return nodes
+
+
+def step_inputs(quantized: bool) -> tuple[str, ...]:
+    """The step graph's input names in order: INPUTS, with kv_scales after kv_cache for an int8 cache."""
+    at = INPUTS.index("kv_cache") + 1
+    return (*INPUTS[:at], "kv_scales", *INPUTS[at:]) if quantized else INPUTS
 
 
 def _gather_sites(logits: fx.Node) -> list[tuple[fx.Node, int]]:
@@ -97,7 +107,8 @@ def _gather_sites(logits: fx.Node) -> list[tuple[fx.Node, int]]:
     return [(x, 0)]
 
 
-def run(gm: fx.GraphModule) -> PassResult:
+def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
+    """The step graph; kv_dtype "auto" caches K/V in the model's dtype, "int8" quantizes them (with scales)."""
     graph = gm.graph
     attn = [n for n in graph.nodes if n.op == "call_function" and n.target in _ATTENTION]
     if not attn:
@@ -115,13 +126,17 @@ def run(gm: fx.GraphModule) -> PassResult:
     kv_heads, head_dim, dtype = _cache_geometry(attn)
     weight = next(iter(gm.parameters()), None)  # the weights' device wins: gm.to(device) leaves input metas behind
     device = weight.device if weight is not None else placeholders[0].meta["val"].device
-    inputs = _add_inputs(graph, _example_inputs(device, kv_heads, head_dim, dtype, len(attn)))
+    quantized = kv_dtype == "int8"
+    examples = _example_inputs(device, kv_heads, head_dim, torch.int8 if quantized else dtype, len(attn))
+    inputs = _add_inputs(graph, examples, step_inputs(quantized))
+    scales = (inputs["kv_scales"],) if quantized else ()
     step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
     bounds = [inputs["max_query_len"], inputs["max_context_len"]]
 
     for layer, node in enumerate(attn):
         q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args[:8]
-        args = (q, k, v, inputs["kv_cache"], layer, *step_args, *bounds, num_heads, num_kv_heads, causal, window, scale)
+        args = (q, k, v, inputs["kv_cache"], layer, *step_args, *bounds, num_heads, num_kv_heads, causal, window, scale,
+                *scales)
         with graph.inserting_before(node):
             new = graph.call_function(kiln_ops.paged_attention.default, args)
         new.meta["kv_layer"] = layer
@@ -137,6 +152,16 @@ def run(gm: fx.GraphModule) -> PassResult:
         rename(gathered, f"{src.name}_sampled")
         consumer.update_arg(i, gathered)
     return PassResult(gm, modified=True)
+
+
+KV_DTYPES = ("auto", "int8")
+
+
+def make_pass(kv_dtype: str = "auto") -> Pass:
+    """The pass for a KV cache dtype: "auto" (the model's dtype) or "int8"."""
+    if kv_dtype not in KV_DTYPES:
+        raise PassError(f"KV cache dtype {kv_dtype!r} is not supported; choose one of {', '.join(KV_DTYPES)}")
+    return PASS if kv_dtype == "auto" else Pass(name="kv_cache", run=lambda gm: run(gm, kv_dtype), doc=__doc__ or "")
 
 
 PASS = Pass(name="kv_cache", run=run, doc=__doc__ or "")

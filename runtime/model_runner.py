@@ -16,7 +16,7 @@ import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
-from kiln.runtime.step import StepBatch, StepModel, kv_cache_shape
+from kiln.runtime.step import StepBatch, StepModel, allocate_kv_cache
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -42,8 +42,7 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.kv_cache = torch.zeros(kv_cache_shape(model, block_manager.num_blocks, self.block_size),
-                                    dtype=model.dtype, device=model.device)
+        self.kv_cache = allocate_kv_cache(model, block_manager.num_blocks, self.block_size)  # passed through as is
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda" and torch.cuda.is_available()
         self.pad_sizes = graph_batch_sizes(max_num_seqs) if (self.use_cuda_graphs or pad_decode_batches) else []
         self.graphs: dict[int, _Graph] = {}

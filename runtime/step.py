@@ -5,8 +5,10 @@ token); the model runner flattens them into a StepBatch; the compiled step model
 K/V into its cache slot, attends over the sequence's blocks, and returns logits only for the rows that are
 sampled. Prefill chunks and decodes mix freely in one step.
 
-Cache layout: one tensor [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim]. Slot s of the
-pool is block s // block_size, offset s % block_size.
+Cache layout: one tensor [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim] in the model's
+kv_dtype. Slot s of the pool is block s // block_size, offset s % block_size. An int8 cache (kv_dtype int8)
+comes with fp32 scales [layers, 2, num_blocks, block_size, kv_heads], one per cached token and kv head; both
+travel together as a KVCache, which the runtime allocates once and only passes through.
 """
 
 from __future__ import annotations
@@ -38,6 +40,22 @@ class StepBatch:
         return int(self.context_lens.shape[0])
 
 
+@dataclass
+class KVCache:
+    """The paged KV pool: `data` in the model's kv_dtype, plus the per-token-and-head scales of an int8 cache."""
+
+    data: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    scales: torch.Tensor | None = None  # fp32 [layers, 2, num_blocks, block_size, kv_heads] when data is int8
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.data.shape[2])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.data.shape[3])
+
+
 class StepModel(Protocol):
     """What the model runner calls. Built by kiln.compile.compile_step (the kv_cache pass and its kernels)."""
 
@@ -45,10 +63,12 @@ class StepModel(Protocol):
     num_kv_heads: int
     head_dim: int
     vocab: int
-    dtype: torch.dtype  # of the weights and the KV cache
+    dtype: torch.dtype  # of the weights and activations
+    kv_dtype: torch.dtype  # of the KV cache: dtype, or torch.int8 (with scales)
     device: torch.device
+    # Optional: `block_size`, the pool block size the compile config asks for (the engine's default).
 
-    def __call__(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache."""
         ...
 
@@ -57,5 +77,16 @@ def kv_cache_shape(model: StepModel, num_blocks: int, block_size: int) -> tuple[
     return (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
 
 
+def allocate_kv_cache(model: StepModel, num_blocks: int, block_size: int) -> KVCache:
+    """A zeroed pool on the model's device in its kv_dtype (and fp32 scales for an int8 cache)."""
+    shape = kv_cache_shape(model, num_blocks, block_size)
+    data = torch.zeros(shape, dtype=model.kv_dtype, device=model.device)
+    scales = torch.zeros(shape[:-1], dtype=torch.float32, device=model.device) if model.kv_dtype == torch.int8 else None
+    return KVCache(data, scales)
+
+
 def kv_bytes_per_block(model: StepModel, block_size: int) -> int:
-    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * model.dtype.itemsize
+    """Bytes one block takes over all layers, k and v: head_dim values per token and kv head, plus an fp32 scale
+    when the cache is int8."""
+    row = model.head_dim * model.kv_dtype.itemsize + (4 if model.kv_dtype == torch.int8 else 0)
+    return model.num_layers * 2 * block_size * model.num_kv_heads * row

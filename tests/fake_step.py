@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kiln.model_config import ModelConfig
-from kiln.runtime.step import StepBatch
+from kiln.runtime.step import KVCache, StepBatch
 
 
 def fake_next(tokens: Sequence[int], vocab: int) -> int:
@@ -42,6 +42,7 @@ class FakeStepModel:
     num_kv_heads = 1
     head_dim = 2
     dtype = torch.float64
+    kv_dtype = torch.float64
     device = torch.device("cpu")
 
     def __init__(self, vocab: int = 97):
@@ -49,11 +50,11 @@ class FakeStepModel:
         self.calls = 0
         self.batch_sizes: list[int] = []  # sequences per call (padding included)
 
-    def __call__(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         self.calls += 1
         self.batch_sizes.append(batch.num_seqs)
-        bs = kv_cache.shape[3]
-        cache = kv_cache[0, 0].view(-1, 2)  # [slots, 2]
+        bs = kv_cache.block_size
+        cache = kv_cache.data[0, 0].view(-1, 2)  # [slots, 2]
         cache[batch.slot_mapping, 0] = batch.tokens.double()
         cache[batch.slot_mapping, 1] = batch.positions.double() + 1
         qsl = batch.query_start_loc.tolist()

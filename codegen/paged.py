@@ -5,7 +5,10 @@
 (max_query_len == 1: templates/paged_decode.py.j2 per split, templates/paged_merge.py.j2 to combine) and the
 prefill kernel otherwise (templates/paged_prefill.py.j2). Nothing here reads device values back to the host:
 grids come from the host-side bounds max_query_len and max_context_len, which must bound the batch.
-Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim] (kiln.runtime.step).
+Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim] (kiln.runtime.step). An int8 cache comes
+with kv_scales fp32 [layers, 2, num_blocks, block_size, kv_heads]: the write kernel quantizes each token's head
+rows (kiln.ops_paged.quantize_kv), the attention kernels multiply the int8 K/V tiles' scales back in (QK^T
+columns by the K scales, the probabilities by the V scales) and accumulate in fp32 as for a float cache.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import functools
 
 import torch
 
-from kiln.codegen._host import cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
+from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
 from kiln.codegen.tiles import TileConfig, default_tile
 from kiln.errors import CodegenError
 
@@ -34,8 +37,10 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _check_cache(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's k and v caches [num_blocks, block_size, kv_heads, head_dim] (views)."""
-    check_tensor(kv_cache, "kv_cache", ndim=6)
+    """The layer's k and v caches [num_blocks, block_size, kv_heads, head_dim] (views).
+
+    The scales of an int8 cache are checked by _scale_args."""
+    check_tensor(kv_cache, "kv_cache", ndim=6, dtypes=(*FLOAT_DTYPES, torch.int8))
     if kv_cache.shape[1] != 2:
         raise CodegenError(
             f"kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}"
@@ -47,6 +52,26 @@ def _check_cache(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torc
     return kv_cache[layer, 0], kv_cache[layer, 1]
 
 
+def _scale_args(kv_cache: torch.Tensor, layer: int, kv_scales: torch.Tensor | None) -> tuple:
+    """(k_scale, v_scale pointers, their block / offset / head strides) for the kernels; for a float cache the
+    cache itself stands in as a pointer the kernels never read (QUANT is off)."""
+    if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
+        raise CodegenError(
+            f"a {kv_cache.dtype} kv_cache {'needs' if kv_scales is None else 'takes no'} kv_scales "
+            "(fp32 [layers, 2, num_blocks, block_size, kv_heads], one per cached token and kv head)"
+        )
+    if kv_scales is None:
+        return kv_cache, kv_cache, 0, 0, 0
+    check_tensor(kv_scales, "kv_scales", ndim=5, dtypes=(torch.float32,))
+    if kv_scales.shape != kv_cache.shape[:-1]:
+        raise CodegenError(f"kv_scales has shape {tuple(kv_scales.shape)}; expected {tuple(kv_cache.shape[:-1])} "
+                           "(kv_cache's shape without head_dim)")
+    if kv_scales.stride(-1) != 1:
+        raise CodegenError(f"kv_scales must have a unit last stride, strides {kv_scales.stride()}")
+    check_same_device(kv_cache=kv_cache, kv_scales=kv_scales)
+    return kv_scales[layer, 0], kv_scales[layer, 1], *kv_scales.stride()[2:]
+
+
 def _check_index(t: torch.Tensor, name: str, ndim: int, dtypes=(torch.int32,)) -> torch.Tensor:
     check_tensor(t, name, ndim=ndim, dtypes=dtypes)
     if not t.is_contiguous():
@@ -55,9 +80,11 @@ def _check_index(t: torch.Tensor, name: str, ndim: int, dtypes=(torch.int32,)) -
 
 
 def paged_kv_write(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor
-) -> None:
-    """Write k/v rows ([N, Hkv * D] or [1, N, Hkv * D]) into kv_cache[layer] at slot_mapping [N] (< 0: skip)."""
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Write k/v rows ([N, Hkv * D] or [1, N, Hkv * D]) into kv_cache[layer] at slot_mapping [N] (< 0: skip);
+    an int8 cache gets each row quantized, its scale written to kv_scales."""
     k, v = _rows(k, "k"), _rows(v, "v")
     k_cache, v_cache = _check_cache(kv_cache, layer)
     _check_index(slot_mapping, "slot_mapping", 1, _INDEX)
@@ -69,12 +96,16 @@ def paged_kv_write(
                 f"kv_heads * head_dim = {kv_heads * head_dim}] to match slot_mapping and kv_cache"
             )
     check_same_device(k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    k_scale, v_scale, stride_sb, stride_so, _ = _scale_args(kv_cache, layer, kv_scales)
     if k.shape[0] == 0:
         return
-    consts = {"BLOCK_H": next_power_of_2(kv_heads), "BLOCK_D": next_power_of_2(head_dim)}
-    args = (k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), *k_cache.stride()[:3],
-            block_size, kv_heads, head_dim)  # fmt: skip
-    launch("paged_kv_write", "paged_kv_write", (k.shape[0],), args, consts, {"num_warps": 1})
+    quant = kv_scales is not None
+    consts = {"BLOCK_H": next_power_of_2(kv_heads), "BLOCK_D": next_power_of_2(head_dim), "QUANT": quant}
+    args = (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k.stride(0), v.stride(0), *k_cache.stride()[:3],
+            stride_sb, stride_so, block_size, kv_heads, head_dim)  # fmt: skip
+    # No fp fusion when quantizing: x * inv + 0.5 must round twice, as the reference does, for identical caches.
+    options = {"num_warps": 1, "enable_fp_fusion": False} if quant else {"num_warps": 1}
+    launch("paged_kv_write", "paged_kv_write", (k.shape[0],), args, consts, options)
 
 
 def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads):
@@ -96,8 +127,8 @@ def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start
         )
     if not 16 <= head_dim <= 256:
         raise CodegenError(f"head_dim {head_dim} is outside the supported 16..256")
-    if q.dtype != kv_cache.dtype:
-        raise CodegenError(f"q has dtype {q.dtype} but kv_cache has {kv_cache.dtype}; use one dtype")
+    if q.dtype != kv_cache.dtype and kv_cache.dtype != torch.int8:
+        raise CodegenError(f"q has dtype {q.dtype} but kv_cache has {kv_cache.dtype}; use one dtype (or an int8 cache)")
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, context_lens=context_lens,
                       query_start_loc=query_start_loc)  # fmt: skip
     return q, k_cache, v_cache, head_dim, num_heads // kv_heads
@@ -126,16 +157,18 @@ def choose_splits(num_seqs: int, kv_heads: int, span: int, block_n: int, device:
 def paged_attention_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
     query_start_loc: torch.Tensor, max_context_len: int, num_heads: int, window: int, scale: float,
-    *, num_splits: int | None = None, out: torch.Tensor | None = None,
+    *, num_splits: int | None = None, out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of one new query per sequence (at its last key's position) over its paged context, split-KV.
 
     q [N, H * D] or [1, N, H * D]; every sequence has at most one new row (query_start_loc). num_splits
     overrides choose_splits; splits partition the visible keys (the last `window` ones when window > 0).
+    kv_scales: the scales of an int8 kv_cache.
     """
     q, k_cache, v_cache, head_dim, group = _check_attention(
         q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
     )
+    k_scale, v_scale, *scale_strides = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     n, num_seqs = q.shape[0], context_lens.shape[0]
     block_n = 64 if q.is_cuda and head_dim <= 128 else 32
@@ -150,9 +183,10 @@ def paged_attention_decode(
     part_lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, next_power_of_2(head_dim))
     consts = {"BLOCK_G": max(16, next_power_of_2(group)), "BLOCK_N": block_n, "BLOCK_D": block_d,
-              "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype)}  # fmt: skip
-    args = (q, k_cache, v_cache, part_o, part_lse, block_tables, context_lens, query_start_loc,
-            q.stride(0), head_dim, *k_cache.stride()[:3], block_tables.stride(0), *part_o.stride()[:3],
+              "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
+              "KV_QUANT": kv_scales is not None}  # fmt: skip
+    args = (q, k_cache, v_cache, k_scale, v_scale, part_o, part_lse, block_tables, context_lens, query_start_loc,
+            q.stride(0), head_dim, *k_cache.stride()[:3], *scale_strides, block_tables.stride(0), *part_o.stride()[:3],
             *part_lse.stride()[:2], float(scale), int(window), k_cache.shape[1], split_len,
             head_dim, group)  # fmt: skip
     grid = (num_seqs, k_cache.shape[2], num_splits)
@@ -167,15 +201,17 @@ def paged_attention_decode(
 def paged_attention_prefill(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
     query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, causal: bool, window: int, scale: float,
-    tile: TileConfig | None = None, *, out: torch.Tensor | None = None,
+    tile: TileConfig | None = None, *, out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of each sequence's new queries (a chunk aligned to the end of its keys) over its paged context.
 
     q [N, H * D] or [1, N, H * D]; max_query_len must bound every sequence's new rows (it sizes the grid).
+    kv_scales: the scales of an int8 kv_cache.
     """
     q, k_cache, v_cache, head_dim, group = _check_attention(
         q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
     )
+    k_scale, v_scale, *scale_strides = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     if tile is None:
         capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
@@ -185,9 +221,11 @@ def paged_attention_prefill(
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
     consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": max(16, next_power_of_2(head_dim)),
-              "CAUSAL": bool(causal), "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype)}  # fmt: skip
-    args = (q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
-            q.stride(0), head_dim, out.stride(0), head_dim, *k_cache.stride()[:3], block_tables.stride(0),
+              "CAUSAL": bool(causal), "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
+              "KV_QUANT": kv_scales is not None}  # fmt: skip
+    args = (q, k_cache, v_cache, k_scale, v_scale, out, block_tables, context_lens, query_start_loc,
+            q.stride(0), head_dim, out.stride(0), head_dim, *k_cache.stride()[:3], *scale_strides,
+            block_tables.stride(0),
             float(scale), int(window), k_cache.shape[1], head_dim, group)  # fmt: skip
     grid = (cdiv(max_query_len, tile.block_m), num_heads, num_seqs)
     launch("paged_prefill", "paged_attention_prefill", grid, args, consts, tile.options())
@@ -198,21 +236,24 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
     query_start_loc: torch.Tensor, max_query_len: int, max_context_len: int, num_heads: int, num_kv_heads: int,
-    causal: bool, window: int, scale: float,
+    causal: bool, window: int, scale: float, kv_scales: torch.Tensor | None = None,
     *, num_splits: int | None = None, tile: TileConfig | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """kiln::paged_attention: write the step's K/V into kv_cache, then attend (decode or prefill kernels).
 
     q [1, N, H * D] (or [N, H * D]) -> out of q's shape. The decode path runs when max_query_len == 1.
+    kv_scales: the scales of an int8 kv_cache (quantized on write, dequantized on load).
     """
     if num_kv_heads != kv_cache.shape[-2]:
         raise CodegenError(f"num_kv_heads={num_kv_heads} but kv_cache holds {kv_cache.shape[-2]} kv heads")
-    paged_kv_write(k, v, kv_cache, layer, slot_mapping)
+    paged_kv_write(k, v, kv_cache, layer, slot_mapping, kv_scales)
     out = check_out(out, q)
     flat = out.view(-1, out.shape[-1])
     common = (kv_cache, layer, block_tables, context_lens, query_start_loc)
     if max_query_len == 1:
-        paged_attention_decode(q, *common, max_context_len, num_heads, window, scale, num_splits=num_splits, out=flat)
+        paged_attention_decode(q, *common, max_context_len, num_heads, window, scale, num_splits=num_splits, out=flat,
+                               kv_scales=kv_scales)  # fmt: skip
     else:
-        paged_attention_prefill(q, *common, max_query_len, num_heads, causal, window, scale, tile, out=flat)
+        paged_attention_prefill(q, *common, max_query_len, num_heads, causal, window, scale, tile, out=flat,
+                                kv_scales=kv_scales)  # fmt: skip
     return out

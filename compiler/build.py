@@ -66,8 +66,14 @@ def load_model(
 
     dev = resolve_device(device)
     weights_dir = Path(weights) if weights is not None else None
+    if weights_dir is not None:
+        from kiln.quant_io import is_quantized_checkpoint
+
+        if is_quantized_checkpoint(weights_dir):
+            return _load_quantized(weights_dir, spec, dev)
     if weights_dir is not None and not (weights_dir / "config.json").is_file():
-        raise KilnError(f"--weights {weights_dir}: no config.json there; point it at a Hugging Face checkpoint dir")
+        raise KilnError(f"--weights {weights_dir}: no config.json there; point it at a Hugging Face checkpoint dir "
+                        "or a directory written by `kiln quantize`")
 
     model_type = ""
     if spec is None and weights_dir is not None:
@@ -97,6 +103,20 @@ def load_model(
     gm = build_graph(cfg, params, dtype=tdtype, device=dev, seed=seed)
     tokenizer = load_tokenizer(weights_dir, vocab=cfg.vocab)
     return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source)
+
+
+def _load_quantized(weights_dir: Path, spec: str | os.PathLike | None, dev: torch.device) -> LoadedModel:
+    """A checkpoint written by `kiln quantize`: its graph is already passed (fusion + quantize), no calibration."""
+    from kiln.quant_io import SPEC, load_quantized
+    from kiln.spec_loader import load_spec
+    from kiln.tokenizer import load_tokenizer
+
+    loaded = load_spec(spec if spec is not None else weights_dir / SPEC)
+    gm = load_quantized(weights_dir, loaded.model, device=dev)
+    dtype = next((k for k, v in TORCH_DTYPES.items() if v == gm.get_parameter("embed.weight").dtype), "fp32")
+    comp = dataclasses.replace(loaded.compile, dtype=dtype)
+    tokenizer = load_tokenizer(weights_dir, vocab=loaded.model.vocab)
+    return LoadedModel(loaded.model, comp, gm, tokenizer, dev, source=str(weights_dir))
 
 
 def say(msg: str) -> None:

@@ -1,4 +1,4 @@
-"""The `kiln` command line: run, check, fmt, import, compile, bench.
+"""The `kiln` command line: run, check, fmt, import, compile, quantize, bench.
 
 User errors (KilnError) print one message without a traceback and exit 2; `--debug` shows the traceback.
 Generated text goes to stdout, everything else (timings, notes, progress) to stderr.
@@ -131,6 +131,30 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
     bench_quality_main(args.spec, args.weights, schemes=schemes, positions=args.positions, eval_text=args.eval_text,
                        calibration=args.calibration, dtype=args.dtype, device=args.device, json=args.json)
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import shutil
+
+    from kiln.build import load_model, say
+    from kiln.passes.quantize import quantize_graph
+    from kiln.quant_io import save_quantized
+    from kiln.quantization import parse_scheme
+
+    scheme = parse_scheme(args.quantize)
+    if args.calibration:
+        scheme = dataclasses.replace(scheme, calibration=args.calibration)
+    t0 = time.perf_counter()
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device)
+    say(f"quantizing {m.model.name} to {scheme.label}" + (" (calibrating)" if scheme.method == "gptq" else ""))
+    gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
+    out = save_quantized(gm, args.output, m.model)
+    if args.weights:  # the tokenizer travels with the weights, so `kiln run --weights OUT` decodes text
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (Path(args.weights) / name).is_file():
+                shutil.copy(Path(args.weights) / name, out / name)
+    say(f"wrote {out} in {time.perf_counter() - t0:.1f}s; run it with `kiln run --weights {out}`")
     return 0
 
 
@@ -296,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     k.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     k.set_defaults(func=cmd_compile)
+
+    qz = sub.add_parser("quantize", help="quantize a model's weights once and save them",
+                        description="Quantize a model's weights (calibrating GPTQ once) and save a checkpoint that "
+                        "`kiln run --weights OUT` and the Python API load without calibrating again.")
+    qz.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name (default: from "
+                    "--weights, else tiny-llama)")
+    qz.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    qz.add_argument("--quantize", metavar="SCHEME", required=True, help=QUANTIZE_HELP)
+    qz.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
+    qz.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="where to write the checkpoint")
+    qz.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    qz.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    qz.set_defaults(func=cmd_quantize)
 
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")

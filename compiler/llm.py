@@ -27,7 +27,8 @@ class LLM:
         dtype: str | None = None,
         seed: int = 0,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
+        kv_cache_dtype: str | None = None,
         enable_prefix_caching: bool = True,
         use_kernels: bool | None = None,
         max_num_seqs: int = 64,
@@ -39,7 +40,9 @@ class LLM:
         """Load the model (seeded random weights without `weights`), compile its step model, start an engine.
 
         use_kernels: generated kernels (None: on CUDA only; on CPU the ops' reference implementations run,
-        since Triton's interpreter is for testing codegen, far too slow to serve).
+        since Triton's interpreter is for testing codegen, far too slow to serve). block_size / kv_cache_dtype
+        ("auto": the model's dtype, or "int8"): None takes the spec's `kv_cache = paged(block = 16, dtype = ...)`,
+        else 16 and auto.
         """
         from kiln.build import load_model
         from kiln.compile_step import compile_step
@@ -47,7 +50,8 @@ class LLM:
         self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed)
         m = self.loaded
         kernels = m.device.type == "cuda" if use_kernels is None else use_kernels
-        self.step_model = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=kernels)
+        self.step_model = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=kernels,
+                                       kv_cache_dtype=kv_cache_dtype)
         self.tokenizer = m.tokenizer
         self.engine = Engine(
             self.step_model, m.tokenizer, m.model, num_blocks=num_blocks, block_size=block_size,

@@ -55,7 +55,7 @@ class Engine:
         cfg: ModelConfig,
         *,
         num_blocks: int | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
@@ -74,6 +74,8 @@ class Engine:
         # max_model_len below the model's context shrinks the smallest acceptable pool (one max-length sequence).
         self.max_model_len = cfg.context if max_model_len is None else min(int(max_model_len), cfg.context)
         self.eos_token_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        if block_size is None:  # the compile config's kv_cache = paged(block = ...), carried by the step model
+            block_size = getattr(step_model, "block_size", 16)
         n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
         self.block_manager = BlockManager(n, block_size, enable_prefix_caching)

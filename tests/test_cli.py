@@ -170,3 +170,16 @@ def test_bench_quality_table(capsys):
     code, out, _ = run_cli(capsys, "bench", "quality", "tiny-llama", "--positions", "32", "--schemes", "int8,int4-g32")
     assert code == 0
     assert "int8" in out and "int4-rtn-g32" in out and "top-1" in out
+
+
+def test_quantize_once_then_run_from_the_saved_checkpoint(capsys, tmp_path):
+    out = tmp_path / "q"
+    code, _, err = run_cli(capsys, "quantize", "tiny-llama", "--quantize", "int4-gptq-g32", "-o", str(out))
+    assert code == 0 and "calibrating" in err
+    assert (out / "model.safetensors").is_file() and (out / "quantization.json").is_file()
+    argv = ["--prompt-ids", "1,2,3,4", "--max-tokens", "6", "--temperature", "0", "--json"]
+    saved = json.loads(run_cli(capsys, "run", "--weights", str(out), *argv)[1])["token_ids"]
+    fresh = json.loads(run_cli(capsys, "run", "tiny-llama", "--quantize", "int4-gptq-g32", *argv)[1])["token_ids"]
+    assert saved == fresh  # loading reproduces the calibrated weights exactly; nothing is calibrated again
+    code, _, err = run_cli(capsys, "run", "--weights", str(out), *argv)
+    assert "calibrating" not in err

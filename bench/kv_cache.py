@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
           f"  cached (engine, paged KV):     {r['cached']['tokens_per_s']:9.1f} tokens/s\n"
           f"  uncached (reference.generate): {r['uncached']['tokens_per_s']:9.1f} tokens/s\n"
           f"  ratio {r['ratio']:.2f}x; same greedy tokens: {r['same_tokens']}")
-    path = write_json(result_path(args.out_dir, "kv_cache"), r)
+    path = write_json(result_path(args.out_dir, f"kv_cache-{args.spec}"), r)
     print(f"wrote {path}", file=sys.stderr)
     return 0 if r["same_tokens"] else 1
 

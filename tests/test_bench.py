@@ -58,7 +58,7 @@ def test_kv_cache_bench_writes_its_json(tmp_path, monkeypatch):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--tokens", "12", "--prompt-len", "5", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
-    files = list(tmp_path.glob("kv_cache-cpu-*.json"))
+    files = list(tmp_path.glob("kv_cache-tiny-llama-cpu-*.json"))
     assert len(files) == 1
     r = json.loads(files[0].read_text())
     assert r["same_tokens"] and r["tokens"] == 12 and r["ratio"] > 0

@@ -12,6 +12,7 @@ from paged_helper import shuffled_block_tables, step_batch
 from kiln.compile_step import CompiledStep, allocate_kv_cache, compile_step
 from kiln.errors import KilnError
 from kiln.frontend import build_graph
+from kiln.runtime.step import KVCache
 from kiln.spec_loader import load_spec
 
 LENS = [6, 9, 11]
@@ -57,7 +58,7 @@ def test_kernels_match_reference_ops_and_level1(spec):
         ref = without(batch, cache_r)
         assert got.dtype == torch.float32 and got.shape == (len(live), cfg.vocab)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-5)
-        torch.testing.assert_close(cache_k, cache_r, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(cache_k.data, cache_r.data, rtol=1e-4, atol=1e-5)
         want = torch.stack([full[i][e - 1] for i, e in zip(live, ends, strict=True)])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
 
@@ -67,12 +68,15 @@ def test_step_model_contract_and_cache_checks():
     model = compile_step(build_graph(cfg, seed=2), cfg, use_kernels=False)
     assert isinstance(model, CompiledStep)
     assert (model.num_layers, model.num_kv_heads, model.head_dim, model.vocab) == (2, 2, 16, cfg.vocab)
-    assert model.dtype == torch.float32 and model.device == torch.device("cpu")
+    assert model.dtype == model.kv_dtype == torch.float32 and model.device == torch.device("cpu")
     assert model.passes == ["gqa_fusion", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling"]
     cache = allocate_kv_cache(model, num_blocks=5, block_size=8)
-    assert cache.shape == (2, 2, 5, 8, 2, 16) and not cache.any()
+    assert cache.data.shape == (2, 2, 5, 8, 2, 16) and not cache.data.any() and cache.scales is None
     batch = step_batch([[1, 2, 3]], [(0, 3)], [[4]], 8)
     with pytest.raises(KilnError, match="allocate it with kiln.compile_step.allocate_kv_cache"):
-        model(batch, cache.double())
+        model(batch, cache.data.double())
     with pytest.raises(KilnError, match="kv_cache has shape"):
-        model(batch, cache[:1])
+        model(batch, cache.data[:1])
+    with pytest.raises(KilnError, match="and no scales"):
+        model(batch, KVCache(cache.data, torch.zeros(cache.data.shape[:-1])))
+    assert model(batch, cache.data).shape == (1, cfg.vocab)  # a bare tensor is a float cache

@@ -75,11 +75,11 @@ def hf_config(cfg: ModelConfig):
 
 def save_checkpoint(cfg: ModelConfig, path: Path, *, dtype: torch.dtype, device: torch.device, seed: int):
     """A LlamaForCausalLM with seeded random weights (HF's own init), saved to `path`; returns the model."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    with torch.device(device):  # initialise in place: a 1B model in fp32 on the CPU first would be slow
-        model = LlamaForCausalLM(hf_config(cfg)).to(dtype)
+    with torch.device(device):  # initialised in place, in `dtype`: no fp32 copy of a 1B model on the CPU first
+        model = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dtype)
     model.save_pretrained(path)
     return model.eval()
 

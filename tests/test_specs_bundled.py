@@ -92,3 +92,21 @@ def test_tiny_specs_are_small_and_cover_each_family():
     assert models["tiny-qwen2"].norm.eps == 1e-6
     gpt2 = models["tiny-gpt2"]
     assert gpt2.positions == "learned" and gpt2.norm.kind == "layer" and gpt2.body[1].value.right.bias
+
+
+@pytest.mark.parametrize("name", bundled_specs())
+def test_every_bundled_spec_checks_and_builds_on_fake_tensors(name):
+    import torch
+
+    from kiln.cli import main
+    from kiln.frontend import build_graph
+
+    assert main(["check", name]) == 0
+    loaded = load_spec(name)
+    gm = build_graph(loaded.model, dtype=torch.bfloat16, device="meta")  # no weight memory, even for 8B
+    gm.graph.lint()
+    assert all(p.device.type == "meta" for p in gm.parameters())
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            assert isinstance(node.meta.get("val"), torch.Tensor), node.name
+    assert tuple(gm.graph.output_node().meta["val"].shape) == (1, 8, loaded.model.vocab)

@@ -7,7 +7,7 @@
 The spec (llama family only) becomes a transformers LlamaConfig; that model is built with seeded random
 weights and saved to a temporary checkpoint, which kiln then loads like `--weights DIR`. Prints output
 tokens/s and requests/s of both and the ratio; on CUDA the target is a ratio of at least 3 (exit 1 when
-missed). Writes bench/results/serving_vs_hf-<device>-<date>.json (--out-dir to change where).
+missed). Writes bench/results/serving_vs_hf-<model>-<device>-<date>.json (--out-dir to change where).
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as e:
         raise SystemExit(f"serving_vs_hf: {e}") from None
     print(json.dumps(r, indent=2) if args.json else report(r))
-    say(f"wrote {write_json(result_path(args.out_dir, 'serving_vs_hf'), r)}")
+    path = write_json(result_path(args.out_dir, f"serving_vs_hf-{r['model']}"), r)
+    say(f"wrote {path}")
     return 1 if r["target"]["met"] is False else 0
 
 

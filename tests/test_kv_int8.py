@@ -198,3 +198,29 @@ def test_engine_with_int8_cache_agrees_with_float_cache(tiny):
     want = torch.tensor([t for t in tokens["auto"] for t in t])  # row j of a sequence predicts its token j
     assert (q8.argmax(-1) == want).float().mean().item() >= 0.9
     assert torch.equal(fp.argmax(-1), want)  # the float cache reproduces its own greedy run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_lens", [[1] * 24, [300, 1, 64, 1]], ids=["decode-24", "mixed-prefill"])
+def test_int8_paged_attention_real_size_on_gpu(q_lens):
+    """Llama-8B-like heads at real lengths, bf16 activations over an int8 cache (not run without CUDA)."""
+    from kiln.codegen.paged import paged_attention
+
+    heads, kv_heads, d, bs = 32, 8, 128, 16
+    g = torch.Generator().manual_seed(len(q_lens))
+    ctx = [int(q) + int(torch.randint(0, 1500, (1,), generator=g)) for q in q_lens]
+    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=len(q_lens))
+    data, scales, _ = _int8(cache)
+    q, data, scales, bt, cl, qsl = (t.cuda() for t in (q.bfloat16(), data, scales, bt, cl, qsl))
+    k = torch.randn(1, sum(q_lens), kv_heads * d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    rows = [(t, p) for t, ql, c in zip(tables, q_lens, ctx, strict=True) for p in range(c - ql, c)]
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in rows], device="cuda")
+    args = (LAYER, slots, bt, cl, qsl, max(q_lens), max(ctx), heads, kv_heads, True, 0, d**-0.5)
+    want_data, want_scales = data.clone(), scales.clone()
+    want = reference(q[None].float(), k.float(), v.float(), want_data, *args, want_scales)
+    got = paged_attention(q[None], k, v, data, *args, scales, out=torch.full_like(q[None], float("nan")))
+    assert (data.int() - want_data.int()).abs().max().item() <= 1  # bf16 k/v rounded the same; fp fusion off
+    torch.testing.assert_close(scales, want_scales, rtol=1e-6, atol=0)
+    assert not got.isnan().any()
+    assert (got.float() - want).abs().max().item() <= 2e-2 * max(want.abs().max().item(), 1.0)

@@ -10,10 +10,11 @@ import triton.language as tl
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh,
     stride_cb, stride_co, stride_ch,
+    stride_sb, stride_so, stride_sh,
     stride_bt,
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
@@ -24,6 +25,7 @@ def paged_decode_kernel(
     BLOCK_D: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     # Split-KV decode (flash decoding): program (sequence, kv head, split) attends the sequence's one new query,
     # for all GROUP query heads that share this kv head (packed as the M rows of the tile), over the split'th
@@ -66,7 +68,11 @@ def paged_decode_kernel(
         blocks = tl.load(table + cols // block_size, mask=mask_n, other=0).to(tl.int64)
         rows = blocks * stride_cb + (cols % block_size) * stride_co + kv_head * stride_ch
         kt = tl.load(k_cache_ptr + rows[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        # An int8 cache's values are exact in q's dtype; the per-key scales multiply the product's columns.
+        qk = tl.dot(q, kt.to(q.dtype), input_precision=INPUT_PRECISION) * qk_scale
+        if KV_QUANT:
+            s_rows = blocks * stride_sb + (cols % block_size) * stride_so + kv_head * stride_sh
+            qk = qk * tl.load(k_scale_ptr + s_rows, mask=mask_n, other=0.0)[None, :]
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -74,8 +80,10 @@ def paged_decode_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if KV_QUANT:
+            p = p * tl.load(v_scale_ptr + s_rows, mask=mask_n, other=0.0)[None, :]  # V's scales, after l_i
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=INPUT_PRECISION)
         m_i = m_new
 
     # A split with no visible key writes out 0 and lse -inf, so it gets weight 0 in the merge.

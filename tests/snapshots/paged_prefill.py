@@ -10,10 +10,11 @@ import triton.language as tl
 
 @triton.jit
 def paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr,
     block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_co, stride_ch,
+    stride_sb, stride_so, stride_sh,
     stride_bt,
     scale, window, block_size,
     HEAD_DIM, GROUP,
@@ -23,6 +24,7 @@ def paged_prefill_kernel(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     # Paged prefill attention: program (query block, head, sequence). The sequence's new queries are rows
     # query_start_loc[s]:query_start_loc[s + 1] of q; its keys are the first context_lens[s] tokens of its
@@ -74,7 +76,11 @@ def paged_prefill_kernel(
         blocks = tl.load(table + cols // block_size, mask=mask_n, other=0).to(tl.int64)
         k_rows = blocks * stride_cb + (cols % block_size) * stride_co + kv_head * stride_ch
         kt = tl.load(k_cache_ptr + k_rows[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        # An int8 cache's values are exact in q's dtype; the per-key scales multiply the product's columns.
+        qk = tl.dot(q, kt.to(q.dtype), input_precision=INPUT_PRECISION) * qk_scale
+        if KV_QUANT:
+            s_rows = blocks * stride_sb + (cols % block_size) * stride_so + kv_head * stride_sh
+            qk = qk * tl.load(k_scale_ptr + s_rows, mask=mask_n, other=0.0)[None, :]
         visible = mask_n[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
@@ -90,8 +96,10 @@ def paged_prefill_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if KV_QUANT:
+            p = p * tl.load(v_scale_ptr + s_rows, mask=mask_n, other=0.0)[None, :]  # V's scales, after l_i
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc, input_precision=INPUT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

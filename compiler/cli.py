@@ -36,7 +36,8 @@ def _engine(args: argparse.Namespace, m, **kw):
     from kiln.runtime.engine import Engine
 
     # Generated kernels on CUDA; on CPU the reference ops (Triton's interpreter is for testing codegen only).
-    step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda")
+    step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda",
+                        kv_cache_dtype=args.kv_cache_dtype)
     return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
                   gpu_memory_utilization=args.gpu_memory_utilization, **kw)
 
@@ -104,7 +105,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         "prompt_tokens": sum(len(r.prompt_token_ids) for r in trace),
                         "output_tokens": sum(r.output_len for r in trace)},
               "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                         "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype}}
+                         "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype,
+                         "kv_cache_dtype": args.kv_cache_dtype}}
     for policy in ("continuous", "static"):
         engine = _engine(args, m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          scheduling_policy=policy)
@@ -373,7 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: from free GPU memory, or a CPU default)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--block-size", type=int, help="tokens per KV cache block (default: the spec's "
+                   "kv_cache = paged(block = N), else 16)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="KV cache element type: auto (the model "
+                   "dtype) or int8 with per-token, per-head scales (default: the spec's kv_cache dtype, else auto)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the weights and KV cache may use (default 0.9)")
 

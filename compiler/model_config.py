@@ -32,6 +32,7 @@ from typing import Literal
 GATED_ACTS = ("swiglu", "geglu", "geglu_tanh")
 PLAIN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")
 DTYPES = ("fp32", "fp16", "bf16")
+KV_BLOCK_MAX = 256  # tokens per KV cache block at most (a power of two; the runtime and the spec agree)
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.formatter import format_expr
-from kiln.model_config import DTYPES, CompileConfig
+from kiln.model_config import DTYPES, KV_BLOCK_MAX, CompileConfig
 from kiln.spec_ast import CompileBlock, Expr, Num, Str
 from kiln.validate_values import _bool, _config_call, _enum, _int, _Report, _unique
 
 COMPILE_KEYS = ("dtype", "quantize", "kv_cache", "attention")
 PLANNED_COMPILE_KEYS = ("routing", "speculation")
 KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
-KV_BLOCK_MAX = 256
 TILE_WARPS = (1, 2, 4, 8, 16)
 _QUANT_COMMON = ("method", "calibration", "tokens", "lm_head", "embeddings")
 QUANT_FUNCS = {"int8": _QUANT_COMMON, "int4": ("group", "symmetric", *_QUANT_COMMON)}

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kiln.errors import KilnError, RequestError
-from kiln.model_config import ModelConfig
+from kiln.model_config import KV_BLOCK_MAX, ModelConfig
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks
@@ -76,6 +76,10 @@ class Engine:
         self.eos_token_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         if block_size is None:  # the compile config's kv_cache = paged(block = ...), carried by the step model
             block_size = getattr(step_model, "block_size", 16)
+        if not (1 <= block_size <= KV_BLOCK_MAX and block_size & (block_size - 1) == 0):
+            raise KilnError(f"block_size = {block_size}: a KV cache block must hold a power of two from 1 to "
+                            f"{KV_BLOCK_MAX} tokens (the attention kernels' key tiles cover whole blocks); "
+                            "use --block-size 16")
         n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
         self.block_manager = BlockManager(n, block_size, enable_prefix_caching)

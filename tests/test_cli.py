@@ -183,3 +183,18 @@ def test_quantize_once_then_run_from_the_saved_checkpoint(capsys, tmp_path):
     assert saved == fresh  # loading reproduces the calibrated weights exactly; nothing is calibrated again
     code, _, err = run_cli(capsys, "run", "--weights", str(out), *argv)
     assert "calibrating" not in err
+
+
+def test_run_with_int8_kv_cache_and_the_specs_block_size(capsys, tmp_path):
+    spec = tmp_path / "blocky.kiln"
+    spec.write_text((SPECS / "tiny-llama.kiln").read_text().replace("  dtype = fp32\n", "  dtype = fp32\n"
+                                                                      "  kv_cache = paged(block = 4)\n"))
+    argv = ["--prompt-ids", "5,6,7,8,9", "--max-tokens", "8", "--temperature", "0", "--json"]
+    base = json.loads(run_cli(capsys, "run", "tiny-llama", *argv)[1])["token_ids"]
+    blocky = json.loads(run_cli(capsys, "run", str(spec), *argv)[1])["token_ids"]
+    assert blocky == base  # the block size changes the memory layout, never the result
+    code, out, _ = run_cli(capsys, "run", "tiny-llama", "--kv-cache-dtype", "int8", *argv)
+    assert code == 0
+    assert len(json.loads(out)["token_ids"]) == 8
+    code, _, err = run_cli(capsys, "run", str(spec), "--block-size", "3", *argv)
+    assert code == 2 and "block" in err

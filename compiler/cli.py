@@ -13,12 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from kiln.cli_common import QUANTIZE_HELP, engine_flags, serving_engine
 from kiln.errors import KilnError, SpecError
 
 EXIT_USER_ERROR = 2
-QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
-                 "(overrides the spec's `quantize`)")
-
 
 def _ids(text: str) -> list[int]:
     try:
@@ -28,18 +26,6 @@ def _ids(text: str) -> list[int]:
     if not ids:
         raise argparse.ArgumentTypeError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
     return ids
-
-
-def _engine(args: argparse.Namespace, m, **kw):
-    """The serving engine over a loaded model, from the shared --num-blocks / --block-size / ... flags."""
-    from kiln.compile_step import compile_step
-    from kiln.runtime.engine import Engine
-
-    # Generated kernels on CUDA; on CPU the reference ops (Triton's interpreter is for testing codegen only).
-    step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda",
-                        kv_cache_dtype=args.kv_cache_dtype)
-    return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
-                  gpu_memory_utilization=args.gpu_memory_utilization, **kw)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -56,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(args.prompt)
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
-    engine = _engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
+    engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
     say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}) in {time.perf_counter() - t0:.2f}s")
     engine.add_request(prompt_token_ids=prompt_ids, params=params)
     final = None
@@ -78,61 +64,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print()
     say(f"{n} tokens, time to first token {timings['ttft_s'] * 1e3:.1f} ms, "
         f"{timings['decode_tokens_per_s']:.1f} tokens/s (paged KV cache engine)")
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    import gc
-
-    from kiln.build import load_model, say
-    from kiln.runtime.throughput import environment, format_report, make_trace, parse_range, run_trace
-
-    try:
-        input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
-    except ValueError as e:
-        raise KilnError(f"--input-len / --output-len: {e}") from None
-    if args.num_requests < 1:
-        raise KilnError(f"--num-requests {args.num_requests}: give at least 1")
-    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
-                   quantize=args.quantize)
-    trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=m.model.vocab,
-                                context=m.model.context, seed=args.seed)
-    if clipped:
-        say(f"{clipped} of {len(trace)} requests shortened to fit the context of {m.model.context} tokens")
-    result = {"model": m.model.name, **environment(m.device),
-              "trace": {"num_requests": len(trace), "input_len": list(input_len), "output_len": list(output_len),
-                        "seed": args.seed, "clipped": clipped,
-                        "prompt_tokens": sum(len(r.prompt_token_ids) for r in trace),
-                        "output_tokens": sum(r.output_len for r in trace)},
-              "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                         "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype,
-                         "kv_cache_dtype": args.kv_cache_dtype}}
-    for policy in ("continuous", "static"):
-        engine = _engine(args, m, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                         scheduling_policy=policy)
-        say(f"bench {policy}: {len(trace)} requests on {m.device}, {engine.block_manager.num_usable_blocks} KV blocks")
-        result[policy] = run_trace(engine, trace, label=f"{policy}-", progress=say)
-        result[policy]["num_blocks"] = engine.block_manager.num_usable_blocks
-        del engine  # free this pool before the next one is allocated
-        gc.collect()
-        if m.device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
-    c, st = result["continuous"], result["static"]
-    result["speedup"] = {"output_tokens_per_s": c["output_tokens_per_s"] / st["output_tokens_per_s"],
-                         "requests_per_s": c["requests_per_s"] / st["requests_per_s"],
-                         "ttft_mean": st["ttft_s"]["mean"] / max(c["ttft_s"]["mean"], 1e-9)}
-    print(json.dumps(result, indent=2) if args.json else format_report(result))
-    return 0
-
-
-def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from kiln.quality import DEFAULT_SCHEMES, bench_quality_main
-
-    schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
-    bench_quality_main(args.spec, args.weights, schemes=schemes, positions=args.positions, eval_text=args.eval_text,
-                       calibration=args.calibration, dtype=args.dtype, device=args.device, json=args.json)
     return 0
 
 
@@ -289,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
     r.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
-    _engine_flags(r)
+    engine_flags(r)
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("check", help="validate spec files, reporting every error",
@@ -336,51 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     qz.set_defaults(func=cmd_quantize)
 
-    b = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
-    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    t = bsub.add_parser("throughput", help="replay a synthetic trace: continuous vs static batching",
-                        description="Replay a seeded synthetic trace (every request arriving at once) with "
-                        "continuous batching, then with static batching on the same step model, and report "
-                        "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
-    t.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    t.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
-    t.add_argument("--num-requests", type=int, default=256, help="requests in the trace (default 256)")
-    t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
-    t.add_argument("--output-len", default="100:1024", metavar="LO:HI", help="output lengths, uniform (100:1024)")
-    t.add_argument("--seed", type=int, default=0, help="seed of the trace and of random weights (default 0)")
-    t.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most, and static batch size")
-    t.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
-    t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    t.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
-    t.add_argument("--json", action="store_true", help="print the full result as JSON")
-    t.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
-    _engine_flags(t)
-    t.set_defaults(func=cmd_bench)
+    from kiln.cli_bench import add_bench_parser
 
-    qb = bsub.add_parser("quality", help="quantization schemes against the unquantized model",
-                         description="Relative logit error and top-1 agreement of each quantization scheme "
-                         "against the unquantized model, over the same evaluation tokens.")
-    qb.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    qb.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
-    qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,int4-gptq-g128)")
-    qb.add_argument("--positions", type=int, default=256, help="evaluated positions (default 256)")
-    qb.add_argument("--eval-text", metavar="FILE", help="text to evaluate on (default: seeded random tokens)")
-    qb.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
-    qb.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    qb.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
-    qb.add_argument("--json", action="store_true", help="print the report as JSON")
-    qb.set_defaults(func=cmd_bench_quality)
+    add_bench_parser(sub)
     return p
-
-
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: from free GPU memory, or a CPU default)")
-    p.add_argument("--block-size", type=int, help="tokens per KV cache block (default: the spec's "
-                   "kv_cache = paged(block = N), else 16)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="KV cache element type: auto (the model "
-                   "dtype) or int8 with per-token, per-head scales (default: the spec's kv_cache dtype, else auto)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory the weights and KV cache may use (default 0.9)")
 
 
 def main(argv: list[str] | None = None) -> int:

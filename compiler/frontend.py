@@ -8,6 +8,7 @@ name (layers_0_attn0_q, layers_0_mlp0_down, ...). Weights are GraphModule parame
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.fx as fx
@@ -66,16 +67,26 @@ def random_weights(
     device = torch.device(device)
     if device.type == "meta":
         return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in param_shapes(cfg).items()}
+    from tqdm import tqdm
+
+    from kiln.weights import PROGRESS_THRESHOLD
+
     gen = torch.Generator().manual_seed(seed)
+    shapes = param_shapes(cfg)
+    total = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
     out: dict[str, torch.Tensor] = {}
-    for name, shape in param_shapes(cfg).items():
-        if name.endswith(".bias"):
-            t = torch.zeros(shape)
-        elif len(shape) == 1:
-            t = torch.ones(shape)
-        else:
-            t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
-        out[name] = t.to(device=device, dtype=dtype)
+    # Same rule as checkpoint loading: a bar on stderr for models over 1 GiB (a 1B model takes ~20 s on a CPU).
+    with tqdm(total=total, unit="B", unit_scale=True, desc="kiln: random weights", file=sys.stderr,
+              disable=total <= PROGRESS_THRESHOLD) as bar:
+        for name, shape in shapes.items():
+            if name.endswith(".bias"):
+                t = torch.zeros(shape)
+            elif len(shape) == 1:
+                t = torch.ones(shape)
+            else:
+                t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+            out[name] = t.to(device=device, dtype=dtype)
+            bar.update(math.prod(shape) * dtype.itemsize)
     return out
 
 

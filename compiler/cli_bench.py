@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kiln.cli_common import QUANTIZE_HELP, engine_flags, serving_engine
+from kiln.cli_common import QUANTIZE_HELP, engine_flags, serving_engine, step_model
 from kiln.errors import KilnError
 
 
@@ -35,8 +35,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
               "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype,
                          "kv_cache_dtype": args.kv_cache_dtype}}
+    step = step_model(args, m)  # compiled once; each policy gets its own engine and KV pool over it
     for policy in ("continuous", "static"):
-        engine = serving_engine(args, m, max_num_seqs=args.max_num_seqs,
+        engine = serving_engine(args, m, step, max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=policy)
         say(f"bench {policy}: {len(trace)} requests on {m.device}, {engine.block_manager.num_usable_blocks} KV blocks")
         result[policy] = run_trace(engine, trace, label=f"{policy}-", progress=say)

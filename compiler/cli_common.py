@@ -8,14 +8,21 @@ QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-
                  "(overrides the spec's `quantize`)")
 
 
-def serving_engine(args: argparse.Namespace, m, **kw):
-    """The serving engine over a loaded model, from the shared --num-blocks / --block-size / ... flags."""
+def step_model(args: argparse.Namespace, m):
+    """The compiled step model of a loaded model (kiln.compile_step; m.gm is rewritten in place)."""
     from kiln.compile_step import compile_step
-    from kiln.runtime.engine import Engine
 
     # Generated kernels on CUDA; on CPU the reference ops (Triton's interpreter is for testing codegen only).
-    step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda",
+    return compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda",
                         kv_cache_dtype=args.kv_cache_dtype)
+
+
+def serving_engine(args: argparse.Namespace, m, step=None, **kw):
+    """The serving engine over a loaded model (or an already compiled step model of it), from the shared
+    --num-blocks / --block-size / ... flags."""
+    from kiln.runtime.engine import Engine
+
+    step = step_model(args, m) if step is None else step
     return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
                   gpu_memory_utilization=args.gpu_memory_utilization, **kw)
 

@@ -1,7 +1,7 @@
 """kiln's paged-KV-cache op: attention for one step over a flat batch, with K/V in a shared block pool.
 
 - kiln::paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
-  max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales=None) -> out
+  max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales) -> out
   q [1, N, H * D], k/v [1, N, Hkv * D] hold the new tokens of every scheduled sequence, concatenated
   (sequence i owns rows query_start_loc[i]:query_start_loc[i + 1]). First each new token's k/v is written to
   kv_cache[layer, 0 / 1] at its slot (slot s is block s // block_size, offset s % block_size; a negative slot
@@ -10,6 +10,11 @@
   cached prefix and a decode (one query) are the same computation. Semantics per sequence are kiln::attention
   (GQA by head counts, causal, window > 0 keeps the last `window` keys including the query itself).
   max_query_len / max_context_len are host-side bounds for kernels (grid sizes); the reference ignores them.
+
+kv_scales is always passed (None for a cache that is not int8) and has no default on purpose: torch 2.11's
+dispatcher drops a trailing argument equal to its default from the call stack, and the ADInplaceOrView kernel
+then indexes a mutated argument past the end of the stack (IndexError in fake propagation). A mutated argument
+must never have a default; tests/test_op_schemas.py enforces it for every kiln op.
 
 The op mutates kv_cache (mutates_args), so its schema is mutable: fx's dead-code elimination keeps it, and
 FakeTensor propagation runs the fake kernel, which leaves the cache alone. The layout of kv_cache is
@@ -103,7 +108,7 @@ def paged_attention(
     causal: bool,
     window: int,
     scale: float,
-    kv_scales: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend each sequence's new queries over its cache."""
     write_kv(k, v, kv_cache, layer, slot_mapping, kv_scales)
@@ -123,7 +128,7 @@ def paged_attention(
 
 @paged_attention.register_fake
 def _(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc, max_query_len,
-      max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales=None):  # fmt: skip
+      max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales):  # fmt: skip
     return torch.empty_like(q)
 
 

@@ -129,14 +129,14 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     quantized = kv_dtype == "int8"
     examples = _example_inputs(device, kv_heads, head_dim, torch.int8 if quantized else dtype, len(attn))
     inputs = _add_inputs(graph, examples, step_inputs(quantized))
-    scales = (inputs["kv_scales"],) if quantized else ()
+    kv_scales = inputs["kv_scales"] if quantized else None  # always passed: the op has no default (ops_paged)
     step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
     bounds = [inputs["max_query_len"], inputs["max_context_len"]]
 
     for layer, node in enumerate(attn):
         q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args[:8]
         args = (q, k, v, inputs["kv_cache"], layer, *step_args, *bounds, num_heads, num_kv_heads, causal, window, scale,
-                *scales)
+                kv_scales)
         with graph.inserting_before(node):
             new = graph.call_function(kiln_ops.paged_attention.default, args)
         new.meta["kv_layer"] = layer

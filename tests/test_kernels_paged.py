@@ -127,7 +127,7 @@ def test_paged_attention_writes_then_attends_like_the_op(q_lens):
     slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in rows])
     args = (LAYER, slots, bt, cl, qsl, max(q_lens), max(ctx), heads, kv_heads, True, 0, d**-0.5)
     want_cache = cache.float()  # a copy the reference writes into
-    want = reference(q[None].float(), k.float(), v.float(), want_cache, *args)
+    want = reference(q[None].float(), k.float(), v.float(), want_cache, *args, None)
     out = torch.full_like(q[None], float("nan"))
     got = paged_attention(q[None], k, v, cache, *args, out=out)
     torch.testing.assert_close(cache.float(), want_cache, rtol=0, atol=0)
@@ -174,7 +174,7 @@ def test_paged_attention_real_size_on_gpu(q_lens, dtype):
     slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in rows], device="cuda")
     args = (LAYER, slots, bt, cl, qsl, max(q_lens), max(ctx), heads, kv_heads, True, 0, d**-0.5)
     want_cache = cache.float()
-    want = reference(q[None].float(), k.float(), v.float(), want_cache, *args)
+    want = reference(q[None].float(), k.float(), v.float(), want_cache, *args, None)
     got = paged_attention(q[None], k, v, cache, *args, out=torch.full_like(q[None], float("nan")))
     torch.testing.assert_close(cache.float(), want_cache, rtol=0, atol=0)
     assert not got.isnan().any()

@@ -109,7 +109,7 @@ def test_pass_handles_flash_attention_from_flash_tiling():
     gm.recompile()
     assert PASS.run(gm).modified
     paged = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == kiln_ops.paged_attention.default]
-    assert [n.args[14] for n in paged] == [8, 8] and len(paged[0].args) == 16  # window kept, tile dropped
+    assert [n.args[14] for n in paged] == [8, 8] and len(paged[0].args) == 17  # window kept, tile dropped, scales None
 
 
 def test_pass_rejects_a_graph_with_other_inputs():

@@ -124,7 +124,7 @@ def test_paged_attention_op_kernels_on_int8_cache(q_lens):
 def test_int8_reference_is_close_to_the_float_cache():
     q, k, v, cache, args = _op_case([4, 1], torch.float32)
     data, scales, _ = _int8(cache)
-    want = reference(q, k, v, cache.clone(), *args)
+    want = reference(q, k, v, cache.clone(), *args, None)
     got = reference(q, k, v, data, *args, scales)
     assert ((got - want).norm() / want.norm()).item() < 2e-2
     keys, _ = gather_kv(data, LAYER, args[2][0], 21, scales)

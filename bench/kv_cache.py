@@ -19,7 +19,7 @@ from pathlib import Path
 from bench_meta import result_path, run_metadata, write_json
 
 from kiln.build import load_model
-from kiln.compile_step import compile_step
+from kiln.compile.step import compile_step
 from kiln.reference import generate
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams

@@ -79,11 +79,11 @@ def time_step(fn, iters: int) -> tuple[float, bool]:
 
 
 def measure(spec: str, scheme: str, iters: int) -> dict:
-    from kiln.compile import compile_model
-    from kiln.frontend import build_graph
+    from kiln.compile.driver import compile_model
+    from kiln.compile.pipeline import quantize_graph
+    from kiln.ir.frontend import build_graph
     from kiln.model_config import CompileConfig
-    from kiln.passes.quantize import quantize_graph
-    from kiln.spec_loader import load_spec
+    from kiln.spec.loader import load_spec
 
     cfg = load_spec(spec).model
     gm = build_graph(cfg, dtype=torch.bfloat16, device="cuda")

@@ -24,13 +24,13 @@ import torch
 from bench_meta import result_path, run_metadata, write_json
 
 from kiln.build import load_model, resolve_device
-from kiln.compile_step import compile_step
+from kiln.compile.step import compile_step
 from kiln.errors import KilnError
-from kiln.hf_import import config_from_hf
+from kiln.hf.config import config_from_hf
 from kiln.model_config import ModelConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.throughput import TraceRequest, make_trace, parse_range, run_trace
-from kiln.spec_loader import load_spec
+from kiln.spec.loader import load_spec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 3.0

@@ -1,13 +1,13 @@
 """Host wrappers for the paged-KV-cache kernels: the cache write, split-KV decode (+ merge) and paged prefill.
 
-`paged_attention` has the signature of kiln::paged_attention (kiln.ops_paged): it writes the step's K/V
+`paged_attention` has the signature of kiln::paged_attention (kiln.ir.ops_paged): it writes the step's K/V
 (templates/paged_kv_write.py.j2), then runs the decode kernels when every sequence has one new query
 (max_query_len == 1: templates/paged_decode.py.j2 per split, templates/paged_merge.py.j2 to combine) and the
 prefill kernel otherwise (templates/paged_prefill.py.j2). Nothing here reads device values back to the host:
 grids come from the host-side bounds max_query_len and max_context_len, which must bound the batch.
-Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim] (kiln.runtime.step). An int8 cache comes
+Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim] (kiln.step). An int8 cache comes
 with kv_scales fp32 [layers, 2, num_blocks, block_size, kv_heads]: the write kernel quantizes each token's head
-rows (kiln.ops_paged.quantize_kv), the attention kernels multiply the int8 K/V tiles' scales back in (QK^T
+rows (kiln.ir.ops_paged.quantize_kv), the attention kernels multiply the int8 K/V tiles' scales back in (QK^T
 columns by the K scales, the probabilities by the V scales) and accumulate in fp32 as for a float cache.
 """
 

@@ -1,6 +1,6 @@
 """Host wrappers for the quantized linears: quant_gemv (decode, M small) and quant_gemm (prefill).
 
-`linear_w8` / `linear_w4` have the signatures of kiln::linear_w8 / kiln::linear_w4 (kiln.ops_quant) and pick
+`linear_w8` / `linear_w4` have the signatures of kiln::linear_w8 / kiln::linear_w4 (kiln.ir.ops_quant) and pick
 the kernel by M, the number of activation rows: up to GEMV_MAX_M rows the weight is streamed once per row
 (bandwidth-bound decode), above it tiles share each dequantized weight tile across BLOCK_M rows.
 """

@@ -7,8 +7,8 @@ __all__ = ["CodegenError", "KilnError", "PassError", "RequestError", "SpecError"
 
 # Heavier parts load on first use so `import kiln` stays light: name -> module that defines it.
 _LAZY = {
-    "explain": "kiln.explain",
-    "ExplainReport": "kiln.explain",
+    "explain": "kiln.dynamo.explain",
+    "ExplainReport": "kiln.dynamo.explain",
     "LLM": "kiln.llm",
     "SamplingParams": "kiln.runtime.sampler",
     "RequestOutput": "kiln.runtime.request",

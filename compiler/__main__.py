@@ -2,6 +2,6 @@
 
 import sys
 
-from kiln.cli import main
+from kiln.cli.main import main
 
 sys.exit(main())

@@ -38,7 +38,7 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def _model_from_checkpoint(weights: Path) -> tuple[ModelConfig, str]:
-    from kiln.hf_import import config_from_hf, load_hf_config
+    from kiln.hf.config import config_from_hf, load_hf_config
 
     hf = load_hf_config(weights)
     return config_from_hf(hf, name=weights.name), hf.get("model_type", "")
@@ -60,14 +60,14 @@ def load_model(
     None the weights are seeded random. dtype and quantize (a scheme name such as int8 or int4-gptq-g128)
     override the spec's compile part (CLI flags win).
     """
-    from kiln.frontend import build_graph
-    from kiln.spec_loader import DEFAULT_SPEC, load_spec
+    from kiln.ir.frontend import build_graph
+    from kiln.spec.loader import DEFAULT_SPEC, load_spec
     from kiln.tokenizer import load_tokenizer
 
     dev = resolve_device(device)
     weights_dir = Path(weights) if weights is not None else None
     if weights_dir is not None:
-        from kiln.quant_io import is_quantized_checkpoint
+        from kiln.compile.quantized import is_quantized_checkpoint
 
         if is_quantized_checkpoint(weights_dir):
             return _load_quantized(weights_dir, spec, dev)
@@ -90,14 +90,14 @@ def load_model(
             raise KilnError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
     if quantize is not None:
-        from kiln.quantization import parse_scheme
+        from kiln.quant.formats import parse_scheme
 
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
     tdtype = TORCH_DTYPES[comp.dtype]
 
     params = None
     if weights_dir is not None:
-        from kiln.weights import load_hf_weights
+        from kiln.hf.weights import load_hf_weights
 
         params = load_hf_weights(weights_dir, cfg, model_type=model_type, dtype=tdtype, device=dev)
     gm = build_graph(cfg, params, dtype=tdtype, device=dev, seed=seed)
@@ -107,8 +107,8 @@ def load_model(
 
 def _load_quantized(weights_dir: Path, spec: str | os.PathLike | None, dev: torch.device) -> LoadedModel:
     """A checkpoint written by `kiln quantize`: its graph is already passed (fusion + quantize), no calibration."""
-    from kiln.quant_io import SPEC, load_quantized
-    from kiln.spec_loader import load_spec
+    from kiln.compile.quantized import SPEC, load_quantized
+    from kiln.spec.loader import load_spec
     from kiln.tokenizer import load_tokenizer
 
     loaded = load_spec(spec if spec is not None else weights_dir / SPEC)

@@ -45,7 +45,7 @@ class LLM:
         else 16 and auto.
         """
         from kiln.build import load_model
-        from kiln.compile_step import compile_step
+        from kiln.compile.step import compile_step
 
         self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed)
         m = self.loaded

@@ -1,6 +1,6 @@
 """The resolved, validated model description that the frontend builds graphs from.
 
-Validation (kiln.validate) turns a SpecFile AST into a ModelConfig plus a CompileConfig; the HF importer
+Validation (kiln.spec.validate) turns a SpecFile AST into a ModelConfig plus a CompileConfig; the HF importer
 builds the same ModelConfig from a config.json. Everything downstream (frontend, weights, runtime) reads
 only these dataclasses, never the AST.
 
@@ -32,7 +32,6 @@ from typing import Literal
 GATED_ACTS = ("swiglu", "geglu", "geglu_tanh")
 PLAIN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")
 DTYPES = ("fp32", "fp16", "bf16")
-KV_BLOCK_MAX = 256  # tokens per KV cache block at most (a power of two; the runtime and the spec agree)
 
 
 @dataclass(frozen=True)

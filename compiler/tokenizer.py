@@ -12,18 +12,16 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from kiln.errors import KilnError
+from kiln.step import TokenizerLike
 
 _noted = False  # the fallback note is printed once per process
 
 
 @runtime_checkable
-class Tokenizer(Protocol):
-    eos_token_ids: tuple[int, ...]
+class Tokenizer(TokenizerLike, Protocol):
+    """A tokenizer kiln loads: what the runtime uses (kiln.step.TokenizerLike) and its vocabulary size."""
+
     vocab_size: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 class HFTokenizer:

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from kiln.passes._graph import rename
-from kiln.pipeline import Pass, PassResult
+from kiln.passes.base import Pass, PassResult
 
 kiln_ops = torch.ops.kiln
 

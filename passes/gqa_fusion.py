@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from kiln.passes._graph import attr_tensor, erase_attr_if_unused, is_call, rename, set_param, unique_attr_name
-from kiln.pipeline import Pass, PassResult
+from kiln.passes.base import Pass, PassResult
 
 kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)

@@ -6,7 +6,7 @@ Emits:
 - inputs tokens [1, N], positions [1, N] (the flat batch of runtime.step.StepBatch), then slot_mapping [N],
   block_tables [S, max_blocks], context_lens [S], query_start_loc [S + 1], sample_indices [R],
   kv_cache [layers, 2, num_blocks, block_size, kv_heads, head_dim], max_query_len, max_context_len (ints);
-- every attention node becomes kiln::paged_attention (kiln.ops_paged) with its cache layer index, which is
+- every attention node becomes kiln::paged_attention (kiln.ir.ops_paged) with its cache layer index, which is
   the attention node's ordinal in graph order (one per layer for the usual layer body); windows stay
   per node, so sliding-window layers attend only within their window;
 - aten.index_select(·, 1, sample_indices) so the lm_head runs only on the sampled rows: it gathers the
@@ -26,10 +26,10 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import kiln.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 from kiln.errors import PassError
 from kiln.passes._graph import is_call, rename
-from kiln.pipeline import Pass, PassResult
+from kiln.passes.base import Pass, PassResult
 
 kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
@@ -117,7 +117,7 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     if [p.name for p in placeholders] != ["tokens", "positions"]:
         raise PassError(
             f"kv_cache expects a Level-1 graph with inputs (tokens, positions), got "
-            f"({', '.join(p.name for p in placeholders)}); build it with kiln.frontend.build_graph"
+            f"({', '.join(p.name for p in placeholders)}); build it with kiln.ir.frontend.build_graph"
         )
     outputs = graph.find_nodes(op="output")[0].args[0]
     logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs

@@ -7,7 +7,7 @@ Emits: per quantized weight `<prefix>.qweight`, `<prefix>.scales` (and `<prefix>
 as buffers, so weight_bytes counts them; `<prefix>.weight` is deleted once nothing reads it (a tied table the
 embedding still reads stays). A weight read by several nodes is quantized once. gm.meta["kiln_quantize"]
 records the scheme (quant_io saves it).
-Method: rtn quantizes each weight alone; gptq first runs the graph over calibration tokens (kiln.gptq).
+Method: rtn quantizes each weight alone; gptq first runs the graph over calibration tokens (kiln.quant.gptq).
 A weight whose K is not a multiple of the int4 group is a PassError naming it, K and the group.
 Requires: gqa_fusion, so the fused qkv / gate_up weights are quantized once.
 """
@@ -19,11 +19,11 @@ from dataclasses import replace
 import torch
 from torch import fx
 
-import kiln.ops_quant  # noqa: F401  (registers the quantized ops)
+import kiln.ir.ops_quant  # noqa: F401  (registers the quantized ops)
 from kiln.errors import KilnError, PassError
 from kiln.passes._graph import erase_attr_if_unused, is_call, rename, unique_attr_name
-from kiln.pipeline import Pass, PassResult
-from kiln.quantization import QuantizedWeight, QuantScheme, as_scheme, check_shape, quantize_rtn
+from kiln.passes.base import Pass, PassResult
+from kiln.quant.formats import QuantizedWeight, QuantScheme, as_scheme, check_shape, quantize_rtn
 
 kiln_ops = torch.ops.kiln
 _LM_HEAD_WEIGHTS = ("lm_head.weight", "embed.weight")
@@ -142,8 +142,8 @@ def quantize_weights(
             raise PassError(str(e)) from None
     out: dict[str, QuantizedWeight] = {}
     if scheme.method == "gptq" and linears:
-        from kiln.gptq import calibrate
-        from kiln.gptq import calibration_ids as make_ids
+        from kiln.quant.gptq import calibrate
+        from kiln.quant.gptq import calibration_ids as make_ids
 
         if calibration_ids is None:
             # Learned position tables bound the sequence length (gpt2's 1024, a tiny model's 64).
@@ -169,14 +169,6 @@ def make_pass(scheme: QuantScheme | dict | str, *, calibration_ids: torch.Tensor
             return PassResult(gm, modified=rewrite(gm, scheme, quantized))
 
     return Pass(name="quantize", run=run, requires=("gqa_fusion",), doc=__doc__ or "")
-
-
-def quantize_graph(gm: fx.GraphModule, scheme: QuantScheme | dict | str, **kwargs) -> fx.GraphModule:
-    """gqa_fusion (when not run yet) then quantize, in place; kwargs as make_pass. Returns gm."""
-    from kiln.passes.gqa_fusion import PASS as GQA
-    from kiln.pipeline import run_pipeline
-
-    return run_pipeline(gm, [GQA, make_pass(scheme, **kwargs)])
 
 
 PASS = make_pass(QuantScheme())  # default when named in a pass list: int8 RTN; the spec's scheme replaces it

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from kiln.passes._graph import is_call, rename
-from kiln.pipeline import Pass, PassResult
+from kiln.passes.base import Pass, PassResult
 
 kiln_ops = torch.ops.kiln
 _SPLIT = torch.ops.aten.split_with_sizes.default

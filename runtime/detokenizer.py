@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kiln.tokenizer import Tokenizer
+from kiln.step import TokenizerLike
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: TokenizerLike | None, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self._hold = max((len(s) for s in self.stop), default=1) - 1

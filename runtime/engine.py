@@ -18,7 +18,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kiln.errors import KilnError, RequestError
-from kiln.model_config import KV_BLOCK_MAX, ModelConfig
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks
@@ -26,8 +25,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus
 from kiln.runtime.sampler import SamplingParams, check_stop, make_generator, sample_batch
 from kiln.runtime.scheduler import Scheduler
-from kiln.runtime.step import StepModel
-from kiln.tokenizer import Tokenizer
+from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike
 
 
 @dataclass
@@ -51,8 +49,8 @@ class Engine:
     def __init__(
         self,
         step_model: StepModel,
-        tokenizer: Tokenizer | None,
-        cfg: ModelConfig,
+        tokenizer: TokenizerLike | None,
+        cfg: ModelLimits,
         *,
         num_blocks: int | None = None,
         block_size: int | None = None,

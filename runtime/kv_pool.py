@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kiln.errors import KilnError
-from kiln.runtime.step import StepModel, kv_bytes_per_block
+from kiln.step import StepModel, kv_bytes_per_block
 
 CPU_KV_BYTES = 1 << 30  # the CPU default pool stops growing at 1 GiB (but always holds one full-context sequence)
 

@@ -16,7 +16,7 @@ import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
-from kiln.runtime.step import StepBatch, StepModel, allocate_kv_cache
+from kiln.step import StepBatch, StepModel, allocate_kv_cache
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

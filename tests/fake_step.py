@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kiln.model_config import ModelConfig
-from kiln.runtime.step import KVCache, StepBatch
+from kiln.step import KVCache, StepBatch
 
 
 def fake_next(tokens: Sequence[int], vocab: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime.step import StepBatch
+from kiln.step import StepBatch
 
 
 def cdiv(a: int, b: int) -> int:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx
 
-from kiln.ir_text import format_graph
-from kiln.pipeline import Pass, check_ir, propagate
+from kiln.compile.pipeline import Pass, check_ir, propagate
+from kiln.ir.text import format_graph
 
 ATOL = RTOL = 1e-5
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.spec_loader import load_spec
+from kiln.spec.loader import load_spec
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kiln.cli import main
-from kiln.spec_loader import bundled_specs
+from kiln.cli.main import main
+from kiln.spec.loader import bundled_specs
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 

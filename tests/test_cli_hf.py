@@ -8,7 +8,7 @@ import pytest
 import torch
 from hf_models import FAMILIES, prompts, save_hf_model
 
-from kiln.cli import main
+from kiln.cli.main import main
 
 NEW_TOKENS = 12
 

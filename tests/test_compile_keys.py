@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_spec_errors import edit, only
 
-from kiln.compile_step import compile_step
-from kiln.frontend import build_graph
-from kiln.pipeline import build_pipeline, run_pipeline
+from kiln.compile.pipeline import build_pipeline, run_pipeline
+from kiln.compile.step import compile_step
+from kiln.ir.frontend import build_graph
 from kiln.runtime.engine import Engine
-from kiln.spec_loader import load_spec, parse_and_resolve
+from kiln.spec.loader import load_spec, parse_and_resolve
 
 kiln_ops = torch.ops.kiln
 
@@ -120,7 +120,7 @@ def test_attention_reference_turns_flash_tiling_off_and_a_fixed_tile_pins_it():
 
 
 def test_compile_step_takes_the_kv_cache_key_and_the_fixed_tile():
-    from kiln.lowering import kernel_requests
+    from kiln.compile.lowering import kernel_requests
 
     cfg, comp = _spec("kv_cache = paged(block = 8, dtype = int8)",
                       "attention = flash(block_m = 16, block_n = 16, warps = 2, stages = 1)")

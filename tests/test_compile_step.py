@@ -9,11 +9,11 @@ import pytest
 import torch
 from paged_helper import shuffled_block_tables, step_batch
 
-from kiln.compile_step import CompiledStep, allocate_kv_cache, compile_step
+from kiln.compile.step import CompiledStep, allocate_kv_cache, compile_step
 from kiln.errors import KilnError
-from kiln.frontend import build_graph
-from kiln.runtime.step import KVCache
-from kiln.spec_loader import load_spec
+from kiln.ir.frontend import build_graph
+from kiln.spec.loader import load_spec
+from kiln.step import KVCache
 
 LENS = [6, 9, 11]
 STEPS = [
@@ -73,7 +73,7 @@ def test_step_model_contract_and_cache_checks():
     cache = allocate_kv_cache(model, num_blocks=5, block_size=8)
     assert cache.data.shape == (2, 2, 5, 8, 2, 16) and not cache.data.any() and cache.scales is None
     batch = step_batch([[1, 2, 3]], [(0, 3)], [[4]], 8)
-    with pytest.raises(KilnError, match="allocate it with kiln.compile_step.allocate_kv_cache"):
+    with pytest.raises(KilnError, match="allocate it with kiln.compile.step.allocate_kv_cache"):
         model(batch, cache.data.double())
     with pytest.raises(KilnError, match="kv_cache has shape"):
         model(batch, cache.data[:1])

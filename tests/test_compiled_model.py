@@ -9,12 +9,12 @@ import torch
 from hf_models import prompts, save_hf_model
 
 from kiln.codegen.cache import cache_stats
-from kiln.compile import compile_model, emit
-from kiln.frontend import build_graph
-from kiln.hf_import import config_from_hf, load_hf_config
-from kiln.lowering import KERNEL_TABLE
-from kiln.spec_loader import load_spec
-from kiln.weights import load_hf_weights
+from kiln.compile.driver import compile_model, emit
+from kiln.compile.lowering import KERNEL_TABLE
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.weights import load_hf_weights
+from kiln.ir.frontend import build_graph
+from kiln.spec.loader import load_spec
 
 SPECS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-gpt2")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_models import build_hf_model, prompts
 
-from kiln.dynamo_backend import OPTIONS, STATS, parse_options
+from kiln.dynamo.backend import OPTIONS, STATS, parse_options
 from kiln.errors import KilnError
 
 DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}
@@ -160,7 +160,7 @@ def test_entry_point_without_importing_kiln():
         "with torch.no_grad():\n"
         "    got = torch.compile(m, backend='kiln')(x)\n"
         "    torch.testing.assert_close(got, m(x))\n"
-        "from kiln.dynamo_backend import STATS\n"
+        "from kiln.dynamo.backend import STATS\n"
         "print(dict(STATS.claims))\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}

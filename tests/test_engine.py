@@ -11,7 +11,7 @@ import random
 import pytest
 
 from kiln.build import load_model
-from kiln.compile_step import compile_step
+from kiln.compile.step import compile_step
 from kiln.reference import generate
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams

@@ -1,4 +1,4 @@
-"""kiln.explain: a printable report of what backend="kiln" claims in a model and what falls back, and why."""
+"""kiln.dynamo.explain: a printable report of what backend="kiln" claims in a model and what falls back, and why."""
 
 from __future__ import annotations
 

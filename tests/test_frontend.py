@@ -9,7 +9,7 @@ import torch
 from model_configs import TINY, llama31_8b, tiny_gpt2, tiny_llama, tiny_parallel
 
 from kiln.errors import WeightError
-from kiln.frontend import build_graph, check_weights, propagate_fake, random_weights, rope_inv_freq
+from kiln.ir.frontend import build_graph, check_weights, propagate_fake, random_weights, rope_inv_freq
 from kiln.model_config import ModelConfig, RopeConfig, RopeScaling, param_shapes
 
 ops = torch.ops.kiln

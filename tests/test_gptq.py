@@ -1,4 +1,4 @@
-"""GPTQ (kiln.gptq): better layer outputs than round-to-nearest, calibration tokens, and its errors."""
+"""GPTQ (kiln.quant.gptq): better layer outputs than round-to-nearest, calibration tokens, and its errors."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kiln.errors import KilnError, PassError
-from kiln.gptq import calibrate, calibration_ids, gptq_quantize, hessian
-from kiln.quantization import QuantScheme, dequantize, quantize_rtn
+from kiln.quant.formats import QuantScheme, dequantize, quantize_rtn
+from kiln.quant.gptq import calibrate, calibration_ids, gptq_quantize, hessian
 
 SCHEMES = [QuantScheme(bits=8), QuantScheme(bits=4, group=32), QuantScheme(bits=4, group=64, symmetric=False)]
 
@@ -57,9 +57,9 @@ def test_calibration_ids_random_and_from_text(tmp_path):
 
 
 def test_gptq_pass_calibrates_from_a_text_file(tmp_path):
-    from kiln.frontend import build_graph
-    from kiln.passes.quantize import quantize_graph
-    from kiln.spec_loader import load_spec
+    from kiln.compile.pipeline import quantize_graph
+    from kiln.ir.frontend import build_graph
+    from kiln.spec.loader import load_spec
 
     text = tmp_path / "calib.txt"
     text.write_text("Some calibration text, long enough to fill a couple of rows of tokens. " * 4)

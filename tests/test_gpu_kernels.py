@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln import ops
+from kiln.ir import ops
 
 pytestmark = pytest.mark.gpu
 
@@ -53,8 +53,8 @@ def test_norm_real_size(kind, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_real_size(dtype):
     from kiln.codegen.rope import rope
-    from kiln.frontend import rope_inv_freq
-    from kiln.spec_loader import load_spec
+    from kiln.ir.frontend import rope_inv_freq
+    from kiln.spec.loader import load_spec
 
     cfg = load_spec("llama-3.1-8b").model  # llama3 scaling folded into inv_freq
     inv_freq = rope_inv_freq(cfg).cuda()
@@ -121,11 +121,11 @@ def test_flash_attention_varlen_real_size(dtype):
 
 @pytest.mark.parametrize("spec", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-gpt2"])
 def test_compiled_model_matches_reference_on_gpu(spec):
-    from kiln.compile import compile_model
-    from kiln.frontend import build_graph
+    from kiln.compile.driver import compile_model
+    from kiln.ir.frontend import build_graph
     from kiln.reference import forward_logits, generate
     from kiln.runtime.sampler import SamplingParams
-    from kiln.spec_loader import load_spec
+    from kiln.spec.loader import load_spec
 
     loaded = load_spec(spec)
     ref_gm = build_graph(loaded.model, device="cuda", seed=0)

@@ -8,7 +8,7 @@ import pytest
 from hf_models import MISTRAL_WINDOW, _config
 
 from kiln.errors import KilnError
-from kiln.hf_import import config_from_hf, config_to_spec, load_hf_config
+from kiln.hf.config import config_from_hf, config_to_spec, load_hf_config
 from kiln.model_config import AttentionCall, CompileConfig, MlpCall, NormCall, RopeScaling, param_shapes
 
 
@@ -179,9 +179,9 @@ def test_config_to_spec_shape(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt2", "biased-llama"])
 def test_spec_round_trip(family, tmp_path):
-    parser = pytest.importorskip("kiln.parser")
-    formatter = pytest.importorskip("kiln.formatter")
-    validate = pytest.importorskip("kiln.validate")
+    parser = pytest.importorskip("kiln.spec.parser")
+    formatter = pytest.importorskip("kiln.spec.formatter")
+    validate = pytest.importorskip("kiln.spec.validate")
     hf = BIASED_LLAMA if family == "biased-llama" else saved(family, tmp_path)
     cfg = config_from_hf(hf, name=f"tiny-{family}")
     text = formatter.format_spec(config_to_spec(cfg, CompileConfig(dtype="bf16")))

@@ -12,13 +12,13 @@ import pytest
 import torch
 from hf_models import FAMILIES, MISTRAL_WINDOW, prompts, save_hf_model
 
-from kiln.frontend import build_graph
-from kiln.hf_import import config_from_hf, load_hf_config
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.weights import load_hf_weights
+from kiln.ir.frontend import build_graph
 from kiln.model_config import AttentionCall, LayerAssign
 from kiln.reference import forward_logits, generate
 from kiln.runtime.sampler import SamplingParams
 from kiln.tokenizer import eos_ids
-from kiln.weights import load_hf_weights
 
 PROMPT_LEN, NEW_TOKENS = 11, 12
 

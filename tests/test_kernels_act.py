@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kiln import ops
 from kiln.errors import CodegenError
+from kiln.ir import ops
 
 KINDS = ["silu", "gelu", "gelu_tanh", "relu"]
 

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from kiln import ops
 from kiln.errors import CodegenError
+from kiln.ir import ops
 
 # (batch, T, S, heads, kv_heads, head_dim, causal, window, tile)
 CASES = {

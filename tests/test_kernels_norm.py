@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kiln import ops
 from kiln.errors import CodegenError
+from kiln.ir import ops
 
 ROWS = {1: (1, 1), 17: (1, 17), 100: (4, 25)}  # rows -> [B, T]
 

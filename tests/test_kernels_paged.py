@@ -9,9 +9,9 @@ import pytest
 import torch
 from paged_helper import shuffled_block_tables
 
-from kiln import ops
 from kiln.codegen._host import launch
 from kiln.errors import CodegenError
+from kiln.ir import ops
 
 LAYERS, LAYER = 2, 1  # write and read layer 1 of 2, so a wrong layer offset shows
 
@@ -116,7 +116,7 @@ def test_write_equals_index_put_and_skips_padding(block_size):
 @pytest.mark.parametrize("q_lens", [[1, 1], [4, 1]], ids=["decode", "mixed"])
 def test_paged_attention_writes_then_attends_like_the_op(q_lens):
     from kiln.codegen.paged import paged_attention
-    from kiln.ops_paged import paged_attention as reference
+    from kiln.ir.ops_paged import paged_attention as reference
 
     heads, kv_heads, d, bs, ctx = 4, 2, 64, 16, [21, 35]
     q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(q_lens), dtype=torch.float16)
@@ -161,7 +161,7 @@ def test_paged_kernels_reject_bad_inputs():
 def test_paged_attention_real_size_on_gpu(q_lens, dtype):
     """Llama-8B-like heads at real lengths, default splits and tiles (not run without CUDA)."""
     from kiln.codegen.paged import paged_attention
-    from kiln.ops_paged import paged_attention as reference
+    from kiln.ir.ops_paged import paged_attention as reference
 
     heads, kv_heads, d, bs = 32, 8, 128, 16
     g = torch.Generator().manual_seed(len(q_lens))

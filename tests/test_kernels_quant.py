@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.errors import CodegenError
-from kiln.quantization import QuantScheme, dequantize, quantize_rtn
+from kiln.quant.formats import QuantScheme, dequantize, quantize_rtn
 
 SCHEMES = {
     "int8": QuantScheme(bits=8),

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kiln import ops
 from kiln.errors import CodegenError
+from kiln.ir import ops
 
 
 def llama3_inv_freq(head_dim: int, theta: float = 500000.0, factor: float = 8.0, low: float = 1.0,

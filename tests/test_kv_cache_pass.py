@@ -11,12 +11,12 @@ import pytest
 import torch
 from paged_helper import row_positions, shuffled_block_tables, step_batch
 
+from kiln.compile.pipeline import check_ir, propagate
 from kiln.errors import PassError
-from kiln.frontend import build_graph
-from kiln.ir_text import format_graph
+from kiln.ir.frontend import build_graph
+from kiln.ir.text import format_graph
 from kiln.passes.kv_cache import INPUTS, PASS
-from kiln.pipeline import check_ir, propagate
-from kiln.spec_loader import load_spec
+from kiln.spec.loader import load_spec
 
 kiln_ops = torch.ops.kiln
 SPECS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-gpt2"]

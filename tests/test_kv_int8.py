@@ -1,4 +1,4 @@
-"""The int8 KV cache: per token and head scales (kiln.ops_paged.quantize_kv), the paged kernels against the
+"""The int8 KV cache: per token and head scales (kiln.ir.ops_paged.quantize_kv), the paged kernels against the
 reference op on int8 caches (shuffled blocks, block sizes 1 and 16, GQA 1 and 4, split decode, prefill after a
 cached prefix), the int8 reference against the float cache, pool sizing, compile_step and an engine run."""
 
@@ -12,13 +12,13 @@ from paged_helper import shuffled_block_tables, step_batch
 from test_kernels_paged import LAYER, _expected, _setup
 
 from kiln.build import load_model
-from kiln.compile_step import allocate_kv_cache, compile_step
+from kiln.compile.step import allocate_kv_cache, compile_step
 from kiln.errors import CodegenError, KilnError
-from kiln.ops_paged import gather_kv, quantize_kv
-from kiln.ops_paged import paged_attention as reference
+from kiln.ir.ops_paged import gather_kv, quantize_kv
+from kiln.ir.ops_paged import paged_attention as reference
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
-from kiln.runtime.step import KVCache, kv_bytes_per_block
+from kiln.step import KVCache, kv_bytes_per_block
 
 
 def _int8(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,7 +40,7 @@ def test_quantize_kv_round_trip_and_zero_rows():
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_write_kernel_quantizes_like_the_reference(block_size):
     from kiln.codegen.paged import paged_kv_write
-    from kiln.ops_paged import write_kv
+    from kiln.ir.ops_paged import write_kv
 
     kv_heads, d, n = 2, 64, 9
     g = torch.Generator().manual_seed(block_size)

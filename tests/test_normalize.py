@@ -1,4 +1,4 @@
-"""kiln.normalize on Dynamo graphs of small modules: what is claimed, what is refused and why, and that the
+"""kiln.dynamo.normalize on Dynamo graphs of small modules: what is claimed, what is refused and why, and that the
 normalized graph (kiln ops on their reference implementations) still computes what eager torch does."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.normalize import normalize
-from kiln.normalize_masks import MaskOracle, infer_spec
+from kiln.dynamo.masks import MaskOracle, infer_spec
+from kiln.dynamo.normalize import normalize
 
 
 @pytest.fixture(autouse=True)

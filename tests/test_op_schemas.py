@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import kiln.normalize_regions  # noqa: F401  (registers kiln_dynamo::region)
-import kiln.ops  # noqa: F401
-import kiln.ops_level2  # noqa: F401
-import kiln.ops_paged  # noqa: F401
-import kiln.ops_quant  # noqa: F401
+import kiln.dynamo.regions  # noqa: F401  (registers kiln_dynamo::region)
+import kiln.ir.ops  # noqa: F401
+import kiln.ir.ops_level2  # noqa: F401
+import kiln.ir.ops_paged  # noqa: F401
+import kiln.ir.ops_quant  # noqa: F401
 
 
 def _kiln_schemas() -> list[torch._C.FunctionSchema]:

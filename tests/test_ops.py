@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
+import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
 
 ops = torch.ops.kiln
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from pass_helper import check_pass
 
-from kiln.frontend import build_graph
+from kiln.compile.pipeline import run_pipeline
+from kiln.ir.frontend import build_graph
 from kiln.model_config import AttentionCall, LayerAssign, MlpCall, ModelConfig, NormConfig, Var
 from kiln.passes import flash_tiling, gqa_fusion, norm_fusion, rope_fusion
 from kiln.passes._graph import attr_tensor, set_param
-from kiln.pipeline import run_pipeline
-from kiln.spec_loader import load_spec
+from kiln.spec.loader import load_spec
 
 ops = torch.ops.kiln
 SPLIT = torch.ops.aten.split_with_sizes.default

@@ -6,11 +6,19 @@ import pytest
 import torch
 from torch import fx
 
+from kiln.compile.pipeline import (
+    DEFAULT_PIPELINE,
+    Pass,
+    PassResult,
+    build_pipeline,
+    known_passes,
+    order_passes,
+    run_pipeline,
+)
 from kiln.errors import PassError
-from kiln.frontend import build_graph
+from kiln.ir.frontend import build_graph
 from kiln.model_config import CompileConfig
-from kiln.pipeline import DEFAULT_PIPELINE, Pass, PassResult, build_pipeline, known_passes, order_passes, run_pipeline
-from kiln.spec_loader import load_spec
+from kiln.spec.loader import load_spec
 
 
 def noop(name: str, requires: tuple[str, ...] = ()) -> Pass:

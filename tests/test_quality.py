@@ -1,4 +1,4 @@
-"""The quality report (kiln.quality) on tiny HF-oracle checkpoints: logit error and top-1 agreement per scheme.
+"""The quality report (kiln.cli.quality) on tiny HF-oracle checkpoints: logit error and top-1 agreement per scheme.
 
 The checkpoints use hidden size 128 (so group 128 fits) and initializer_range 0.05: hf_models' default 0.3
 makes random logits chaotic enough that even int8 flips a few argmaxes (int8 rel. error 0.05-0.07 there).
@@ -13,10 +13,10 @@ import pytest
 import torch
 from hf_models import save_hf_model
 
-from kiln.frontend import build_graph
-from kiln.hf_import import config_from_hf, load_hf_config
-from kiln.quality import bench_quality_main, compare_logits, eval_ids, format_quality, quality_report
-from kiln.weights import load_hf_weights
+from kiln.cli.quality import bench_quality_main, compare_logits, eval_ids, format_quality, quality_report
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.weights import load_hf_weights
+from kiln.ir.frontend import build_graph
 
 SCHEMES = ("int8", "int4-rtn-g128", "int4-gptq-g128")
 SIZES = {"llama": dict(hidden_size=128, intermediate_size=256), "gpt2": dict(n_embd=128)}

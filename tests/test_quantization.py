@@ -1,14 +1,14 @@
-"""Quantization math (kiln.quantization), the quantized ops' references, the spec's `quantize` setting and
-quantized checkpoints (kiln.quant_io)."""
+"""Quantization math (kiln.quant.formats), the quantized ops' references, the spec's `quantize` setting and
+quantized checkpoints (kiln.compile.quantized)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import kiln.ops_quant  # noqa: F401  (registers the quantized ops)
+import kiln.ir.ops_quant  # noqa: F401  (registers the quantized ops)
 from kiln.errors import KilnError, SpecError
-from kiln.quantization import (
+from kiln.quant.formats import (
     QuantScheme,
     dequantize,
     pack_int4,
@@ -16,7 +16,7 @@ from kiln.quantization import (
     quantize_rtn,
     unpack_int4,
 )
-from kiln.spec_loader import load_spec, parse_and_resolve
+from kiln.spec.loader import load_spec, parse_and_resolve
 
 SCHEMES = [QuantScheme(bits=8)] + [QuantScheme(bits=4, group=g, symmetric=s) for g in (32, 64, 128) for s in (1, 0)]
 
@@ -148,10 +148,10 @@ def test_spec_quantize_errors(value, message):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32-asym"])
 def test_save_and_load_quantized_checkpoint(tmp_path, scheme):
-    from kiln.frontend import build_graph
-    from kiln.ir_text import format_graph
-    from kiln.passes.quantize import quantize_graph
-    from kiln.quant_io import is_quantized_checkpoint, load_quantized, save_quantized
+    from kiln.compile.pipeline import quantize_graph
+    from kiln.compile.quantized import is_quantized_checkpoint, load_quantized, save_quantized
+    from kiln.ir.frontend import build_graph
+    from kiln.ir.text import format_graph
 
     cfg = load_spec("tiny-llama").model
     gm = quantize_graph(build_graph(cfg, dtype=torch.bfloat16), parse_scheme(scheme, embeddings=True))
@@ -168,10 +168,10 @@ def test_save_and_load_quantized_checkpoint(tmp_path, scheme):
 def test_loading_against_another_model_is_a_weight_error(tmp_path):
     import dataclasses
 
+    from kiln.compile.pipeline import quantize_graph
+    from kiln.compile.quantized import load_quantized, save_quantized
     from kiln.errors import WeightError
-    from kiln.frontend import build_graph
-    from kiln.passes.quantize import quantize_graph
-    from kiln.quant_io import load_quantized, save_quantized
+    from kiln.ir.frontend import build_graph
 
     cfg = load_spec("tiny-llama").model
     save_quantized(quantize_graph(build_graph(cfg), "int8"), tmp_path, cfg)

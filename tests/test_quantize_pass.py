@@ -13,18 +13,18 @@ import pytest
 import torch
 from pass_helper import check_pass
 
-import kiln.ops_quant  # noqa: F401  (registers the quantized ops)
+import kiln.ir.ops_quant  # noqa: F401  (registers the quantized ops)
+from kiln.cli.quality import weight_breakdown
+from kiln.compile.pipeline import build_pipeline, quantize_graph, run_pipeline
 from kiln.errors import PassError
-from kiln.frontend import build_graph
-from kiln.ir_text import weight_bytes
+from kiln.ir.frontend import build_graph
+from kiln.ir.text import weight_bytes
 from kiln.model_config import CompileConfig
 from kiln.passes import gqa_fusion
 from kiln.passes._graph import attr_tensor, set_param
-from kiln.passes.quantize import make_pass, quantize_graph
-from kiln.pipeline import build_pipeline, run_pipeline
-from kiln.quality import weight_breakdown
-from kiln.quantization import QuantScheme, dequantize, dequantize_parts, parse_scheme, quantize_rtn
-from kiln.spec_loader import load_spec
+from kiln.passes.quantize import make_pass
+from kiln.quant.formats import QuantScheme, dequantize, dequantize_parts, parse_scheme, quantize_rtn
+from kiln.spec.loader import load_spec
 
 kiln_ops = torch.ops.kiln
 LINEAR, W8, W4 = kiln_ops.linear.default, kiln_ops.linear_w8.default, kiln_ops.linear_w4.default
@@ -125,7 +125,7 @@ def test_pipeline_adds_quantize_after_gqa_fusion_when_the_spec_asks():
 @pytest.mark.parametrize("seq", [1, 6])  # decode (GEMV) and prefill (GEMM)
 def test_compiled_kernels_match_the_reference_path(seq, monkeypatch):
     import kiln.codegen.quant as quant
-    from kiln.compile import compile_model
+    from kiln.compile.driver import compile_model
 
     cfg = load_spec("tiny-llama").model
     cc = CompileConfig(extra={"quantize": {"bits": 4, "group": 32, "symmetric": False}})

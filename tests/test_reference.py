@@ -7,7 +7,7 @@ import torch
 from model_configs import tiny_gpt2, tiny_llama, tiny_mistral
 
 from kiln.errors import RequestError
-from kiln.frontend import build_graph
+from kiln.ir.frontend import build_graph
 from kiln.reference import Generation, forward_logits, generate
 from kiln.runtime.sampler import SamplingParams
 

@@ -7,11 +7,11 @@ from importlib.resources import files
 
 import pytest
 
-from kiln.cli import main
-from kiln.formatter import format_spec
-from kiln.parser import parse_spec
-from kiln.spec_ast import Comment, ModelBlock, Num, Setting, SpecFile
-from kiln.spec_loader import bundled_specs
+from kiln.cli.main import main
+from kiln.spec.ast import Comment, ModelBlock, Num, Setting, SpecFile
+from kiln.spec.formatter import format_spec
+from kiln.spec.loader import bundled_specs
+from kiln.spec.parser import parse_spec
 
 MESSY = """\
 # leading comment

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.errors import Diagnostic, SpecError
-from kiln.spec_loader import parse_and_resolve
+from kiln.spec.loader import parse_and_resolve
 
 BASE = """\
 model "t" {

@@ -8,9 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.formatter import format_expr, format_spec
-from kiln.parser import parse_spec
-from kiln.spec_ast import (
+from kiln.spec.ast import (
     Assign,
     BinOp,
     Bool,
@@ -25,7 +23,9 @@ from kiln.spec_ast import (
     SpecFile,
     Str,
 )
-from kiln.spec_loader import bundled_specs
+from kiln.spec.formatter import format_expr, format_spec
+from kiln.spec.loader import bundled_specs
+from kiln.spec.parser import parse_spec
 
 MESSY = """\
 # comments survive formatting

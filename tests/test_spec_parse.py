@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.model_config import Add, AttentionCall, LayerAssign, MlpCall, NormCall, NormConfig, RopeScaling, Var
-from kiln.parser import parse_spec
-from kiln.spec_ast import (
+from kiln.spec.ast import (
     Assign,
     BinOp,
     Bool,
@@ -22,7 +21,8 @@ from kiln.spec_ast import (
     SpecFile,
     Str,
 )
-from kiln.spec_loader import bundled_specs, load_spec, parse_and_resolve
+from kiln.spec.loader import bundled_specs, load_spec, parse_and_resolve
+from kiln.spec.parser import parse_spec
 
 SNIPPET = """\
 # a comment

@@ -10,7 +10,7 @@ import pytest
 
 from kiln.errors import KilnError, SpecError
 from kiln.model_config import param_shapes
-from kiln.spec_loader import DEFAULT_SPEC, LoadedSpec, bundled_specs, load_spec, parse_and_resolve
+from kiln.spec.loader import DEFAULT_SPEC, LoadedSpec, bundled_specs, load_spec, parse_and_resolve
 
 REAL = ("gpt2", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.1", "qwen2.5-0.5b")
 TINY = ("tiny-gpt2", "tiny-llama", "tiny-mistral", "tiny-qwen2")
@@ -98,8 +98,8 @@ def test_tiny_specs_are_small_and_cover_each_family():
 def test_every_bundled_spec_checks_and_builds_on_fake_tensors(name):
     import torch
 
-    from kiln.cli import main
-    from kiln.frontend import build_graph
+    from kiln.cli.main import main
+    from kiln.ir.frontend import build_graph
 
     assert main(["check", name]) == 0
     loaded = load_spec(name)

@@ -10,11 +10,11 @@ import torch
 from hf_models import FAMILIES, save_hf_model
 from safetensors.torch import load_file, save_file
 
-from kiln import weights as weights_mod
 from kiln.errors import KilnError, WeightError
-from kiln.hf_import import config_from_hf, load_hf_config
+from kiln.hf import weights as weights_mod
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.weights import load_hf_weights
 from kiln.model_config import param_shapes
-from kiln.weights import load_hf_weights
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ def paged_kv_write_kernel(
     # Slot s is block s // block_size, offset s % block_size of the [blocks, block_size, kv_heads, head_dim]
     # cache of one layer; a negative slot marks a padding token and writes nothing. QUANT (an int8 cache): each
     # row [head_dim] of a head is stored as round(x * 127 / absmax) with its scale absmax / 127 in the
-    # [blocks, block_size, kv_heads] scales (the arithmetic of kiln.ops_paged.quantize_kv, IEEE division).
+    # [blocks, block_size, kv_heads] scales (the arithmetic of kiln.ir.ops_paged.quantize_kv, IEEE division).
     tok = tl.program_id(0)
     slot = tl.load(slot_ptr + tok).to(tl.int64)  # int64 offsets: a cache can exceed 2**31 elements
     block = slot // block_size

@@ -1,0 +1,102 @@
+"""`kiln bench throughput` and `kiln bench quality`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from kiln.cli.common import QUANTIZE_HELP, engine_flags, serving_engine, step_model
+from kiln.errors import KilnError
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import gc
+
+    from kiln.build import load_model, say
+    from kiln.runtime.throughput import environment, format_report, make_trace, parse_range, run_trace
+
+    try:
+        input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
+    except ValueError as e:
+        raise KilnError(f"--input-len / --output-len: {e}") from None
+    if args.num_requests < 1:
+        raise KilnError(f"--num-requests {args.num_requests}: give at least 1")
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
+                   quantize=args.quantize)
+    trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=m.model.vocab,
+                                context=m.model.context, seed=args.seed)
+    if clipped:
+        say(f"{clipped} of {len(trace)} requests shortened to fit the context of {m.model.context} tokens")
+    result = {"model": m.model.name, **environment(m.device),
+              "trace": {"num_requests": len(trace), "input_len": list(input_len), "output_len": list(output_len),
+                        "seed": args.seed, "clipped": clipped,
+                        "prompt_tokens": sum(len(r.prompt_token_ids) for r in trace),
+                        "output_tokens": sum(r.output_len for r in trace)},
+              "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                         "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype,
+                         "kv_cache_dtype": args.kv_cache_dtype}}
+    step = step_model(args, m)  # compiled once; each policy gets its own engine and KV pool over it
+    for policy in ("continuous", "static"):
+        engine = serving_engine(args, m, step, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=policy)
+        say(f"bench {policy}: {len(trace)} requests on {m.device}, {engine.block_manager.num_usable_blocks} KV blocks")
+        result[policy] = run_trace(engine, trace, label=f"{policy}-", progress=say)
+        result[policy]["num_blocks"] = engine.block_manager.num_usable_blocks
+        del engine  # free this pool before the next one is allocated
+        gc.collect()
+        if m.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    c, st = result["continuous"], result["static"]
+    result["speedup"] = {"output_tokens_per_s": c["output_tokens_per_s"] / st["output_tokens_per_s"],
+                         "requests_per_s": c["requests_per_s"] / st["requests_per_s"],
+                         "ttft_mean": st["ttft_s"]["mean"] / max(c["ttft_s"]["mean"], 1e-9)}
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+    return 0
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from kiln.cli.quality import DEFAULT_SCHEMES, bench_quality_main
+
+    schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
+    bench_quality_main(args.spec, args.weights, schemes=schemes, positions=args.positions, eval_text=args.eval_text,
+                       calibration=args.calibration, dtype=args.dtype, device=args.device, json=args.json)
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    t = bsub.add_parser("throughput", help="replay a synthetic trace: continuous vs static batching",
+                        description="Replay a seeded synthetic trace (every request arriving at once) with "
+                        "continuous batching, then with static batching on the same step model, and report "
+                        "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
+    t.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    t.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    t.add_argument("--num-requests", type=int, default=256, help="requests in the trace (default 256)")
+    t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
+    t.add_argument("--output-len", default="100:1024", metavar="LO:HI", help="output lengths, uniform (100:1024)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the trace and of random weights (default 0)")
+    t.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most, and static batch size")
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
+    t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    t.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    t.add_argument("--json", action="store_true", help="print the full result as JSON")
+    t.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    engine_flags(t)
+    t.set_defaults(func=cmd_bench)
+
+    qb = bsub.add_parser("quality", help="quantization schemes against the unquantized model",
+                         description="Relative logit error and top-1 agreement of each quantization scheme "
+                         "against the unquantized model, over the same evaluation tokens.")
+    qb.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    qb.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,int4-gptq-g128)")
+    qb.add_argument("--positions", type=int, default=256, help="evaluated positions (default 256)")
+    qb.add_argument("--eval-text", metavar="FILE", help="text to evaluate on (default: seeded random tokens)")
+    qb.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
+    qb.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    qb.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    qb.add_argument("--json", action="store_true", help="print the report as JSON")
+    qb.set_defaults(func=cmd_bench_quality)

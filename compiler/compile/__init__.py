@@ -1,0 +1,1 @@
+"""The compile driver: pass pipeline, lowering to kernels, the step model, quantized checkpoints."""

@@ -1,0 +1,234 @@
+"""Lowering: Level-1/Level-2 kiln nodes -> calls of the generated-kernel host wrappers (kiln.codegen).
+
+One table maps each op to a small function with the op's own signature that calls the codegen wrapper; the
+lowered graph's nodes call those functions, so it is still a readable fx graph (`format_graph` prints them
+as e.g. `k_add_rms_norm(...)`). Dense GEMMs (kiln::linear) and embedding gathers stay on torch (cuBLAS on
+GPU). Tile configs come from the flash_attention node's arguments (set by flash_tiling); a plain
+kiln::attention (flash_tiling disabled) gets codegen's default tile at run time.
+
+`kernel_requests` finds which kernels a lowered graph needs without running any: it interprets the graph
+on FakeTensors inside codegen's `recording` dry run, so the wrappers compute their launch parameters (the
+constexprs that pick a kernel instance) exactly as they will at run time, and launch nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
+import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
+from kiln.errors import CodegenError
+
+kiln_ops = torch.ops.kiln
+
+
+def _cg():
+    # Imported on first use: kiln.codegen imports triton, whose interpreter switch must be set first.
+    from kiln.codegen import act, flash_attn, norm, rope, tiles
+
+    return act, flash_attn, norm, rope, tiles
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    # Elementwise kernels take flat contiguous buffers; gate/up pieces of a fused projection are row-strided.
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def k_embedding(weight, ids):
+    return F.embedding(ids, weight)
+
+
+def k_linear(x, weight, bias):
+    return F.linear(x, weight, bias)
+
+
+def k_add(a, b):
+    return torch.add(a, b)
+
+
+def k_rms_norm(x, weight, eps):
+    return _cg()[2].rms_norm(x, weight, eps)
+
+
+def k_layer_norm(x, weight, bias, eps):
+    return _cg()[2].layer_norm(x, weight, bias, eps)
+
+
+def k_add_rms_norm(x, residual, weight, eps):
+    return _cg()[2].rms_norm(x, weight, eps, residual=residual)
+
+
+def k_add_layer_norm(x, residual, weight, bias, eps):
+    return _cg()[2].layer_norm(x, weight, bias, eps, residual=residual)
+
+
+def k_rope(x, positions, inv_freq):
+    return _cg()[3].rope(x, positions, inv_freq)
+
+
+def k_gated_act(gate, up, kind):
+    return _cg()[0].gated_act(_dense(gate), _dense(up), kind)
+
+
+def k_act(x, kind):
+    return _cg()[0].act(_dense(x), kind)
+
+
+def k_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale):
+    return _cg()[1].flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale)
+
+
+def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, warps, stages):
+    tile = _cg()[4].TileConfig(block_m, block_n, warps, stages)
+    return _cg()[1].flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile=tile)
+
+
+def k_paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
+                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales=None,
+                      tile=None):  # fmt: skip
+    # tile: (block_m, block_n, warps, stages) of a spec's fixed flash tile (compile_step pins it), else the default.
+    from kiln.codegen import paged
+
+    tile = _cg()[4].TileConfig(*tile) if tile is not None else None
+    return paged.paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
+                                 max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale,
+                                 kv_scales=kv_scales, tile=tile)
+
+
+def k_linear_w8(x, qweight, scales, bias):
+    from kiln.codegen import quant
+
+    return quant.linear_w8(x, qweight, scales, bias)
+
+
+def k_linear_w4(x, qweight, scales, zeros, group, bias):
+    from kiln.codegen import quant
+
+    return quant.linear_w4(x, qweight, scales, zeros, group, bias)
+
+
+def k_embedding_q(qweight, scales, zeros, ids, bits, group, dtype):
+    # A gather of a few rows then their dequantization: torch, like the unquantized embedding.
+    from kiln.quant.formats import dequantize_parts
+
+    z = zeros[ids] if zeros is not None else None
+    return dequantize_parts(qweight[ids], scales[ids], z, bits, group).to(dtype)
+
+
+KERNEL_TABLE: dict[Any, Callable] = {
+    kiln_ops.embedding.default: k_embedding,
+    kiln_ops.linear.default: k_linear,
+    kiln_ops.add.default: k_add,
+    kiln_ops.rms_norm.default: k_rms_norm,
+    kiln_ops.layer_norm.default: k_layer_norm,
+    kiln_ops.add_rms_norm.default: k_add_rms_norm,
+    kiln_ops.add_layer_norm.default: k_add_layer_norm,
+    kiln_ops.rope.default: k_rope,
+    kiln_ops.gated_act.default: k_gated_act,
+    kiln_ops.act.default: k_act,
+    kiln_ops.attention.default: k_attention,
+    kiln_ops.flash_attention.default: k_flash_attention,
+    kiln_ops.paged_attention.default: k_paged_attention,
+    kiln_ops.linear_w8.default: k_linear_w8,
+    kiln_ops.linear_w4.default: k_linear_w4,
+    kiln_ops.embedding_q.default: k_embedding_q,
+}
+
+
+def lower(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace every kiln op by its kernel call (in place); a kiln op without a lowering is a CodegenError."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target.namespace != "kiln":
+            continue
+        fn = KERNEL_TABLE.get(node.target)
+        if fn is None:
+            raise CodegenError(
+                f"no kernel lowering for {node.target} (node %{node.name}); add it to lowering.KERNEL_TABLE"
+            )
+        node.meta["kiln_op"] = str(node.target)
+        node.target = fn
+    gm.recompile()
+    return gm
+
+
+# ---- which kernels a graph needs ---------------------------------------------------------------------------
+
+
+@dataclass
+class KernelRequest:
+    """One kernel instance (as codegen's cache keys it) and the graph nodes that launch it."""
+
+    template: str
+    name: str
+    params: dict[str, Any]
+    nodes: list[str] = field(default_factory=list)  # "%node: op(inputs) -> outputs" lines for headers
+
+
+def _describe(node: fx.Node, args: tuple, result: Any) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+        if isinstance(v, (tuple, list)):
+            return "(" + ", ".join(fmt(x) for x in v) + ")"
+        return repr(v)
+
+    return f"%{node.name}: {node.meta.get('kiln_op', node.target)}({', '.join(fmt(a) for a in args)}) -> {fmt(result)}"
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, device: torch.device):
+        super().__init__(gm)
+        self.mode, self.device = mode, device
+        self.requests: dict[Any, KernelRequest] = {}
+        self.seen: list[KernelRequest] = []  # requests made by the node being run
+
+    def fetch_attr(self, target: str):
+        t = super().fetch_attr(target)
+        with self.mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+
+    def run_node(self, n: fx.Node):
+        self.seen = []
+        result = super().run_node(n)
+        for req in self.seen:
+            line = _describe(n, tuple(self.map_nodes_to_values(n.args, n)), result)
+            if line not in req.nodes:
+                req.nodes.append(line)
+        return result
+
+    def record(self, template: str, name: str, **params: Any) -> None:
+        key = (template, name, repr(sorted(params.items())))  # params are plain dicts of ints/bools/strs
+        req = self.requests.setdefault(key, KernelRequest(template, name, params))
+        self.seen.append(req)
+
+
+def kernel_requests(gm: fx.GraphModule) -> list[KernelRequest]:
+    """The distinct kernels a lowered graph launches for its example input shapes (placeholders' meta['val'])."""
+    import kiln.codegen._host as host
+
+    ref = next(iter(gm.parameters()), None)
+    # Record on the target device when it is a GPU (wrappers may ask it for its capability), else on meta.
+    device = ref.device if ref is not None and ref.device.type == "cuda" else torch.device("meta")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        inputs = [
+            torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype, device=device)
+            if isinstance(n.meta["val"], torch.Tensor)
+            else n.meta["val"]  # host-side scalars pass through (the step graph's max_query_len, ...)
+            for n in gm.graph.nodes
+            if n.op == "placeholder"
+        ]
+    rec = _Recorder(gm, mode, device)
+    with host.recording(rec.record), mode:
+        rec.run(*inputs)
+    return list(rec.requests.values())

@@ -1,0 +1,165 @@
+"""compile_step: a Level-1 graph -> the runtime's step model (kiln.step.StepModel) over a paged KV cache.
+
+    model = compile_step(build_graph(cfg), cfg)               # kv_cache pass + the default passes, kernels
+    cache = allocate_kv_cache(model, num_blocks=64, block_size=16)   # a KVCache (data, int8 scales or None)
+    logits = model(batch, cache)                              # fp32 [R, vocab]; the batch's K/V now cached
+
+The kv_cache pass (passes/kv_cache.py) makes the step graph; the other passes of the compile config's
+pipeline run around it in STEP_ORDER: gqa_fusion and rope_fusion before it (gqa_fusion only fuses projections
+that feed kiln::attention), norm_fusion after it (so the gathered final add + norm still fuse), flash_tiling
+last (it then finds no attention left). With kernels (default: CUDA or TRITON_INTERPRET=1) the graph is
+lowered to the generated kernels, paged attention included (codegen/paged.py).
+
+The spec's `kv_cache = paged(block = 16, dtype = int8)` (CompileConfig.extra["kv_cache"]) sets the cache dtype
+(kv_cache_dtype overrides it) and the model's preferred block_size (the engine's default pool block size); a
+fixed `attention = flash(block_m = ...)` tile is also the paged prefill kernel's tile.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+from kiln.compile.driver import kernels_usable
+from kiln.compile.pipeline import build_pipeline, order_passes, run_pipeline
+from kiln.errors import KilnError, PassError
+from kiln.model_config import CompileConfig, ModelConfig
+from kiln.step import KVCache, StepBatch
+from kiln.step import allocate_kv_cache as _allocate
+
+STEP_ORDER = ("gqa_fusion", "quantize", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling")
+
+
+@dataclass
+class CompiledStep:
+    """A kiln.step.StepModel: one call runs one scheduler step over a flat batch."""
+
+    gm: fx.GraphModule  # the step graph, lowered to kernel calls when use_kernels
+    num_layers: int  # cache layers: one per attention node
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: torch.dtype
+    device: torch.device
+    use_kernels: bool
+    passes: list[str] = field(default_factory=list)
+    kv_dtype: torch.dtype | None = None  # the cache's element type: dtype (None means so) or torch.int8
+    block_size: int = 16  # the pool block size the compile config asks for; the engine's default
+
+    def __post_init__(self) -> None:
+        self.kv_dtype = self.kv_dtype or self.dtype
+
+    def _check_cache(self, cache: KVCache) -> None:
+        data, scales = cache.data, cache.scales
+        want = (self.num_layers, 2, self.num_kv_heads, self.head_dim)
+        got = (*data.shape[:2], *data.shape[4:]) if data.dim() == 6 else tuple(data.shape)
+        quantized = self.kv_dtype == torch.int8
+        bad_scales = (scales is None or scales.shape != data.shape[:-1] or scales.dtype != torch.float32
+                      if quantized else scales is not None)  # fmt: skip
+        if got != want or data.dtype != self.kv_dtype or bad_scales:
+            scales_note = f" with fp32 scales {list(data.shape[:-1])}" if quantized else " and no scales"
+            raise KilnError(
+                f"kv_cache has shape {tuple(data.shape)} and dtype {data.dtype}"
+                f"{'' if scales is None else f', scales {tuple(scales.shape)} {scales.dtype}'}; this model needs "
+                f"[{self.num_layers}, 2, num_blocks, block_size, {self.num_kv_heads}, {self.head_dim}] in "
+                f"{self.kv_dtype}{scales_note}: allocate it with kiln.compile.step.allocate_kv_cache"
+            )
+
+    def __call__(self, batch: StepBatch, kv_cache: KVCache | torch.Tensor) -> torch.Tensor:
+        """fp32 logits [R, vocab] for batch.sample_indices; writes the batch's K/V into kv_cache (a KVCache, or
+        the bare data tensor of a cache in the model's dtype)."""
+        cache = kv_cache if isinstance(kv_cache, KVCache) else KVCache(kv_cache)
+        self._check_cache(cache)
+        inputs = dict(
+            tokens=batch.tokens.view(1, -1), positions=batch.positions.view(1, -1), slot_mapping=batch.slot_mapping,
+            block_tables=batch.block_tables, context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
+            sample_indices=batch.sample_indices, kv_cache=cache.data, max_query_len=int(batch.max_query_len),
+            max_context_len=int(batch.max_context_len),
+        )  # fmt: skip
+        if cache.scales is not None:
+            inputs["kv_scales"] = cache.scales
+        with torch.no_grad():
+            logits = self.gm(**inputs)
+        return logits.reshape(-1, self.vocab).float()
+
+
+def _step_passes(compile_cfg: CompileConfig | None, kv_dtype: str) -> list:
+    from kiln.passes.kv_cache import make_pass
+
+    passes = [p for p in build_pipeline(compile_cfg) if p.name != "kv_cache"]
+    names = [p.name for p in passes]
+    passes.append(make_pass(kv_dtype))  # bound to the cache dtype
+    preferred = dict.fromkeys((*STEP_ORDER, *names))  # first mention wins: order_passes ranks by index
+    return order_passes(passes, preferred=tuple(preferred))
+
+
+def _pin_paged_tile(gm: fx.GraphModule, tile: dict) -> None:
+    """Give every lowered paged-attention call the spec's fixed flash tile (its prefill kernel's tile)."""
+    fields = (tile["block_m"], tile["block_n"], tile["num_warps"], tile["num_stages"])
+    for node in gm.graph.nodes:
+        if node.meta.get("kiln_op") == str(torch.ops.kiln.paged_attention.default):
+            node.kwargs = {**node.kwargs, "tile": fields}
+    gm.recompile()
+
+
+def compile_step(
+    gm: fx.GraphModule,
+    cfg: ModelConfig,
+    compile_cfg: CompileConfig | None = None,
+    *,
+    device: str | torch.device | None = None,
+    use_kernels: bool | None = None,
+    dump_dir: str | os.PathLike | None = None,
+    kv_cache_dtype: str | None = None,
+) -> CompiledStep:
+    """Turn a Level-1 graph of `cfg` (from kiln.ir.frontend.build_graph; changed in place) into a step model.
+
+    device: move the weights there first. use_kernels: lower to generated kernels (default: kernels_usable(),
+    i.e. CUDA or TRITON_INTERPRET=1) and load them now; otherwise the ops' reference implementations run.
+    dump_dir / KILN_DUMP_DIR: the graph after every pass. kv_cache_dtype: "auto" (the model's dtype) or "int8"
+    (per token and head scales); None: the compile config's `kv_cache = paged(dtype = ...)`, else auto.
+    """
+    if device is not None:
+        gm = gm.to(device)
+    use_kernels = kernels_usable() if use_kernels is None else use_kernels
+    extra = compile_cfg.extra if compile_cfg is not None else {}
+    kv_spec = extra.get("kv_cache") or {}
+    passes = _step_passes(compile_cfg, kv_cache_dtype or kv_spec.get("dtype", "auto"))
+    gm = run_pipeline(gm, passes, dump_dir=dump_dir)
+    cache = gm.graph.find_nodes(op="placeholder", target="kv_cache")
+    if not cache:
+        raise PassError(f"model {cfg.name!r} has no attention, so there is no KV cache to page")
+    _, _, _, _, kv_heads, head_dim = cache[0].meta["val"].shape
+    num_layers = cache[0].meta["val"].shape[0]
+    kv_dtype = cache[0].meta["val"].dtype
+    dtype = next(iter(cache[0].users)).args[0].meta["val"].dtype  # a paged_attention's q: the activations' dtype
+    ref = next(iter(gm.parameters()), None)
+    model_device = ref.device if ref is not None else torch.device("cpu")
+    if use_kernels:
+        from kiln.codegen.cache import default_cache
+        from kiln.compile.lowering import kernel_requests, lower
+
+        gm = lower(gm)
+        tile = (extra.get("attention") or {}).get("tile")
+        if tile:
+            _pin_paged_tile(gm, tile)
+        # Render and import every kernel now, not on the first step: for a prefill step and for a decode step.
+        bound = gm.graph.find_nodes(op="placeholder", target="max_query_len")[0]
+        example = bound.meta["val"]
+        for max_query_len in (example, 1):
+            bound.meta["val"] = max_query_len
+            for req in kernel_requests(gm):
+                default_cache().load(req.template, req.name, **req.params)
+        bound.meta["val"] = example
+    return CompiledStep(gm, num_layers, kv_heads, head_dim, cfg.vocab, dtype, model_device, use_kernels,
+                        [p.name for p in passes], kv_dtype, kv_spec.get("block", 16))  # fmt: skip
+
+
+def allocate_kv_cache(model: CompiledStep, num_blocks: int, block_size: int) -> KVCache:
+    """A zeroed KVCache: data [layers, 2, num_blocks, block_size, kv_heads, head_dim] on the model's device in its
+    kv_dtype, and fp32 scales [layers, 2, num_blocks, block_size, kv_heads] when that is int8."""
+    return _allocate(model, num_blocks, block_size)

@@ -1,0 +1,203 @@
+"""Kiln regions: connected groups of claimed kiln ops, each run through the pass pipeline and lowered to kernels.
+
+After normalization the graph mixes kiln ops and torch calls. The kiln ops are grouped into maximal regions
+(torch.fx's CapabilityBasedPartitioner, which keeps the contracted graph acyclic); each region becomes a
+Level-1 kiln graph (the same IR the spec frontend builds), goes through `build_pipeline` / `run_pipeline` and
+`lower` like a spec file, and is called from the outer graph through one opaque custom op,
+`kiln_dynamo::region(inputs, id)`. Being a custom op with a fake kernel (the region's Level-1 graph run on fake
+tensors) is what lets the outer graph go to inductor unchanged while kiln regions stay kiln's.
+
+Weights: region inputs that are the model's parameters or buffers are frozen into the region as get_attr
+constants (so gqa_fusion can concatenate q/k/v and gate/up weights). Each call checks that the tensors passed
+for them are still the same storage at the same version counter (cheap); if a weight was replaced or updated
+in place, that call runs the region's Level-1 graph on the tensors passed instead (correct, slower).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+from torch.library import custom_op
+
+from kiln.dynamo.normalize import is_kiln, val
+from kiln.passes._graph import set_param
+
+_PREFIX = "kiln_region_"
+_REGIONS: dict[int, Region] = {}
+_ids = itertools.count()
+
+
+@custom_op("kiln_dynamo::region", mutates_args=())
+def region_op(inputs: list[torch.Tensor], region: int) -> list[torch.Tensor]:
+    return _REGIONS[region].run(inputs)
+
+
+@region_op.register_fake
+def _(inputs, region):
+    return _REGIONS[region].fake(inputs)
+
+
+@dataclass
+class Region:
+    rid: int
+    ref: fx.GraphModule  # Level-1 kiln graph; every input (weights too) a placeholder
+    frozen: dict[int, tuple[torch.Tensor, int]]  # input index -> (weight frozen into `fast`, its _version then)
+    fast: Callable | None = None  # the lowered graph over the non-frozen inputs
+    passes: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    fallbacks: int = 0
+
+    def _weights_ok(self, inputs: Sequence[torch.Tensor]) -> bool:
+        for i, (t, version) in self.frozen.items():
+            x = inputs[i]
+            if x.data_ptr() != t.data_ptr() or x._version != version or x.shape != t.shape:
+                return False
+        return True
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # Contiguous in and out: kernels take dense rows, and the fake kernel promises dense outputs.
+        if self.fast is not None and self._weights_ok(inputs):
+            outs = self.fast(*[x.contiguous() for i, x in enumerate(inputs) if i not in self.frozen])
+        else:
+            if self.fallbacks == 0 and self.fast is not None:
+                warnings.warn(
+                    f"kiln region {self.rid}: a frozen weight changed; running its reference ops", stacklevel=2
+                )
+            self.fallbacks += 1
+            outs = self.ref(*[x.contiguous() for x in inputs])
+        return [o.contiguous() for o in outs]
+
+    def fake(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [o.contiguous() for o in self.ref(*[x.contiguous() for x in inputs])]
+
+
+class _KilnOps(OperatorSupportBase):
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        return is_kiln(node)
+
+
+def _hint(d: object) -> int:
+    if isinstance(d, int):
+        return d
+    node = d.node
+    return int(node.hint) if node.hint is not None else int(node.shape_env.size_hint(node.expr))
+
+
+def _weight_name(placeholder: str) -> str:
+    """L_self_modules_model_modules_norm_parameters_weight_ -> model.norm.weight (readable dumps and fused names)."""
+    name = placeholder.removeprefix("L_self_").removeprefix("l_self_").rstrip("_")
+    for part in ("_modules_", "_parameters_", "_buffers_"):
+        name = name.replace(part, ".")
+    return name.removeprefix("modules_").replace("modules_", "")
+
+
+def _is_weight(node: object, example: object) -> bool:
+    if not (isinstance(node, fx.Node) and node.op == "placeholder") or not isinstance(example, torch.Tensor):
+        return False
+    if isinstance(example, FakeTensor):
+        return False
+    return isinstance(example, torch.nn.Parameter) or "_buffers_" in node.name
+
+
+def _fast_graph(ref: fx.GraphModule, frozen: dict[int, tuple[torch.Tensor, int]], names: dict[int, str]):
+    """A copy of ref with frozen inputs as parameters and example values the passes can read."""
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in ref.graph.nodes if n.op == "placeholder"]
+    mode = FakeTensorMode()
+    for i, n in enumerate(placeholders):
+        if i in frozen:
+            set_param(gm, names[i], frozen[i][0])
+            env[n] = gm.graph.get_attr(names[i])
+        else:
+            env[n] = gm.graph.placeholder(n.name)
+            v = val(n)
+            with mode:  # concrete hint shapes: passes read head dims; kernels stay shape-generic over B and T
+                env[n].meta["val"] = torch.empty([_hint(d) for d in v.shape], dtype=v.dtype, device=v.device)
+    for n in ref.graph.nodes:
+        if n.op == "output":
+            gm.graph.output(fx.node.map_arg(n.args[0], env.__getitem__))
+        elif n.op != "placeholder":
+            env[n] = gm.graph.node_copy(n, env.__getitem__)
+    gm.recompile()
+    return gm
+
+
+def _build(
+    ref: fx.GraphModule,
+    frozen: dict,
+    names: dict,
+    use_kernels: bool | None,
+    dump_dir: Path | None,
+    overrides: dict[str, bool] | None,
+) -> tuple[Callable, list[str], list[str]]:
+    from kiln.compile.driver import compile_model
+
+    gm = _fast_graph(ref, frozen, names)
+    compiled = compile_model(gm, None, use_kernels=use_kernels, dump_dir=dump_dir, overrides=overrides)
+    kernels = [f"{k.template}:{k.params.get('op', k.name)}" for k in compiled.kernels]
+    return compiled.gm, compiled.passes, kernels
+
+
+def extract_regions(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    use_kernels: bool | None = None,
+    dump_dir: str | os.PathLike | None = None,
+    overrides: dict[str, bool] | None = None,
+) -> list[Region]:
+    """Replace every group of kiln ops in gm by a kiln_dynamo::region call (in place); returns the regions."""
+    parts = CapabilityBasedPartitioner(gm, _KilnOps(), allows_single_node_partition=True).propose_partitions()
+    if not parts:
+        return []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    # fuse_by_partitions re-creates the graph's nodes; aot_autograd (fallback="inductor") needs the source
+    # Dynamo attached to each placeholder, so carry it over.
+    sources = {n.name: n._dynamo_source for n in gm.graph.nodes if hasattr(n, "_dynamo_source")}
+    fuse_by_partitions(
+        gm,
+        [dict.fromkeys(sorted(p.nodes, key=order.__getitem__)) for p in parts],
+        prefix=_PREFIX,
+        always_return_tuple=True,
+    )
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    regions = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or not str(node.target).startswith(_PREFIX):
+            continue
+        ref = getattr(gm, node.target)
+        frozen, names = {}, {}
+        for i, a in enumerate(node.args):
+            example = example_inputs[placeholders[a]] if a in placeholders else None
+            if _is_weight(a, example):
+                frozen[i], names[i] = (example, example._version), _weight_name(a.name)
+        rid = next(_ids)
+        region = Region(rid, ref, frozen, ops=[str(n.target).split(".")[1] for n in ref.graph.nodes if is_kiln(n)])
+        sub_dump = Path(dump_dir) / f"region_{len(regions)}" if dump_dir is not None else None
+        region.fast, region.passes, region.kernels = _build(ref, frozen, names, use_kernels, sub_dump, overrides)
+        _REGIONS[rid] = region
+        regions.append(region)
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(torch.ops.kiln_dynamo.region.default, (list(node.args), rid))
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)
+    for n in gm.graph.nodes:
+        if n.name in sources:
+            n._dynamo_source = sources[n.name]
+    gm.graph.lint()
+    gm.recompile()
+    return regions

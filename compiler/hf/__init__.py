@@ -1,0 +1,1 @@
+"""Hugging Face import: config.json -> ModelConfig, safetensors -> kiln weight names."""

@@ -1,0 +1,229 @@
+"""Hugging Face safetensors checkpoints (single file or sharded) -> {kiln weight name: tensor}.
+
+A plan lists, for every tensor the checkpoint must hold, its HF name, the shape it must have, the kiln names
+it fills and how (as is, transposed for GPT-2's Conv1D, or split for GPT-2's fused qkv). The checkpoint is
+checked against the plan from the safetensors headers first, all problems in one WeightError, and only
+then read, one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.errors import KilnError, WeightError
+from kiln.model_config import ModelConfig, param_shapes
+from kiln.progress import PROGRESS_THRESHOLD
+
+Convert = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+_PREFIX = {"llama": "model.", "mistral": "model.", "qwen2": "model.", "gpt2": "transformer."}
+_SITES = {  # kiln site -> HF module, per naming scheme
+    "llama": {"norm0": "input_layernorm", "attn0": "self_attn", "norm1": "post_attention_layernorm", "mlp0": "mlp"},
+    "gpt2": {"norm0": "ln_1", "attn0": "attn", "norm1": "ln_2", "mlp0": "mlp"},
+}
+_LLAMA_PROJ = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
+_GPT2_PROJ = {"o": "c_proj", "up": "c_fc", "down": "c_proj"}
+# Buffers some checkpoints carry that are not weights (GPT-2's causal mask, cached rotary frequencies).
+_IGNORED = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor: its HF name, the shape it must have, and the kiln tensors made from it."""
+
+    hf: str
+    shape: tuple[int, ...]
+    targets: tuple[str, ...]
+    convert: Convert = lambda t: (t,)
+
+
+def _transpose(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (t.t(),)
+
+
+def _split_qkv(sizes: tuple[int, int, int]) -> Convert:
+    return lambda t: tuple(p.t() if t.dim() == 2 else p for p in torch.split(t, sizes, dim=-1))
+
+
+def weight_plan(cfg: ModelConfig, model_type: str) -> list[Source]:
+    """The checkpoint tensors a HF model of `model_type` must hold for `cfg`, with their kiln names."""
+    if model_type not in _PREFIX:
+        raise KilnError(f"no HF weight mapping for model_type {model_type!r}; supported: {', '.join(_PREFIX)}")
+    gpt2 = model_type == "gpt2"
+    shapes = param_shapes(cfg)
+    sites = _SITES["gpt2" if gpt2 else "llama"]
+    pre = _PREFIX[model_type]
+    plan: list[Source] = []
+    done: set[str] = set()
+
+    def direct(kiln: str, hf: str, transpose: bool = False) -> None:
+        shape = shapes[kiln][::-1] if transpose else shapes[kiln]
+        plan.append(Source(hf, shape, (kiln,), _transpose if transpose else Source.convert))
+        done.add(kiln)
+
+    direct("embed.weight", pre + ("wte.weight" if gpt2 else "embed_tokens.weight"))
+    if "pos_embed.weight" in shapes:
+        direct("pos_embed.weight", pre + "wpe.weight")
+    for name in shapes:
+        m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.(?:(\w+)\.)?(weight|bias)", name)
+        if not m or name in done:
+            continue
+        layer, site, proj, kind = m.groups()
+        if site not in sites:
+            raise KilnError(
+                f"weight {name}: site {site} has no HF counterpart; HF import supports the standard "
+                "pre-norm block (norm0, attn0, norm1, mlp0)"
+            )
+        hf = f"{pre}{'h' if gpt2 else 'layers'}.{layer}.{sites[site]}."
+        if proj is None:
+            direct(name, hf + kind)
+        elif not gpt2:
+            direct(name, hf + f"{_LLAMA_PROJ[proj]}.{kind}")
+        elif proj in ("q", "k", "v"):
+            names = tuple(f"layers.{layer}.{site}.{p}.{kind}" for p in ("q", "k", "v"))
+            sizes = tuple(shapes[n][0] for n in names)
+            shape = (cfg.dim, sum(sizes)) if kind == "weight" else (sum(sizes),)
+            plan.append(Source(hf + f"c_attn.{kind}", shape, names, _split_qkv(sizes)))
+            done.update(names)
+        elif proj in _GPT2_PROJ:
+            direct(name, hf + f"{_GPT2_PROJ[proj]}.{kind}", transpose=kind == "weight")
+        else:  # e.g. a gated MLP in the spec: gpt2 checkpoints have only c_fc and c_proj
+            raise WeightError(f"weight {name}: gpt2 checkpoints have no {proj} projection; the spec does not match")
+    for suffix in ("weight", "bias"):
+        if f"final_norm.{suffix}" in shapes:
+            direct(f"final_norm.{suffix}", pre + ("ln_f." if gpt2 else "norm.") + suffix)
+    if "lm_head.weight" in shapes:
+        direct("lm_head.weight", "lm_head.weight")
+    assert done == set(shapes), f"unmapped kiln weights: {sorted(set(shapes) - done)}"
+    return plan
+
+
+def checkpoint_files(hf_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: model.safetensors, the shards of an index, or any *.safetensors."""
+    d = Path(hf_dir)
+    if (d / "model.safetensors").is_file():
+        return [d / "model.safetensors"]
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (d / s).is_file()]
+        if missing:
+            raise WeightError(f"{index} names shards that are not there: {', '.join(missing)}")
+        return [d / s for s in shards]
+    files = sorted(d.glob("*.safetensors"))
+    if files:
+        return files
+    bins = sorted(p.name for p in d.glob("*.bin"))
+    hint = f" (found {', '.join(bins)})" if bins else ""
+    raise WeightError(
+        f"{d}: no .safetensors weights{hint}; kiln reads only safetensors. Convert a .bin checkpoint with "
+        "transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+    )
+
+
+def _scan(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], int]]:
+    """HF name -> (file, shape, bytes), from the headers only."""
+    from safetensors import safe_open
+
+    found: dict[str, tuple[Path, tuple[int, ...], int]] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                nbytes = _itemsize(sl.get_dtype())
+                for n in shape:
+                    nbytes *= n
+                found[name] = (path, shape, nbytes)
+    return found
+
+
+def _itemsize(st_dtype: str) -> int:
+    # safetensors dtype names: F32, BF16, I64, U8, BOOL, F8_E4M3, ... (bits follow the leading letters)
+    m = re.match(r"[A-Z]+(\d+)", st_dtype)
+    return max(int(m.group(1)) // 8, 1) if m else 1
+
+
+def _canonical(name: str, prefix: str) -> str:
+    # Checkpoints saved from the base model (GPT2Model, LlamaModel) lack the "transformer."/"model." prefix.
+    return name if name.startswith(prefix) or name == "lm_head.weight" else prefix + name
+
+
+def _check(plan: list[Source], found: dict, names: dict[str, str], cfg: ModelConfig) -> None:
+    problems: list[str] = []
+    for src in plan:
+        if src.hf not in names:
+            problems.append(f"missing tensor {src.hf} (for kiln {', '.join(src.targets)}, shape {list(src.shape)})")
+        elif found[names[src.hf]][1] != src.shape:
+            problems.append(
+                f"tensor {names[src.hf]} has shape {list(found[names[src.hf]][1])}; "
+                f"expected {list(src.shape)} (for kiln {', '.join(src.targets)})"
+            )
+    wanted = {src.hf for src in plan}
+    for canon, actual in sorted(names.items()):
+        tied_head = canon == "lm_head.weight" and cfg.tie_embeddings
+        if canon not in wanted and not tied_head and not _IGNORED.search(canon):
+            problems.append(
+                f"unexpected tensor {actual} (shape {list(found[actual][1])}) that the model "
+                f"{cfg.name!r} has no place for"
+            )
+    if problems:
+        raise WeightError(
+            f"checkpoint does not match model {cfg.name!r} ({len(problems)} problems):\n  " + "\n  ".join(problems)
+        )
+
+
+def load_hf_weights(
+    hf_dir: str | Path,
+    cfg: ModelConfig,
+    *,
+    model_type: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Kiln weights for `cfg` from a HF safetensors checkpoint, cast to `dtype` and placed on `device`.
+
+    progress: a byte-count bar on stderr; None shows it for checkpoints over 1 GiB.
+    """
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    plan = weight_plan(cfg, model_type)
+    found = _scan(checkpoint_files(hf_dir))
+    names = {_canonical(n, _PREFIX[model_type]): n for n in found}
+    _check(plan, found, names, cfg)
+
+    total = sum(found[names[src.hf]][2] for src in plan)
+    show = progress if progress is not None else total > PROGRESS_THRESHOLD
+    by_file: dict[Path, list[Source]] = {}
+    for src in plan:
+        by_file.setdefault(found[names[src.hf]][0], []).append(src)
+    out: dict[str, torch.Tensor] = {}
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="kiln: loading weights", file=sys.stderr, disable=not show
+    ) as bar:
+        for path, sources in by_file.items():
+            with safe_open(str(path), framework="pt") as f:
+                for src in sources:
+                    hf_name = names[src.hf]
+                    for kiln, t in zip(src.targets, src.convert(f.get_tensor(hf_name)), strict=True):
+                        out[kiln] = t.to(device=device, dtype=dtype).contiguous()
+                    bar.update(found[hf_name][2])
+    shapes = param_shapes(cfg)
+    assert all(tuple(out[n].shape) == s for n, s in shapes.items()), "weight plan produced a wrong shape"
+    return {n: out[n] for n in shapes}

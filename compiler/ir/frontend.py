@@ -1,0 +1,255 @@
+"""ModelConfig -> Level-1 fx.GraphModule of torch.ops.kiln.* ops.
+
+The graph is written node by node (no tracing), so every node is exactly one kiln op and carries a readable
+name (layers_0_attn0_q, layers_0_mlp0_down, ...). Weights are GraphModule parameters named as
+`model_config.param_shapes` names them; the rotary frequencies are one non-persistent buffer, `rope_inv_freq`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.errors import WeightError
+from kiln.model_config import (
+    Add,
+    AttentionCall,
+    LayerExpr,
+    MlpCall,
+    ModelConfig,
+    NormCall,
+    RopeConfig,
+    Var,
+    param_shapes,
+)
+from kiln.progress import PROGRESS_THRESHOLD
+
+kiln_ops = torch.ops.kiln
+GATED_KIND = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+INV_FREQ = "rope_inv_freq"
+_DEFAULT_ROPE = RopeConfig(theta=10000.0)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """fp32 [head_dim / 2] rotary inverse frequencies with the config's scaling folded in (as HF computes them)."""
+    rope = cfg.rope or _DEFAULT_ROPE
+    d = cfg.head_dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = rope.scaling
+    if sc is None:
+        return inv_freq
+    if sc.kind == "linear":
+        return inv_freq / sc.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    low_wavelen = sc.original_context / sc.low_freq_factor
+    high_wavelen = sc.original_context / sc.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / sc.factor, inv_freq)
+    smooth = (sc.original_context / wavelen - sc.low_freq_factor) / (sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / sc.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def random_weights(
+    cfg: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights for every name in param_shapes; on device "meta" nothing is allocated.
+
+    Norm weights are 1 and biases 0; every matrix, embeddings included, is N(0, 1/dim_in). Small embeddings
+    keep a tied lm_head from simply echoing the current token, so random models produce varied tokens.
+    """
+    device = torch.device(device)
+    if device.type == "meta":
+        return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in param_shapes(cfg).items()}
+    from tqdm import tqdm  # lazy: only a real allocation needs it
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = param_shapes(cfg)
+    total = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
+    out: dict[str, torch.Tensor] = {}
+    # Same rule as checkpoint loading: a bar on stderr for models over 1 GiB (a 1B model takes ~20 s on a CPU).
+    with tqdm(total=total, unit="B", unit_scale=True, desc="kiln: random weights", file=sys.stderr,
+              disable=total <= PROGRESS_THRESHOLD) as bar:
+        for name, shape in shapes.items():
+            if name.endswith(".bias"):
+                t = torch.zeros(shape)
+            elif len(shape) == 1:
+                t = torch.ones(shape)
+            else:
+                t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+            out[name] = t.to(device=device, dtype=dtype)
+            bar.update(math.prod(shape) * dtype.itemsize)
+    return out
+
+
+def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Raise WeightError listing every missing, unexpected and wrongly shaped tensor."""
+    expected = param_shapes(cfg)
+    problems = [f"  missing: {n} (expected shape {list(s)})" for n, s in expected.items() if n not in weights]
+    problems += [
+        f"  wrong shape: {n} expected {list(s)}, got {list(weights[n].shape)}"
+        for n, s in expected.items()
+        if n in weights and tuple(weights[n].shape) != s
+    ]
+    problems += [f"  unexpected: {n} (shape {list(t.shape)})" for n, t in weights.items() if n not in expected]
+    if problems:
+        raise WeightError(
+            f"weights do not match model {cfg.name!r} ({len(problems)} problem(s)):\n"
+            + "\n".join(problems)
+            + "\n  hint: the checkpoint and the spec disagree; check vocab, dim, heads, kv_heads, head_dim, ffn,"
+            " layers and tie_embeddings in the spec, or the name mapping of the checkpoint"
+        )
+
+
+class _Builder:
+    """Emits the graph; one instance per build."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.graph = fx.Graph()
+        self.attrs: dict[str, fx.Node] = {}
+
+    def attr(self, name: str) -> fx.Node:
+        # One get_attr node per tensor, so tied embeddings share a single node.
+        if name not in self.attrs:
+            self.attrs[name] = self.graph.get_attr(name)
+        return self.attrs[name]
+
+    def maybe_attr(self, name: str, present: bool) -> fx.Node | None:
+        return self.attr(name) if present else None
+
+    def op(self, target, args: tuple, name: str) -> fx.Node:
+        return self.graph.create_node("call_function", target, args, name=name.replace(".", "_"))
+
+    def linear(self, x: fx.Node, prefix: str, bias: bool) -> fx.Node:
+        w, b = self.attr(f"{prefix}.weight"), self.maybe_attr(f"{prefix}.bias", bias)
+        return self.op(kiln_ops.linear.default, (x, w, b), prefix)
+
+    def norm(self, x: fx.Node, prefix: str) -> fx.Node:
+        eps, w = self.cfg.norm.eps, self.attr(f"{prefix}.weight")
+        if self.cfg.norm.kind == "rms":
+            return self.op(kiln_ops.rms_norm.default, (x, w, eps), prefix)
+        return self.op(kiln_ops.layer_norm.default, (x, w, self.attr(f"{prefix}.bias"), eps), prefix)
+
+    def attention(self, x: fx.Node, site: AttentionCall, prefix: str, positions: fx.Node) -> fx.Node:
+        cfg = self.cfg
+        q, k, v = (self.linear(x, f"{prefix}.{p}", site.qkv_bias) for p in ("q", "k", "v"))
+        if cfg.positions == "rope" and site.rope:
+            inv_freq = self.attr(INV_FREQ)
+            q = self.op(kiln_ops.rope.default, (q, positions, inv_freq), f"{prefix}.q_rope")
+            k = self.op(kiln_ops.rope.default, (k, positions, inv_freq), f"{prefix}.k_rope")
+        args = (q, k, v, cfg.heads, cfg.kv_heads, site.causal, site.window or 0, cfg.head_dim**-0.5)
+        out = self.op(kiln_ops.attention.default, args, prefix)
+        return self.linear(out, f"{prefix}.o", site.out_bias)
+
+    def mlp(self, x: fx.Node, site: MlpCall, prefix: str) -> fx.Node:
+        gate = self.linear(x, f"{prefix}.gate", site.bias) if site.gated else None
+        up = self.linear(x, f"{prefix}.up", site.bias)
+        if gate is not None:
+            h = self.op(kiln_ops.gated_act.default, (gate, up, GATED_KIND[site.act]), f"{prefix}.act")
+        else:
+            h = self.op(kiln_ops.act.default, (up, site.act), f"{prefix}.act")
+        return self.linear(h, f"{prefix}.down", site.bias)
+
+    def expr(self, e: LayerExpr, env: dict[str, fx.Node], layer: int, positions: fx.Node) -> fx.Node:
+        if isinstance(e, Var):
+            assert e.name in env, f"layer program reads undefined variable {e.name!r}"  # validation guarantees it
+            return env[e.name]
+        if isinstance(e, Add):
+            left = self.expr(e.left, env, layer, positions)
+            right = self.expr(e.right, env, layer, positions)
+            return self.op(kiln_ops.add.default, (left, right), f"layers.{layer}.add")
+        arg = self.expr(e.arg, env, layer, positions)
+        prefix = f"layers.{layer}.{e.site}"
+        if isinstance(e, NormCall):
+            return self.norm(arg, prefix)
+        if isinstance(e, AttentionCall):
+            return self.attention(arg, e, prefix, positions)
+        if isinstance(e, MlpCall):
+            return self.mlp(arg, e, prefix)
+        raise TypeError(f"unknown layer expression {e!r}")
+
+    def build(self) -> fx.Graph:
+        cfg, g = self.cfg, self.graph
+        tokens, positions = g.placeholder("tokens"), g.placeholder("positions")
+        x = self.op(kiln_ops.embedding.default, (self.attr("embed.weight"), tokens), "embed")
+        if cfg.positions == "learned":
+            pos = self.op(kiln_ops.embedding.default, (self.attr("pos_embed.weight"), positions), "pos_embed")
+            x = self.op(kiln_ops.add.default, (x, pos), "embed_add")
+        for i in range(cfg.layers):
+            env = {"x": x}
+            for stmt in cfg.body:
+                env[stmt.target] = self.expr(stmt.value, env, i, positions)
+            x = env["x"]
+        if cfg.final_norm:
+            x = self.norm(x, "final_norm")
+        head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+        logits = self.op(kiln_ops.linear.default, (x, self.attr(head), None), "logits")
+        g.output(logits)
+        g.lint()
+        return g
+
+
+def build_graph(
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor] | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> fx.GraphModule:
+    """The Level-1 graph for `cfg`: forward(tokens [B, T] int64, positions [B, T] int64) -> logits [B, T, vocab].
+
+    Without `weights`, seeded random weights are made (`random_weights`). Weights are cast to `dtype` and moved
+    to `device`; device "meta" builds without allocating anything. node.meta["val"] is filled on every node.
+    """
+    device = torch.device(device)
+    if weights is None:
+        weights = random_weights(cfg, seed=seed, dtype=dtype, device=device)
+    else:
+        check_weights(cfg, weights)
+    graph = _Builder(cfg).build()
+    root = torch.nn.Module()
+    for name in param_shapes(cfg):  # registration order = param_shapes order, so state_dict() lists it the same way
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(weights[name].detach().to(device, dtype), requires_grad=False))
+    uses_rope = any(n.op == "get_attr" and n.target == INV_FREQ for n in graph.nodes)
+    if uses_rope:
+        root.register_buffer(INV_FREQ, rope_inv_freq(cfg).to(device), persistent=False)  # always fp32
+    gm = fx.GraphModule(root, graph, class_name=_class_name(cfg.name))
+    for name, child in root.named_children():  # GraphModule installs submodules in its own order; restore ours
+        delattr(gm, name)
+        gm.add_module(name, child)
+    if uses_rope:
+        # GraphModule re-registers it as persistent; the frequencies derive from the config, they are not weights.
+        gm.register_buffer(INV_FREQ, root.get_buffer(INV_FREQ), persistent=False)
+    return propagate_fake(gm)
+
+
+def _class_name(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() else "_" for c in name)
+    return "Kiln_" + cleaned if cleaned else "KilnModel"
+
+
+def propagate_fake(gm: fx.GraphModule, batch: int = 1, seq: int = 8) -> fx.GraphModule:
+    """Fill node.meta["val"] on every node with FakeTensors for a [batch, seq] input; computes nothing."""
+    ref = next(iter(gm.parameters()), None)
+    device = ref.device if ref is not None else torch.device("cpu")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+        positions = torch.arange(seq, device=device).expand(batch, seq).contiguous()
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(tokens, positions)
+    return gm

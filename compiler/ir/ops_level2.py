@@ -1,0 +1,82 @@
+"""kiln's Level-2 ops: fused and tiled forms that passes rewrite Level-1 ops into.
+
+Each is a torch.library custom op whose reference implementation is written with the Level-1 references
+(so a passed graph still runs on plain torch and stays checkable against the unpassed one) plus a fake
+kernel for FakeTensor propagation. Lowering (kiln.compile.lowering) maps each to one generated kernel.
+
+- kiln::flash_attention(q, k, v, H, Hkv, causal, window, scale, block_m, block_n, num_warps, num_stages):
+  kiln::attention with a tile config (made by flash_tiling)
+- kiln::add_rms_norm(x, residual, weight, eps) -> (normed, sum): rms_norm(x + residual) and the sum (norm_fusion)
+- kiln::add_layer_norm(x, residual, weight, bias, eps) -> (normed, sum): likewise for layer norm (norm_fusion)
+
+Fused projections (gqa_fusion) need no op of their own: one kiln::linear over a concatenated weight followed
+by aten.split_with_sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
+
+kiln_ops = torch.ops.kiln
+
+
+@custom_op("kiln::flash_attention", mutates_args=())
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    causal: bool,
+    window: int,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> torch.Tensor:
+    """kiln::attention computed tile by tile; the tile config changes the schedule, never the result."""
+    return kiln_ops.attention.default(q, k, v, num_heads, num_kv_heads, causal, window, scale)
+
+
+@flash_attention.register_fake
+def _(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, num_warps, num_stages):
+    return torch.empty_like(q)
+
+
+@custom_op("kiln::add_rms_norm", mutates_args=())
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the norm after it in one pass over memory."""
+    s = kiln_ops.add.default(x, residual)
+    return kiln_ops.rms_norm.default(s, weight, eps), s
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@custom_op("kiln::add_layer_norm", mutates_args=())
+def add_layer_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer_norm(x + residual), x + residual)."""
+    s = kiln_ops.add.default(x, residual)
+    return kiln_ops.layer_norm.default(s, weight, bias, eps), s
+
+
+@add_layer_norm.register_fake
+def _(x, residual, weight, bias, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+LEVEL2_OPS = (
+    kiln_ops.flash_attention.default,
+    kiln_ops.add_rms_norm.default,
+    kiln_ops.add_layer_norm.default,
+)

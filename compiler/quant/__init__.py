@@ -1,0 +1,1 @@
+"""Quantization formats and math (int8, int4 groups, round-to-nearest, GPTQ)."""

@@ -1,0 +1,259 @@
+"""Spec text -> SpecFile AST (spec_ast.py) with lark's LALR parser; every node keeps its source span, and
+the `# ...` comments are collected into SpecFile.comments for the formatter.
+
+Syntax errors become a SpecError whose one Diagnostic says, in plain words, what was found and what was
+expected there (never lark's token names), with a hint.
+"""
+
+from __future__ import annotations
+
+import json
+from contextvars import ContextVar
+from copy import copy
+from functools import lru_cache
+from importlib.resources import files
+
+from lark import Lark, Token, Transformer, Tree, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
+
+from kiln.errors import Diagnostic, SpecError
+from kiln.spec.ast import (
+    Assign,
+    BinOp,
+    Bool,
+    Call,
+    Comment,
+    CompileBlock,
+    Expr,
+    Keyword,
+    LayerBlock,
+    ModelBlock,
+    Name,
+    Num,
+    Setting,
+    Span,
+    SpecFile,
+    Str,
+)
+
+# Regex terminals in plain words; string terminals are shown as themselves in backticks.
+_WORDS = {"NAME": "a name", "INT": "a number", "FLOAT": "a number", "STRING": "a string", "$END": "end of file"}
+_VALUE_STARTS = {"INT", "FLOAT", "STRING", "TRUE", "FALSE", "NAME", "MINUS", "LPAR"}
+_GENERIC_HINT = ("settings are `key = value`, separated by spaces or newlines; values are numbers, strings, "
+                 "true/false, names, calls like f(x, key = value), and `+`")
+
+
+# The comments of the parse in progress: the cached Lark's lexer callback is fixed, so it reports here.
+_comment_sink: ContextVar[list[Comment] | None] = ContextVar("kiln_spec_comments", default=None)
+
+
+def _on_comment(tok: Token) -> Token:
+    sink = _comment_sink.get()
+    if sink is not None:
+        sink.append(Comment(tok.line, tok.column, str(tok).rstrip()))  # rstrip: trailing blanks and a CRLF's \r
+    return tok
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    grammar = files("kiln.spec").joinpath("grammar.lark").read_text(encoding="utf-8")
+    return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False,
+                lexer_callbacks={"COMMENT": _on_comment})
+
+
+class _CallError(Exception):
+    """A call's arguments are well-formed tokens in a bad order; raised inside the transformer."""
+
+    def __init__(self, span: Span, message: str, hint: str):
+        super().__init__(message)
+        self.span, self.message, self.hint = span, message, hint
+
+
+def _span(meta) -> Span:
+    return Span(meta.line, meta.column, meta.end_line, meta.end_column)
+
+
+def _tok_span(tok: Token) -> Span:
+    return Span(tok.line, tok.column, tok.end_line, tok.end_column)
+
+
+def _number(text: str) -> int | float:
+    return int(text) if text.replace("_", "").isdigit() else float(text)
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    def start(self, meta, children):
+        return children[0], (children[1] if len(children) > 1 else None)
+
+    def model_block(self, meta, children):
+        name = self.string(meta, [children[0]]).value
+        return ModelBlock(name, tuple(children[1:]), _span(meta))
+
+    def layer_block(self, meta, children):
+        return LayerBlock(tuple(Assign(s.key, s.value, s.span) for s in children), _span(meta))
+
+    def compile_block(self, meta, children):
+        return CompileBlock(tuple(children), _span(meta))
+
+    def setting(self, meta, children):
+        return Setting(str(children[0]), children[1], _span(meta))
+
+    def kwarg(self, meta, children):
+        return Keyword(str(children[0]), children[1], _span(meta))
+
+    def call(self, meta, children):
+        args: list[Expr] = []
+        kwargs: list[Keyword] = []
+        for child in children[1:]:
+            if isinstance(child, Keyword):
+                kwargs.append(child)
+            elif kwargs:
+                raise _CallError(child.span, f"positional argument after keyword arguments in {children[0]}()",
+                                 "put the input first, then `key = value` arguments")
+            else:
+                args.append(child)
+        return Call(str(children[0]), tuple(args), tuple(kwargs), _span(meta))
+
+    def binop(self, meta, children):
+        left, op, right = children
+        return BinOp(str(op), left, right, _span(meta))
+
+    def int(self, meta, children):
+        return Num(_number(children[0]), _span(meta))
+
+    float = int
+
+    def neg_int(self, meta, children):
+        return Num(-_number(children[1]), _span(meta))
+
+    neg_float = neg_int
+
+    def string(self, meta, children):
+        tok = children[0]
+        try:
+            value = json.loads(str(tok), strict=False)
+        except json.JSONDecodeError as e:
+            raise _CallError(_tok_span(tok), f"bad escape in string {tok}",
+                             "strings use JSON escapes: \\\" \\\\ \\n \\t \\uXXXX") from e
+        return Str(value, _tok_span(tok))
+
+    def true(self, meta, children):
+        return Bool(True, _span(meta))
+
+    def false(self, meta, children):
+        return Bool(False, _span(meta))
+
+    def name(self, meta, children):
+        return Name(str(children[0]), _span(meta))
+
+
+def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
+    """Parse spec source text into a SpecFile; raises SpecError (one Diagnostic) on a syntax error."""
+    comments: list[Comment] = []
+    token = _comment_sink.set(comments)
+    try:
+        tree: Tree = _lark().parse(text)
+    except UnexpectedInput as e:
+        raise SpecError([_syntax_diagnostic(e, text, path)]) from None
+    finally:
+        _comment_sink.reset(token)
+    try:
+        model, compile_block = _ToAst().transform(tree)
+    except VisitError as e:
+        err = e.orig_exc
+        if not isinstance(err, _CallError):
+            raise
+        line, col = err.span.line, err.span.column
+        raise SpecError([Diagnostic(path, line, col, err.message, err.hint, source_line(text, line))]) from None
+    return SpecFile(model=model, compile=compile_block, path=path, source=text, comments=tuple(comments))
+
+
+def source_line(text: str, line: int) -> str:
+    lines = text.split("\n")  # lark counts lines by "\n" only; splitlines() would also break at \x0c, \u2028, ...
+    return lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
+
+
+def _describe(names: set[str]) -> str:
+    """Expected terminals in plain words, e.g. "`}`, `=` or a name"."""
+    terminals = {t.name: t.pattern for t in _lark().terminals}
+    words: list[str] = []
+    if {"INT", "STRING", "NAME"} <= names:
+        words.append("a value")
+        names = names - _VALUE_STARTS
+    for n in sorted(names):
+        pattern = terminals.get(n)
+        word = f"`{pattern.value}`" if pattern is not None and pattern.type == "str" else _WORDS.get(n, n.lower())
+        if word not in words:
+            words.append(word)
+    if len(words) <= 1:
+        return "".join(words)
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _syntax_diagnostic(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
+    if isinstance(e, UnexpectedToken):
+        tok = e.token
+        expected = _describe(set(e.accepts or e.expected))
+        if tok.type == "$END":
+            line, col = (tok.end_line or 1, tok.end_column or 1) if tok.line else (1, 1)
+            found, hint = "end of file", _token_hint(tok, expected)
+        else:
+            line, col = tok.line, tok.column
+            found, hint = f"`{tok}`", _token_hint(tok, expected)
+    else:
+        assert isinstance(e, UnexpectedCharacters)
+        line, col = e.line, e.column
+        char = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
+        expected = _describe(_accepts(e.state) if e.state is not None else set(e.allowed or ()))
+        found, hint = f"character `{char}`", _char_hint(char)
+    message = f"unexpected {found}" + (f", expected {expected}" if expected else "")
+    return Diagnostic(path, line, col, message, hint, source_line(text, line))
+
+
+def _accepts(state) -> set[str]:
+    """Terminals the parser would really take here (the lexer's set is wider: LALR merges lookaheads)."""
+    conf = copy(state.parse_conf)
+    conf.callbacks = {}  # a trial feed must not build tree nodes
+    found = set()
+    for name in state.parse_conf.states[state.position]:
+        if not name.isupper():
+            continue
+        trial = state.copy(deepcopy_values=False)
+        trial.parse_conf = conf
+        try:
+            trial.feed_token(Token(name, ""), is_end=name == "$END")
+        except UnexpectedInput:
+            continue
+        found.add(name)
+    return found
+
+
+def _token_hint(tok: Token, expected: str) -> str:
+    if tok.type == "$END" and "`}`" in expected:
+        return "every `{` needs a matching `}`"
+    if expected == "`model`":
+        return 'a spec starts with `model "name" {`'
+    if expected == "a string":
+        return 'the model name is a double-quoted string: model "name" {'
+    if tok.type == "COMMA":
+        return "settings are separated by spaces or newlines, not commas"
+    if expected == "`{`":
+        return "a block is written `name {` ... `}`"
+    if expected == "`=`":
+        return "settings and assignments are written `name = value`"
+    if tok.type == "EQUAL":
+        return "keyword arguments are written `key = value` inside a call's parentheses"
+    if tok.type == "LAYER":
+        return "`layer` starts the layer block: `layer { ... }`"
+    return _GENERIC_HINT
+
+
+def _char_hint(char: str) -> str:
+    if char == "'":
+        return "strings use double quotes"
+    if char == '"':
+        return "a string must end with `\"` on the same line"
+    if char and char in ";:":
+        return "settings are separated by spaces or newlines; no `;` or `:` is needed"
+    return _GENERIC_HINT

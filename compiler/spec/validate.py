@@ -1,0 +1,219 @@
+"""SpecFile AST -> (ModelConfig, CompileConfig).
+
+Validation never stops at the first problem: every check records a Diagnostic at the offending node and
+carries on with a placeholder, and resolve() raises one SpecError holding them all.
+"""
+
+from __future__ import annotations
+
+from kiln.errors import SpecError
+from kiln.model_config import (
+    GATED_ACTS,
+    PLAIN_ACTS,
+    AttentionCall,
+    CompileConfig,
+    LayerAssign,
+    LayerExpr,
+    MlpCall,
+    ModelConfig,
+    NormCall,
+    NormConfig,
+    RopeConfig,
+    RopeScaling,
+    Var,
+)
+from kiln.model_config import Add as AddExpr
+from kiln.spec.ast import BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Setting, SpecFile
+from kiln.spec.compile_keys import COMPILE_KEYS, PLANNED_COMPILE_KEYS, compile_config
+from kiln.spec.formatter import format_expr
+from kiln.spec.values import _bool, _config_call, _enum, _float, _int, _kwargs, _Report, _suggest, _unique
+
+__all__ = ["COMPILE_KEYS", "MODEL_KEYS", "PLANNED_COMPILE_KEYS", "resolve"]
+
+SIZE_KEYS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "ffn", "context")
+MODEL_KEYS = (*SIZE_KEYS, "norm", "rope", "positions", "tie_embeddings", "final_norm")
+REQUIRED = {"vocab": "32000", "dim": "4096", "layers": "32", "heads": "32", "context": "8192",
+            "norm": "rms(eps = 1e-5)"}
+ACTS = GATED_ACTS + PLAIN_ACTS
+POSITIONS = ("rope", "learned", "none")
+LAYER_OPS = {"norm": (), "attention": ("causal", "window", "bias", "qkv_bias", "out_bias", "rope"),
+             "mlp": ("act", "bias")}
+_SITE_PREFIX = {"norm": "norm", "attention": "attn", "mlp": "mlp"}
+
+
+def _norm(r: _Report, e: Expr) -> NormConfig | None:
+    found = _config_call(r, e, "norm", {"rms": ("eps",), "layer": ("eps",)}, "rms(eps = 1e-5)")
+    if found is None:
+        return None
+    func, kw = found
+    eps = _float(r, kw["eps"], "eps") if "eps" in kw else 1e-5
+    return NormConfig(func, eps) if eps is not None else None
+
+
+def _rope(r: _Report, e: Expr) -> RopeConfig | None:
+    found = _config_call(r, e, "rope", {"rope": ("theta", "scaling")}, "rope(theta = 10000)")
+    if found is None:
+        return None
+    _, kw = found
+    if "theta" not in kw:
+        r.error(e, "rope() needs `theta = ...`", "e.g. rope = rope(theta = 10000)")
+    theta = _float(r, kw["theta"], "theta") if "theta" in kw else None
+    scaling = None
+    if "scaling" in kw:
+        funcs = {"llama3": ("factor", "low", "high", "original"), "linear": ("factor",)}
+        example = "llama3(factor = 8, low = 1, high = 4, original = 8192)"
+        sfound = _config_call(r, kw["scaling"], "scaling", funcs, example)
+        if sfound is None:
+            return None
+        kind, skw = sfound
+        if "factor" not in skw:
+            r.error(kw["scaling"], f"{kind}() needs `factor = ...`", f"e.g. scaling = {kind}(factor = 8)")
+            return None
+        vals = {k: _float(r, skw[k], k) for k in ("factor", "low", "high") if k in skw}
+        original = _int(r, skw["original"], "original") if "original" in skw else 8192
+        if None in vals.values() or original is None:
+            return None
+        scaling = RopeScaling(kind, vals["factor"], vals.get("low", 1.0), vals.get("high", 4.0), original)
+    return RopeConfig(theta, scaling) if theta is not None else None
+
+
+# ---- the layer block -------------------------------------------------------------------------------------
+
+
+class _Layer:
+    """Resolves the layer body to the layer program, naming sites innermost argument first, left to right."""
+
+    def __init__(self, r: _Report):
+        self.r, self.defined, self.counts, self.uses_mlp = r, {"x"}, {"norm": 0, "attn": 0, "mlp": 0}, False
+
+    def body(self, block: LayerBlock) -> tuple[LayerAssign, ...]:
+        out = []
+        for stmt in block.body:
+            value = self.expr(stmt.value)
+            self.defined.add(stmt.target)
+            if value is not None:
+                out.append(LayerAssign(stmt.target, value))
+        x_lines = [i for i, stmt in enumerate(block.body) if stmt.target == "x"]
+        if not x_lines:
+            self.r.error(block, "the layer block never assigns `x`",
+                         "`x` is the layer's input and output: end with e.g. `x = x + mlp(norm(x), act = swiglu)`")
+        elif x_lines[-1] + 1 < len(block.body):
+            stmt = block.body[x_lines[-1] + 1]
+            self.r.error(stmt, f"`{stmt.target}` is assigned after the last assignment to `x` and never reaches "
+                         "the layer's output", "end the layer block with an assignment to `x`")
+        return tuple(out)
+
+    def expr(self, e: Expr) -> LayerExpr | None:
+        if isinstance(e, Name):
+            if e.id in self.defined:
+                return Var(e.id)
+            self.r.error(e, f"undefined name `{e.id}` in the layer block{_suggest(e.id, self.defined)}",
+                         "a name must be assigned before it is used; `x` is the layer's input")
+            return None
+        if isinstance(e, BinOp):
+            left, right = self.expr(e.left), self.expr(e.right)
+            if e.op != "+":
+                self.r.error(e, f"operator `{e.op}` is not supported in the layer block",
+                             "values combine with `+` only (residual adds)")
+                return None
+            return AddExpr(left, right) if left is not None and right is not None else None
+        if isinstance(e, Call):
+            return self.call(e)
+        self.r.error(e, f"{format_expr(e)} cannot be a value in the layer block",
+                     "layer values are names, norm(...), attention(...), mlp(...) and `+`")
+        return None
+
+    def call(self, c: Call) -> LayerExpr | None:
+        args = [self.expr(a) for a in c.args]  # resolved first: inner calls get the lower site numbers
+        if c.func not in LAYER_OPS:
+            self.r.error(c, f"unknown layer op `{c.func}`{_suggest(c.func, LAYER_OPS)}",
+                         "the layer block calls norm(), attention() and mlp()")
+            return None
+        if len(c.args) != 1:
+            self.r.error(c, f"{c.func}() takes exactly one positional argument (its input), got {len(c.args)}",
+                         f"e.g. {c.func}(x)")
+        kw = _kwargs(self.r, c, LAYER_OPS[c.func], ("act",) if c.func == "mlp" else ())
+        prefix = _SITE_PREFIX[c.func]
+        site = f"{prefix}{self.counts[prefix]}"
+        self.counts[prefix] += 1
+        vals = {k: (_int if k == "window" else _bool)(self.r, v, k) for k, v in kw.items() if k != "act"}
+        if c.func == "mlp":
+            self.uses_mlp = True
+            vals["act"] = _enum(self.r, kw["act"], "act", "activation", ACTS) if "act" in kw else None
+        if len(args) != 1 or args[0] is None or None in vals.values():
+            return None
+        if c.func == "norm":
+            return NormCall(args[0], site)
+        if c.func == "mlp":
+            return MlpCall(args[0], site, vals["act"], vals.get("bias", False))
+        bias = vals.get("bias", False)
+        return AttentionCall(args[0], site, vals.get("causal", True), vals.get("window"),
+                             vals.get("qkv_bias", bias), vals.get("out_bias", bias), vals.get("rope", True))
+
+
+# ---- blocks ----------------------------------------------------------------------------------------------
+
+
+def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
+    s = _unique(r, [i for i in block.items if isinstance(i, Setting)], "model setting", MODEL_KEYS)
+    for key, example in REQUIRED.items():
+        if key not in s:
+            r.error(block, f"model `{block.name}` is missing the required setting `{key}`",
+                    f"add `{key} = {example}` to the model block")
+    ints = {k: _int(r, s[k].value, k) for k in SIZE_KEYS if k in s}
+    norm = _norm(r, s["norm"].value) if "norm" in s else None
+    rope = _rope(r, s["rope"].value) if "rope" in s else None
+    flags = {k: _bool(r, s[k].value, k) for k in ("tie_embeddings", "final_norm") if k in s}
+
+    positions = "rope" if "rope" in s else "none"
+    if "positions" in s:
+        positions = _enum(r, s["positions"].value, "positions", "positions kind", POSITIONS)
+        if positions == "rope" and "rope" not in s:
+            r.error(s["positions"], "positions = rope needs a rope setting",
+                    "add e.g. `rope = rope(theta = 10000)`, or set positions = learned or none")
+        elif positions in ("learned", "none") and "rope" in s:
+            r.error(s["positions"], f"rope is set but positions = {positions}",
+                    "remove the rope setting, or set positions = rope")
+
+    heads, dim = ints.get("heads"), ints.get("dim")
+    kv_heads = ints.get("kv_heads") if "kv_heads" in s else heads
+    if heads and kv_heads and heads % kv_heads:
+        r.error(s["kv_heads"], f"heads ({heads}) must be divisible by kv_heads ({kv_heads})",
+                "each key/value head serves heads / kv_heads query heads: pick a kv_heads that divides heads")
+    head_dim = ints.get("head_dim")
+    if "head_dim" not in s and heads and dim:
+        if dim % heads:
+            r.error(s["dim"], f"dim ({dim}) must equal heads ({heads}) * head_dim",
+                    "set head_dim explicitly to decouple head size from dim")
+        head_dim = dim // heads
+
+    layer_blocks = [i for i in block.items if isinstance(i, LayerBlock)]
+    if not layer_blocks:
+        r.error(block, f"model `{block.name}` has no layer block",
+                "add `layer { x = x + attention(norm(x))  x = x + mlp(norm(x), act = swiglu) }`")
+    for extra in layer_blocks[1:]:
+        r.error(extra, f"a second layer block (the first is on line {layer_blocks[0].span.line})",
+                "a model has exactly one layer block: merge them")
+    layer = _Layer(r)
+    body = layer.body(layer_blocks[0]) if layer_blocks else ()
+    if layer.uses_mlp and "ffn" not in s:
+        r.error(block, f"model `{block.name}` is missing the setting `ffn`, which mlp() needs",
+                "add `ffn = <hidden size of the MLP>` to the model block")
+    if r.diags:
+        return None
+    return ModelConfig(
+        name=block.name, vocab=ints["vocab"], dim=dim, layers=ints["layers"], heads=heads, kv_heads=kv_heads,
+        head_dim=head_dim, ffn=ints.get("ffn", 0), context=ints["context"], norm=norm, body=body, rope=rope,
+        positions=positions, tie_embeddings=flags.get("tie_embeddings", False),
+        final_norm=flags.get("final_norm", True),
+    )
+
+
+def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
+    """Validate `spec` and resolve it; raises one SpecError listing every problem found."""
+    r = _Report(spec)
+    model = _model(r, spec.model)
+    comp = compile_config(r, spec.compile)
+    if r.diags or model is None:
+        raise SpecError(r.diags)
+    return model, comp

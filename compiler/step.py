@@ -1,0 +1,110 @@
+"""The one interface between the runtime and a compiled model: a step over a flat batch of tokens.
+
+The scheduler picks, for each running sequence, a chunk of new tokens (a prefill chunk, or one decode
+token); the model runner flattens them into a StepBatch; the compiled step model writes each new token's
+K/V into its cache slot, attends over the sequence's blocks, and returns logits only for the rows that are
+sampled. Prefill chunks and decodes mix freely in one step.
+
+Cache layout: one tensor [layers, 2 (k, v), num_blocks, block_size, kv_heads, head_dim] in the model's
+kv_dtype. Slot s of the pool is block s // block_size, offset s % block_size. An int8 cache (kv_dtype int8)
+comes with fp32 scales [layers, 2, num_blocks, block_size, kv_heads], one per cached token and kv head; both
+travel together as a KVCache, which the runtime allocates once and only passes through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+KV_BLOCK_MAX = 256  # tokens per KV cache block at most (a power of two; the runtime, the spec and the kernels agree)
+
+
+class TokenizerLike(Protocol):
+    """What the runtime needs of a tokenizer (kiln.tokenizer.Tokenizer is one)."""
+
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ModelLimits(Protocol):
+    """What the runtime needs of a model's configuration (kiln.model_config.ModelConfig is one)."""
+
+    context: int  # the longest sequence the model takes, prompt and output together
+
+
+@dataclass
+class StepBatch:
+    tokens: torch.Tensor  # int64 [N]: the new tokens of every scheduled sequence, concatenated
+    positions: torch.Tensor  # int64 [N]: each new token's position in its sequence
+    slot_mapping: torch.Tensor  # int64 [N]: cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # int32 [S, max_blocks]: each sequence's blocks in order (padding: 0)
+    context_lens: torch.Tensor  # int32 [S]: tokens in the cache for each sequence after this step
+    query_start_loc: torch.Tensor  # int32 [S + 1]: sequence i's new tokens are rows [q[i], q[i + 1])
+    sample_indices: torch.Tensor  # int64 [R]: rows of N whose logits are returned, in this order
+    max_query_len: int  # host-side copies so kernels need no device -> host sync
+    max_context_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+
+@dataclass
+class KVCache:
+    """The paged KV pool: `data` in the model's kv_dtype, plus the per-token-and-head scales of an int8 cache."""
+
+    data: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    scales: torch.Tensor | None = None  # fp32 [layers, 2, num_blocks, block_size, kv_heads] when data is int8
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.data.shape[2])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.data.shape[3])
+
+
+class StepModel(Protocol):
+    """What the model runner calls. Built by kiln.compile.driver.compile_step (the kv_cache pass and its kernels)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: torch.dtype  # of the weights and activations
+    kv_dtype: torch.dtype  # of the KV cache: dtype, or torch.int8 (with scales)
+    device: torch.device
+    # Optional: `block_size`, the pool block size the compile config asks for (the engine's default).
+
+    def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache."""
+        ...
+
+
+def kv_cache_shape(model: StepModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    return (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+
+
+def allocate_kv_cache(model: StepModel, num_blocks: int, block_size: int) -> KVCache:
+    """A zeroed pool on the model's device in its kv_dtype (and fp32 scales for an int8 cache)."""
+    shape = kv_cache_shape(model, num_blocks, block_size)
+    data = torch.zeros(shape, dtype=model.kv_dtype, device=model.device)
+    scales = torch.zeros(shape[:-1], dtype=torch.float32, device=model.device) if model.kv_dtype == torch.int8 else None
+    return KVCache(data, scales)
+
+
+def kv_bytes_per_block(model: StepModel, block_size: int) -> int:
+    """Bytes one block takes over all layers, k and v: head_dim values per token and kv head, plus an fp32 scale
+    when the cache is int8."""
+    row = model.head_dim * model.kv_dtype.itemsize + (4 if model.kv_dtype == torch.int8 else 0)
+    return model.num_layers * 2 * block_size * model.num_kv_heads * row

@@ -57,3 +57,11 @@ class CodegenError(KilnError):
 
 class RequestError(KilnError):
     """A generation request with a bad parameter; names the parameter and the allowed range."""
+
+
+class InternalError(RuntimeError):
+    """A failure inside kiln that no input should cause: a bug. Deliberately not a KilnError, so it keeps its
+    traceback (the CLI prints it and asks for a report) instead of passing for a user's mistake."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{message}\nthis is a bug in kiln; please report it with the command and spec that caused it")

@@ -8,14 +8,15 @@ from torch import fx
 
 from kiln.compile.pipeline import (
     DEFAULT_PIPELINE,
+    STEP_PIPELINE,
     Pass,
     PassResult,
     build_pipeline,
+    check_order,
     known_passes,
-    order_passes,
     run_pipeline,
 )
-from kiln.errors import PassError
+from kiln.errors import InternalError, KilnError, PassError, WeightError
 from kiln.ir.frontend import build_graph
 from kiln.model_config import CompileConfig
 from kiln.spec.loader import load_spec
@@ -44,15 +45,26 @@ def test_default_pipeline_order():
     assert names(build_pipeline()) == list(DEFAULT_PIPELINE)
 
 
-def test_requirements_order_passes_and_ties_keep_the_preferred_order():
+def test_step_pipeline_is_the_literal_list_in_order():
+    assert names(build_pipeline(step=True)) == [n for n in STEP_PIPELINE if n != "quantize"]
+    comp = CompileConfig(extra={"quantize": "int8"})
+    assert names(build_pipeline(comp, step=True)) == list(STEP_PIPELINE)
+
+
+def test_requirements_are_checked_not_reordered():
     a, b, c, d = noop("a"), noop("b", requires=("c",)), noop("c"), noop("d")
-    assert names(order_passes([a, b, c, d], preferred=["a", "b", "c", "d"])) == ["a", "c", "b", "d"]
-    assert names(order_passes([d, c, b, a], preferred=["d", "c", "b", "a"])) == ["d", "c", "b", "a"]
+    check_order([a, c, b, d])
+    check_order([d, c, b, a])
+    with pytest.raises(PassError, match="'b' requires pass 'c' to run before it.*a -> b -> c -> d"):
+        check_order([a, b, c, d])
 
 
 def test_config_order_cannot_break_a_requirement():
     comp = CompileConfig(extra={"passes": ["rope_fusion", "flash_tiling", "gqa_fusion"]})
-    assert names(build_pipeline(comp)) == ["flash_tiling", "gqa_fusion", "rope_fusion"]
+    with pytest.raises(PassError, match="'rope_fusion' requires pass 'gqa_fusion' to run before it"):
+        build_pipeline(comp)
+    comp = CompileConfig(extra={"passes": ["flash_tiling", "gqa_fusion", "rope_fusion"]})
+    assert names(build_pipeline(comp)) == ["flash_tiling", "gqa_fusion", "rope_fusion"]  # the order written
 
 
 def test_overrides_and_disable_list():
@@ -64,11 +76,9 @@ def test_overrides_and_disable_list():
 
 def test_cycle_error_names_the_cycle():
     registry = {"x": noop("x", ("y",)), "y": noop("y", ("z",)), "z": noop("z", ("x",)), "w": noop("w")}
-    with pytest.raises(PassError, match="cycle") as e:
+    with pytest.raises(PassError, match="'x' requires pass 'y' to run before it") as e:
         build_pipeline(CompileConfig(extra={"passes": ["w", "x", "y", "z"]}), registry=registry)
-    msg = str(e.value)
-    assert all(n in msg for n in ("x", "y", "z")) and " w " not in msg
-    assert "->" in msg
+    assert "w -> x -> y -> z" in str(e.value)  # a requirement cycle has no order that passes the check
 
 
 def test_missing_requirement_names_both_passes():
@@ -111,12 +121,23 @@ def _raises(gm: fx.GraphModule) -> PassResult:
     ids=["dead-node", "foreign-op", "untruthful-modified", "raises"],
 )
 def test_debug_mode_names_the_broken_pass_and_the_passes_before_it(cfg, run, why):
+    """A pass that breaks the IR or raises is kiln's bug: InternalError (not a KilnError, so the CLI keeps the
+    traceback), naming the pass and the ones before it."""
     passes = build_pipeline(None, {"flash_tiling": False}) + [Pass("broken", run)]
-    with pytest.raises(PassError) as e:
+    with pytest.raises(InternalError) as e:
         run_pipeline(build_graph(cfg), passes, debug=True)
     msg = str(e.value)
     assert "'broken'" in msg and why in msg
-    assert "after gqa_fusion, rope_fusion, norm_fusion" in msg
+    assert "after gqa_fusion, rope_fusion, norm_fusion" in msg and "this is a bug in kiln" in msg
+    assert not isinstance(e.value, KilnError) and e.value.__cause__ is not None  # the original traceback is kept
+
+
+def test_a_user_error_inside_a_pass_stays_a_kiln_error(cfg):
+    def refuses(gm):
+        raise WeightError("layers.0.mlp.up.weight: K = 100 is not a multiple of the group 32; use group 4")
+
+    with pytest.raises(PassError, match="'refuses' failed \\(the first pass\\): layers.0.mlp.up.weight: K = 100"):
+        run_pipeline(build_graph(cfg), [Pass("refuses", refuses)])
 
 
 def test_debug_off_skips_the_ir_check(cfg):
@@ -125,7 +146,7 @@ def test_debug_off_skips_the_ir_check(cfg):
 
 
 def test_first_pass_failure_says_so(cfg):
-    with pytest.raises(PassError, match="'broken' failed \\(the first pass\\)"):
+    with pytest.raises(InternalError, match="'broken' failed \\(the first pass\\)"):
         run_pipeline(build_graph(cfg), [Pass("broken", _raises)], debug=True)
 
 

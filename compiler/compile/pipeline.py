@@ -1,8 +1,9 @@
 """The pass driver: which passes run, in what order, and the checks between them.
 
 A pass is a function `gm -> PassResult(gm, modified)` in its own file under passes/, exposed as `PASS`.
-`build_pipeline` picks passes from the default list (adjusted by the spec's compile part and CLI
-overrides) and orders them with networkx from their declared requirements; `run_pipeline` runs them.
+`build_pipeline` picks passes from one of two literal lists, MODEL_PIPELINE and STEP_PIPELINE (adjusted by the
+spec's compile part and CLI overrides), and checks each pass comes after the ones it requires; `run_pipeline`
+runs them.
 After every pass that changed the graph, FakeTensor propagation refreshes node.meta["val"] so later
 passes can read shapes. In debug mode (KILN_DEBUG=1) every pass is also followed by graph.lint(),
 gm.recompile(), an IR check and a check that `modified` told the truth; any failure raises PassError
@@ -18,7 +19,6 @@ import pkgutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-import networkx as nx
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -26,18 +26,22 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.* Level-1 ops)
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
-from kiln.errors import PassError
+import kiln.passes
+from kiln.errors import InternalError, KilnError, PassError
 from kiln.ir.text import format_graph
 from kiln.model_config import CompileConfig
 from kiln.passes.base import Pass, PassResult
+from kiln.passes.flash_tiling import make_pass as flash_tiling_pass
+from kiln.passes.gqa_fusion import PASS as GQA_FUSION
+from kiln.passes.kv_cache import make_pass as kv_cache_pass
+from kiln.passes.quantize import make_pass as quantize_pass
 
-# The default pipeline, in its preferred order. Requirements can only move a pass later, never drop it.
-DEFAULT_PIPELINE: tuple[str, ...] = (
-    "gqa_fusion",
-    "rope_fusion",
-    "norm_fusion",
-    "flash_tiling",
-)
+# The pipelines, as literal lists in the order they run. A pass that is not asked for is skipped (quantize
+# runs only when the compile config names a scheme; kv_cache only in the step graph); the order never changes.
+MODEL_PIPELINE: tuple[str, ...] = ("gqa_fusion", "quantize", "rope_fusion", "norm_fusion", "flash_tiling")
+STEP_PIPELINE: tuple[str, ...] = ("gqa_fusion", "quantize", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling")
+# What runs when nothing is asked for: the model pipeline less the passes that need a setting.
+DEFAULT_PIPELINE: tuple[str, ...] = tuple(n for n in MODEL_PIPELINE if n != "quantize")
 
 # torch (non-kiln) call targets a Level-1/Level-2 graph may hold.
 ALLOWED_TORCH_TARGETS: frozenset = frozenset(
@@ -56,8 +60,7 @@ def known_passes() -> dict[str, Pass]:
     """Every pass in kiln.passes: each module there that defines `PASS`, keyed by the pass name."""
     global _registry
     if _registry is None:
-        import kiln.passes as pkg
-
+        pkg = kiln.passes
         found: dict[str, Pass] = {}
         for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
             module = importlib.import_module(f"{pkg.__name__}.{info.name}")
@@ -68,71 +71,67 @@ def known_passes() -> dict[str, Pass]:
     return dict(_registry)
 
 
-def order_passes(passes: Sequence[Pass], preferred: Sequence[str] = DEFAULT_PIPELINE) -> list[Pass]:
-    """Topological order of `passes` by their requirements; ties keep `preferred` order, then given order.
-
-    A requirement that is not among `passes` or a cycle among them raises PassError naming the passes.
-    """
-    by_name = {p.name: p for p in passes}
-    graph = nx.DiGraph()
-    graph.add_nodes_from(by_name)
+def check_order(passes: Sequence[Pass]) -> None:
+    """PassError unless every pass comes after the passes it requires (a list given in a compile config is
+    checked, never reordered: the order written is the order run)."""
+    seen: set[str] = set()
+    names = [p.name for p in passes]
     for p in passes:
         for req in p.requires:
-            if req not in by_name:
+            if req not in names:
                 raise PassError(
                     f"pass {p.name!r} requires pass {req!r}, which is not in the pipeline "
-                    f"({', '.join(by_name)}); enable {req!r} or disable {p.name!r}"
+                    f"({', '.join(names)}); enable {req!r} or disable {p.name!r}"
                 )
-            graph.add_edge(req, p.name)
-    rank = {name: i for i, name in enumerate(preferred)}
-    given = {p.name: i for i, p in enumerate(passes)}
-    try:
-        names = list(nx.lexicographical_topological_sort(graph, key=lambda n: (rank.get(n, len(rank)), given[n])))
-    except nx.NetworkXUnfeasible:
-        cycle = [u for u, _ in nx.find_cycle(graph)]
-        raise PassError(
-            f"pass requirements form a cycle: {' -> '.join(cycle + cycle[:1])}; drop one of these requirements"
-        ) from None
-    return [by_name[n] for n in names]
+            if req not in seen:
+                raise PassError(
+                    f"pass {p.name!r} requires pass {req!r} to run before it, but the pipeline runs "
+                    f"{' -> '.join(names)}; put {req!r} first"
+                )
+        seen.add(p.name)
 
 
 def build_pipeline(
     compile_cfg: CompileConfig | None = None,
     overrides: Mapping[str, bool] | None = None,
     *,
+    step: bool = False,
+    kv_dtype: str = "auto",
     registry: Mapping[str, Pass] | None = None,
 ) -> list[Pass]:
-    """The ordered passes for a compile config.
+    """The passes to run, in order: MODEL_PIPELINE (or STEP_PIPELINE for the serving step graph, its kv_cache
+    pass bound to `kv_dtype`), or `compile_cfg.extra["passes"]` (a list of names, run in the order given).
 
-    The starting list is DEFAULT_PIPELINE, or `compile_cfg.extra["passes"]` (a list of names) when given;
-    `compile_cfg.extra["quantize"]` (a scheme, see kiln.quant.formats) adds the quantize pass bound to it;
-    `compile_cfg.extra["attention"]` (the spec's `attention = ...`) turns flash_tiling off (reference) or pins its
-    tile (flash with block_m / block_n / ...); `compile_cfg.extra["disable_passes"]` drops names; `overrides`
-    (CLI flags) map a pass name to True (run it) or False (skip it) and win over the config.
+    `compile_cfg.extra["quantize"]` (a scheme, see kiln.quant.formats) binds the quantize pass to it (without it
+    quantize is skipped unless a list or an override names it); `extra["attention"]` (the spec's `attention =
+    ...`) turns flash_tiling off (reference) or pins its tile; `extra["disable_passes"]` drops names; `overrides`
+    (CLI flags) map a pass name to True (run it) or False (skip it) and win over the config. Every pass must come
+    after the passes it `requires`: checked, never reordered.
     """
-    registry = known_passes() if registry is None else registry
+    registry = dict(known_passes() if registry is None else registry)
     extra = compile_cfg.extra if compile_cfg is not None else {}
-    names = list(extra.get("passes", DEFAULT_PIPELINE))
-    if extra.get("quantize"):  # the spec's `quantize = ...`: the pass joins, bound to that scheme, after gqa_fusion
-        from kiln.passes.quantize import make_pass
-
-        registry = {**registry, "quantize": make_pass(extra["quantize"])}
-        if "quantize" not in names:
-            names.insert(names.index("gqa_fusion") + 1 if "gqa_fusion" in names else 0, "quantize")
+    full = STEP_PIPELINE if step else MODEL_PIPELINE
+    names = list(extra.get("passes", full))
+    on = {n: True for n in names}
+    if "passes" not in extra:
+        on["quantize"] = bool(extra.get("quantize"))
+    if extra.get("quantize"):
+        registry["quantize"] = quantize_pass(extra["quantize"])
+    if step:
+        registry["kv_cache"] = kv_cache_pass(kv_dtype)
     attention = extra.get("attention") or {}
-    off = {n: False for n in extra.get("disable_passes", ())}
     if attention.get("kind") == "reference":  # attention stays kiln::attention: the reference op / default kernel
-        off["flash_tiling"] = False
+        on["flash_tiling"] = False
     elif attention.get("tile"):
-        from kiln.passes.flash_tiling import make_pass as tiled
-
-        registry = {**registry, "flash_tiling": tiled(attention["tile"])}
-    wanted = {n: True for n in names} | off | dict(overrides or {})
-    unknown = sorted(n for n in wanted if n not in registry)
+        registry["flash_tiling"] = flash_tiling_pass(attention["tile"])
+    on |= {n: False for n in extra.get("disable_passes", ())} | dict(overrides or {})
+    unknown = sorted(n for n in on if n not in registry)
     if unknown:
         raise PassError(f"unknown pass(es) {', '.join(unknown)}; known passes: {', '.join(sorted(registry))}")
-    chosen = [registry[n] for n, on in wanted.items() if on]
-    return order_passes(chosen, preferred=names)
+    order = names + [n for n in full if n not in names] + [n for n in on if n not in full and n not in names]
+    chosen = [registry[n] for n in order if on.get(n)]
+    check_order(chosen)
+    return chosen
 
 
 # ---- running ----------------------------------------------------------------------------------------------
@@ -165,7 +164,7 @@ def _is_kiln_op(target: object) -> bool:
 
 
 def check_ir(gm: fx.GraphModule) -> None:
-    """Raise PassError unless every call is a kiln op or an allowed torch op, every node has meta['val']
+    """Raise IRCheckError unless every call is a kiln op or an allowed torch op, every node has meta['val']
     and no computed node is dead."""
     problems = []
     for n in gm.graph.nodes:
@@ -178,7 +177,7 @@ def check_ir(gm: fx.GraphModule) -> None:
         if n.op in ("call_function", "get_attr") and not n.users:
             problems.append(f"%{n.name} is dead (no users)")
     if problems:
-        raise PassError("IR check failed:\n  " + "\n  ".join(problems))
+        raise IRCheckError("IR check failed:\n  " + "\n  ".join(problems))
 
 
 def _check(gm: fx.GraphModule, before_text: str, result: PassResult) -> None:
@@ -186,7 +185,8 @@ def _check(gm: fx.GraphModule, before_text: str, result: PassResult) -> None:
     gm.recompile()
     changed = str(gm.graph) != before_text
     if changed != result.modified:
-        raise PassError(f"reported modified={result.modified} but the graph {'did' if changed else 'did not'} change")
+        did = "did" if changed else "did not"
+        raise IRCheckError(f"reported modified={result.modified} but the graph {did} change")
     propagate(gm)
     check_ir(gm)
 
@@ -194,6 +194,14 @@ def _check(gm: fx.GraphModule, before_text: str, result: PassResult) -> None:
 def _dump(dump_dir: Path, index: int, name: str, gm: fx.GraphModule) -> None:
     dump_dir.mkdir(parents=True, exist_ok=True)
     (dump_dir / f"{index:02d}_{name}.txt").write_text(format_graph(gm, title=f"after {name}" if index else name))
+
+
+def _after(done: list[str]) -> str:
+    return f" (after {', '.join(done)})" if done else " (the first pass)"
+
+
+class IRCheckError(AssertionError):
+    """A pass left the graph broken (debug checks); run_pipeline reports it as an InternalError."""
 
 
 def run_pipeline(
@@ -220,9 +228,10 @@ def run_pipeline(
             elif result.modified:
                 gm.recompile()
                 propagate(gm)
-        except Exception as e:
-            after = f" (after {', '.join(done)})" if done else " (the first pass)"
-            raise PassError(f"pass {p.name!r} failed{after}: {type(e).__name__}: {e}") from e
+        except KilnError as e:  # the user's input (a spec value, a weight shape): one message, no traceback
+            raise PassError(f"pass {p.name!r} failed{_after(done)}: {e}") from e
+        except Exception as e:  # anything else is kiln's own fault: keep the traceback (chained) and say so
+            raise InternalError(f"pass {p.name!r} failed{_after(done)}: {type(e).__name__}: {e}") from e
         done.append(p.name)
         if dump_path is not None:
             _dump(dump_path, i, p.name, gm)
@@ -231,7 +240,4 @@ def run_pipeline(
 
 def quantize_graph(gm: fx.GraphModule, scheme, **kwargs) -> fx.GraphModule:
     """gqa_fusion (when not run yet) then quantize, in place; scheme and kwargs as kiln.passes.quantize.make_pass."""
-    from kiln.passes.gqa_fusion import PASS as GQA
-    from kiln.passes.quantize import make_pass
-
-    return run_pipeline(gm, [GQA, make_pass(scheme, **kwargs)])
+    return run_pipeline(gm, [GQA_FUSION, quantize_pass(scheme, **kwargs)])

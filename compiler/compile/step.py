@@ -5,10 +5,10 @@
     logits = model(batch, cache)                              # fp32 [R, vocab]; the batch's K/V now cached
 
 The kv_cache pass (passes/kv_cache.py) makes the step graph; the other passes of the compile config's
-pipeline run around it in STEP_ORDER: gqa_fusion and rope_fusion before it (gqa_fusion only fuses projections
-that feed kiln::attention), norm_fusion after it (so the gathered final add + norm still fuse), flash_tiling
-last (it then finds no attention left). With kernels (default: CUDA or TRITON_INTERPRET=1) the graph is
-lowered to the generated kernels, paged attention included (codegen/paged.py).
+pipeline run around it in the order of kiln.compile.pipeline.STEP_PIPELINE: gqa_fusion and rope_fusion before
+it (gqa_fusion only fuses projections that feed kiln::attention), norm_fusion after it (so the gathered final
+add + norm still fuse), flash_tiling last (it then finds no attention left). With kernels (default: CUDA or
+TRITON_INTERPRET=1) the graph is lowered to the generated kernels, paged attention included (codegen/paged.py).
 
 The spec's `kv_cache = paged(block = 16, dtype = int8)` (CompileConfig.extra["kv_cache"]) sets the cache dtype
 (kv_cache_dtype overrides it) and the model's preferred block_size (the engine's default pool block size); a
@@ -25,13 +25,11 @@ from torch import fx
 
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 from kiln.compile.driver import kernels_usable
-from kiln.compile.pipeline import build_pipeline, order_passes, run_pipeline
+from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.errors import KilnError, PassError
 from kiln.model_config import CompileConfig, ModelConfig
 from kiln.step import KVCache, StepBatch
 from kiln.step import allocate_kv_cache as _allocate
-
-STEP_ORDER = ("gqa_fusion", "quantize", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling")
 
 
 @dataclass
@@ -87,16 +85,6 @@ class CompiledStep:
         return logits.reshape(-1, self.vocab).float()
 
 
-def _step_passes(compile_cfg: CompileConfig | None, kv_dtype: str) -> list:
-    from kiln.passes.kv_cache import make_pass
-
-    passes = [p for p in build_pipeline(compile_cfg) if p.name != "kv_cache"]
-    names = [p.name for p in passes]
-    passes.append(make_pass(kv_dtype))  # bound to the cache dtype
-    preferred = dict.fromkeys((*STEP_ORDER, *names))  # first mention wins: order_passes ranks by index
-    return order_passes(passes, preferred=tuple(preferred))
-
-
 def _pin_paged_tile(gm: fx.GraphModule, tile: dict) -> None:
     """Give every lowered paged-attention call the spec's fixed flash tile (its prefill kernel's tile)."""
     fields = (tile["block_m"], tile["block_n"], tile["num_warps"], tile["num_stages"])
@@ -128,7 +116,7 @@ def compile_step(
     use_kernels = kernels_usable() if use_kernels is None else use_kernels
     extra = compile_cfg.extra if compile_cfg is not None else {}
     kv_spec = extra.get("kv_cache") or {}
-    passes = _step_passes(compile_cfg, kv_cache_dtype or kv_spec.get("dtype", "auto"))
+    passes = build_pipeline(compile_cfg, step=True, kv_dtype=kv_cache_dtype or kv_spec.get("dtype", "auto"))
     gm = run_pipeline(gm, passes, dump_dir=dump_dir)
     cache = gm.graph.find_nodes(op="placeholder", target="kv_cache")
     if not cache:

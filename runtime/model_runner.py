@@ -39,7 +39,7 @@ class _Graph:
 
 class ModelRunner:
     def __init__(self, model: StepModel, block_manager: BlockManager, *, max_num_seqs: int, max_model_len: int,
-                 use_cuda_graphs: bool = False, pad_decode_batches: bool = False):
+                 use_cuda_graphs: bool = False, pad_decode_batches: bool = False, warmup: bool | None = None):
         self.model = model
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -52,6 +52,8 @@ class ModelRunner:
         self.rows = BlockTableRows(self.max_blocks_per_seq, max_num_seqs)
         block_manager.on_free.append(self.rows.release)
         self.buffers = StepBuffers(model.device)
+        if model.device.type == "cuda" if warmup is None else warmup:
+            self.warmup()
         if self.use_cuda_graphs:
             self._capture_all()
 
@@ -131,6 +133,42 @@ class ModelRunner:
             else:
                 logits = self.model(batch, self.kv_cache)
         return logits[: len(sampled)].float(), sampled
+
+    # ---- warm-up: compile the kernels while the model loads, not on the first request ------------------------
+
+    def warmup_shapes(self) -> list[tuple[int, int, int]]:
+        """(sequences, new tokens each, context) of the warm-up steps: prefill and decode, token and sample counts
+        of 1, odd and a multiple of 16, short and long contexts (one and several decode splits), so each kernel
+        is compiled for the integer specializations a real step hits."""
+        long_ctx = min(self.max_model_len, 1024)
+        shapes = [(1, 7, 7), (1, 16, 16), (2, 9, 40), (1, 1, 1), (3, 1, long_ctx), (16, 1, 17)]
+        return [(s, min(q, min(c, self.max_model_len)), min(c, self.max_model_len)) for s, q, c in shapes]
+
+    def warmup(self, progress: bool = True) -> None:
+        """Run one step per warm-up shape on dummy batches that only touch the null block (the blocks padding
+        rows use), so Triton compiles (or loads from its disk cache) every kernel variant now."""
+        from tqdm import tqdm
+
+        shapes = self.warmup_shapes()
+        with torch.inference_mode():
+            for shape in tqdm(shapes, desc="kiln: compiling kernels", unit="step", file=sys.stderr,
+                              disable=not progress):
+                self.model(self._null_batch(*shape), self.kv_cache)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _null_batch(self, num_seqs: int, q_len: int, ctx: int) -> StepBatch:
+        dev, bs = self.model.device, self.block_size
+        n = num_seqs * q_len
+        positions = torch.arange(ctx - q_len, ctx, device=dev).repeat(num_seqs)
+        qsl = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
+        return StepBatch(
+            tokens=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
+            slot_mapping=NULL_BLOCK * bs + positions % bs,
+            block_tables=torch.full((num_seqs, -(-ctx // bs)), NULL_BLOCK, dtype=torch.int32, device=dev),
+            context_lens=torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev), query_start_loc=qsl,
+            sample_indices=(qsl[1:] - 1).long(), max_query_len=q_len, max_context_len=ctx,
+        )  # fmt: skip
 
     # ---- CUDA graphs (only with a CUDA device; not exercised by the CPU test suite) ----------------------
 

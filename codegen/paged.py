@@ -4,7 +4,9 @@
 (templates/paged_kv_write.py.j2), then runs the decode kernels when every sequence has one new query
 (max_query_len == 1: templates/paged_decode.py.j2 per split, templates/paged_merge.py.j2 to combine) and the
 prefill kernel otherwise (templates/paged_prefill.py.j2). Nothing here reads device values back to the host:
-grids come from the host-side bounds max_query_len and max_context_len, which must bound the batch.
+grids come from the host-side bounds max_query_len and max_context_len, which must bound the batch. Work
+inside a grid is bounded by the context lengths the kernels read on the device (a decode split's length is
+per sequence), so a loose bound (a CUDA graph's max_model_len) adds empty programs, not work.
 Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim] (kiln.step). An int8 cache comes
 with kv_scales fp32 [layers, 2, num_blocks, block_size, kv_heads]: the write kernel quantizes each token's head
 rows (kiln.ir.ops_paged.quantize_kv), the attention kernels multiply the int8 K/V tiles' scales back in (QK^T
@@ -173,10 +175,12 @@ def paged_attention_decode(
     n, num_seqs = q.shape[0], context_lens.shape[0]
     block_n = 64 if q.is_cuda and head_dim <= 128 else 32
     span = max(1, min(max_context_len, window) if window > 0 else max_context_len)
+    # An explicit num_splits splits as asked; the default keeps every split at least _MIN_SPLIT_KEYS long (the
+    # kernel sizes splits per sequence, from its own context length).
+    min_split = block_n if num_splits is not None else cdiv(_MIN_SPLIT_KEYS, block_n) * block_n
     if num_splits is None:
         num_splits = choose_splits(num_seqs, k_cache.shape[2], span, block_n, q.device)
-    split_len = cdiv(cdiv(span, num_splits), block_n) * block_n
-    num_splits = cdiv(span, split_len)  # no split wholly past the longest span
+    num_splits = cdiv(span, cdiv(cdiv(span, num_splits), block_n) * block_n)  # no split wholly past the bound
     if n == 0 or num_seqs == 0:
         return out
     part_o = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -187,7 +191,7 @@ def paged_attention_decode(
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     args = (q, k_cache, v_cache, k_scale, v_scale, part_o, part_lse, block_tables, context_lens, query_start_loc,
             q.stride(0), head_dim, *k_cache.stride()[:3], *scale_strides, block_tables.stride(0), *part_o.stride()[:3],
-            *part_lse.stride()[:2], float(scale), int(window), k_cache.shape[1], split_len,
+            *part_lse.stride()[:2], float(scale), int(window), k_cache.shape[1], num_splits, min_split,
             head_dim, group)  # fmt: skip
     grid = (num_seqs, k_cache.shape[2], num_splits)
     launch("paged_decode", "paged_attention_decode", grid, args, consts, {"num_warps": 4, "num_stages": 2})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 NULL_BLOCK = 0
@@ -49,6 +49,8 @@ class BlockManager:
         self.tables: dict[str, list[int]] = {}
         self._chain: dict[str, list[bytes]] = {}  # hashes of each request's leading full, written blocks
         self.stats = BlockStats()
+        # Called with a request id whenever its table is dropped (the model runner's persistent rows follow it).
+        self.on_free: list[Callable[[str], None]] = []
 
     # ---- queries ------------------------------------------------------------------------------------------
 
@@ -152,6 +154,8 @@ class BlockManager:
         """Drop the request's references; unreferenced blocks join the free queue (tail blocks evicted first)."""
         table = self.tables.pop(request_id, [])
         self._chain.pop(request_id, None)
+        for listener in self.on_free:
+            listener(request_id)
         for block in reversed(table):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"

@@ -1,10 +1,11 @@
 """From a Schedule to a StepBatch, and the call into the step model (eager, or CUDA-graph replay for decodes).
 
 On CUDA, pure-decode steps replay graphs captured for batch sizes 1, 2, 4, 8, ... up to max_num_seqs: the
-batch is padded to the next captured size with rows that write to and read from the null block (block 0),
-block tables always have the full width (max_model_len / block_size) and max_context_len is max_model_len,
-so nothing the kernels see on the host changes between replays. `pad_decode_batches` runs the same padded
-batches eagerly: it is how the padding is tested without a GPU.
+batch is padded to the next captured size with rows that write to and read from the null block (block 0).
+The graphs were captured with full-width block tables and max_context_len = max_model_len; a replay copies
+only the batch's real columns in, and the decode kernels bound their work by the context lengths they read
+on the device (the split length is per sequence), so a long max_model_len costs nothing per step.
+`pad_decode_batches` runs the same padded batches eagerly: it is how the padding is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
+from kiln.runtime.input_batch import BlockTableRows, StepBuffers, layout
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import StepBatch, StepModel, allocate_kv_cache
 
@@ -36,7 +39,7 @@ class _Graph:
 
 class ModelRunner:
     def __init__(self, model: StepModel, block_manager: BlockManager, *, max_num_seqs: int, max_model_len: int,
-                 use_cuda_graphs: bool = False, pad_decode_batches: bool = False):
+                 use_cuda_graphs: bool = False, pad_decode_batches: bool = False, warmup: bool | None = None):
         self.model = model
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -46,57 +49,71 @@ class ModelRunner:
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda" and torch.cuda.is_available()
         self.pad_sizes = graph_batch_sizes(max_num_seqs) if (self.use_cuda_graphs or pad_decode_batches) else []
         self.graphs: dict[int, _Graph] = {}
+        self.rows = BlockTableRows(self.max_blocks_per_seq, max_num_seqs)
+        block_manager.on_free.append(self.rows.release)
+        self.buffers = StepBuffers(model.device)
+        if model.device.type == "cuda" if warmup is None else warmup:
+            self.warmup()
         if self.use_cuda_graphs:
             self._capture_all()
 
     # ---- batch building -----------------------------------------------------------------------------------
 
     def prepare(self, sched: Schedule) -> tuple[StepBatch, int]:
-        """The StepBatch for a schedule, and how many rows (graph padding) it was padded to."""
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        context_lens: list[int] = []
-        qsl = [0]
-        sample_rows: list[int] = []
-        for s in sched.seqs:
-            req, end = s.request, s.start + s.num_new
-            table = self.bm.table(req.request_id)
-            assert len(table) * bs >= end, f"{req.request_id}: {end} tokens but {len(table)} blocks"
-            tokens += req.token_slice(s.start, end)
-            positions += range(s.start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(s.start, end)]
-            tables.append(table)
-            context_lens.append(end)
-            qsl.append(qsl[-1] + s.num_new)
-            if s.sample:
-                sample_rows.append(qsl[-1] - 1)
+        """The StepBatch for a schedule, and how many rows (graph padding) it was padded to.
+
+        Costs O(tokens + blocks in the step): tables come from the persistent rows (written when a request
+        gains blocks), everything is staged in one buffer and copied to the device once. The batch's tensors
+        are views of the runner's buffers, valid until the next prepare().
+        """
+        bs, seqs = self.block_size, sched.seqs
+        tables = [self.bm.table(s.request.request_id) for s in seqs]
+        rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
+        width = max(len(t) for t in tables)
         padded = self._pad_size(sched)
-        width = self.max_blocks_per_seq if padded else max(len(t) for t in tables)
-        if padded:
-            extra = padded - len(sched.seqs)
-            tokens += [0] * extra
-            positions += [0] * extra
-            slots += [NULL_BLOCK * bs] * extra
-            tables += [[]] * extra
-            context_lens += [1] * extra
-            qsl += range(qsl[-1] + 1, qsl[-1] + 1 + extra)
-            sample_rows = list(range(padded))
-        block_tables = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
-        dev = self.model.device
+        extra = padded - len(seqs) if padded else 0
+        n = sum(s.num_new for s in seqs)
+        lay = layout(n + extra, padded or sum(s.sample for s in seqs), len(seqs) + extra, width)
+        v = self.buffers.stage(lay)
+        tok, pos, slot, ctx, qsl, samp = (v[k] for k in ("tokens", "positions", "slot_mapping", "context_lens",
+                                                         "query_start_loc", "sample_indices"))
+        host_rows = self.rows.host
+        q = k = max_ctx = max_new = 0
+        qsl[0] = 0
+        for i, s in enumerate(seqs):
+            a, m = s.start, s.num_new
+            end = a + m
+            assert len(tables[i]) * bs >= end, f"{s.request.request_id}: {end} tokens but {len(tables[i])} blocks"
+            if m == 1:  # decode: scalar writes, no temporaries
+                tok[q] = s.request.token_slice(a, end)[0]
+                pos[q] = a
+                slot[q] = tables[i][a // bs] * bs + a % bs
+            else:
+                p = np.arange(a, end)
+                tok[q : q + m] = s.request.token_slice(a, end)
+                pos[q : q + m] = p
+                slot[q : q + m] = host_rows[rows[i], p // bs].astype(np.int64) * bs + p % bs
+            q += m
+            ctx[i] = end
+            qsl[i + 1] = q
+            max_ctx, max_new = max(max_ctx, end), max(max_new, m)
+            if s.sample and not padded:
+                samp[k] = q - 1
+                k += 1
+        bt = v["block_tables"]
+        np.take(host_rows[:, :width], rows, axis=0, out=bt[: len(seqs)])
+        if padded:  # padding rows: one token each, written to and read from the null block, all rows sampled
+            tok[n:], pos[n:], slot[n:] = 0, 0, NULL_BLOCK * bs
+            ctx[len(seqs) :] = 1
+            qsl[len(seqs) + 1 :] = np.arange(n + 1, n + 1 + extra)
+            bt[len(seqs) :] = NULL_BLOCK
+            samp[:] = np.arange(padded)
+        t = self.buffers.upload(lay)
         batch = StepBatch(
-            tokens=_to(tokens, torch.int64, dev),
-            positions=_to(positions, torch.int64, dev),
-            slot_mapping=_to(slots, torch.int64, dev),
-            block_tables=_to(block_tables, torch.int32, dev),
-            context_lens=_to(context_lens, torch.int32, dev),
-            query_start_loc=_to(qsl, torch.int32, dev),
-            sample_indices=_to(sample_rows, torch.int64, dev),
-            max_query_len=1 if padded else max(s.num_new for s in sched.seqs),
-            max_context_len=self.max_model_len if padded else max(context_lens),
-        )
+            tokens=t["tokens"], positions=t["positions"], slot_mapping=t["slot_mapping"],
+            block_tables=t["block_tables"], context_lens=t["context_lens"], query_start_loc=t["query_start_loc"],
+            sample_indices=t["sample_indices"], max_query_len=1 if padded else max_new, max_context_len=max_ctx,
+        )  # fmt: skip
         return batch, padded
 
     def _pad_size(self, sched: Schedule) -> int:
@@ -116,6 +133,42 @@ class ModelRunner:
             else:
                 logits = self.model(batch, self.kv_cache)
         return logits[: len(sampled)].float(), sampled
+
+    # ---- warm-up: compile the kernels while the model loads, not on the first request ------------------------
+
+    def warmup_shapes(self) -> list[tuple[int, int, int]]:
+        """(sequences, new tokens each, context) of the warm-up steps: prefill and decode, token and sample counts
+        of 1, odd and a multiple of 16, short and long contexts (one and several decode splits), so each kernel
+        is compiled for the integer specializations a real step hits."""
+        long_ctx = min(self.max_model_len, 1024)
+        shapes = [(1, 7, 7), (1, 16, 16), (2, 9, 40), (1, 1, 1), (3, 1, long_ctx), (16, 1, 17)]
+        return [(s, min(q, min(c, self.max_model_len)), min(c, self.max_model_len)) for s, q, c in shapes]
+
+    def warmup(self, progress: bool = True) -> None:
+        """Run one step per warm-up shape on dummy batches that only touch the null block (the blocks padding
+        rows use), so Triton compiles (or loads from its disk cache) every kernel variant now."""
+        from tqdm import tqdm
+
+        shapes = self.warmup_shapes()
+        with torch.inference_mode():
+            for shape in tqdm(shapes, desc="kiln: compiling kernels", unit="step", file=sys.stderr,
+                              disable=not progress):
+                self.model(self._null_batch(*shape), self.kv_cache)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
+    def _null_batch(self, num_seqs: int, q_len: int, ctx: int) -> StepBatch:
+        dev, bs = self.model.device, self.block_size
+        n = num_seqs * q_len
+        positions = torch.arange(ctx - q_len, ctx, device=dev).repeat(num_seqs)
+        qsl = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
+        return StepBatch(
+            tokens=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
+            slot_mapping=NULL_BLOCK * bs + positions % bs,
+            block_tables=torch.full((num_seqs, -(-ctx // bs)), NULL_BLOCK, dtype=torch.int32, device=dev),
+            context_lens=torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev), query_start_loc=qsl,
+            sample_indices=(qsl[1:] - 1).long(), max_query_len=q_len, max_context_len=ctx,
+        )  # fmt: skip
 
     # ---- CUDA graphs (only with a CUDA device; not exercised by the CPU test suite) ----------------------
 
@@ -160,15 +213,10 @@ class ModelRunner:
 
     @staticmethod
     def _replay(g: _Graph, batch: StepBatch) -> torch.Tensor:
-        for name in ("tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
-                     "sample_indices"):
+        for name in ("tokens", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_indices"):
             getattr(g.batch, name).copy_(getattr(batch, name), non_blocking=True)
+        # Columns past the batch's widest table keep stale block ids: the kernels never read past a context.
+        g.batch.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
         g.graph.replay()
         return g.out
 
-
-def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t

@@ -70,6 +70,24 @@ def test_decode_matches_reference(case, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [None, 4])
+def test_decode_under_a_loose_bound_splits_each_context_by_its_own_length(splits, monkeypatch):
+    """A CUDA graph passes max_context_len = max_model_len: the grid gets the bound's splits, but each sequence
+    spreads its own keys over them, and the result matches the reference."""
+    import kiln.codegen.paged as paged
+
+    grids = []
+    monkeypatch.setattr(paged, "launch", lambda t, op, grid, *a: (grids.append((t, grid)), launch(t, op, grid, *a)))
+    heads, kv_heads, d, bs, ctx = 4, 2, 32, 16, [70, 9, 1]
+    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, [1] * 3, ctx, seed=5)
+    wide = torch.zeros(3, 4096 // bs, dtype=torch.int32)  # full-width tables, as a captured graph has
+    wide[:, : bt.shape[1]] = bt
+    got = paged.paged_attention_decode(q, cache, LAYER, wide, cl, qsl, 4096, heads, 0, d**-0.5, num_splits=splits)
+    want = _expected(q, cache, tables, [1] * 3, ctx, heads, kv_heads, True, 0, d**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert grids[0][1][2] == (4 if splits else paged.choose_splits(3, kv_heads, 4096, 32, q.device))
+
+
 # (heads, kv_heads, head_dim, block_size, query lengths, context lengths, causal, window)
 PREFILL = {
     "bs16-gqa4-chunk-after-prefix": (4, 1, 64, 16, [7, 3, 1], [7, 20, 9], True, 0),

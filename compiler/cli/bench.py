@@ -40,7 +40,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine = serving_engine(args, m, step, max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=policy)
         say(f"bench {policy}: {len(trace)} requests on {m.device}, {engine.block_manager.num_usable_blocks} KV blocks")
+        prof = _start_profile() if args.profile and policy == "continuous" else None
         result[policy] = run_trace(engine, trace, label=f"{policy}-", progress=say)
+        if prof is not None:
+            result["profile"] = _write_profile(prof, args.profile)
+            say(f"cProfile summary of the continuous run written to {args.profile}")
         result[policy]["num_blocks"] = engine.block_manager.num_usable_blocks
         del engine  # free this pool before the next one is allocated
         gc.collect()
@@ -54,6 +58,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          "ttft_mean": st["ttft_s"]["mean"] / max(c["ttft_s"]["mean"], 1e-9)}
     print(json.dumps(result, indent=2) if args.json else format_report(result))
     return 0
+
+
+def _start_profile():
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _write_profile(prof, path: str, top: int = 40) -> str:
+    """The host-side profile of a run: the top functions by cumulative and by own time, as text."""
+    import io
+    import pstats
+    from pathlib import Path
+
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf).strip_dirs()
+    for key in ("cumulative", "tottime"):
+        buf.write(f"==== top {top} by {key} ====\n")
+        stats.sort_stats(key).print_stats(top)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(buf.getvalue())
+    return path
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
@@ -84,6 +113,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     t.add_argument("--json", action="store_true", help="print the full result as JSON")
     t.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    t.add_argument("--profile", metavar="FILE", help="profile the continuous run with cProfile; write the summary "
+                   "(top functions by cumulative and own time) to FILE")
     engine_flags(t)
     t.set_defaults(func=cmd_bench)
 

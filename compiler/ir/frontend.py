@@ -70,7 +70,10 @@ def random_weights(
         return {name: torch.empty(shape, dtype=dtype, device=device) for name, shape in param_shapes(cfg).items()}
     from tqdm import tqdm  # lazy: only a real allocation needs it
 
-    gen = torch.Generator().manual_seed(seed)
+    # On CUDA the values are drawn on the device (a host draw plus copy of an 8B model takes minutes); the CPU
+    # stream stays the reference one, so CPU results do not change. Same seed, same device: same weights.
+    where = device if device.type == "cuda" else torch.device("cpu")
+    gen = torch.Generator(device=where).manual_seed(seed)
     shapes = param_shapes(cfg)
     total = sum(math.prod(s) for s in shapes.values()) * dtype.itemsize
     out: dict[str, torch.Tensor] = {}
@@ -79,11 +82,11 @@ def random_weights(
               disable=total <= PROGRESS_THRESHOLD) as bar:
         for name, shape in shapes.items():
             if name.endswith(".bias"):
-                t = torch.zeros(shape)
+                t = torch.zeros(shape, device=where)
             elif len(shape) == 1:
-                t = torch.ones(shape)
+                t = torch.ones(shape, device=where)
             else:
-                t = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+                t = torch.randn(shape, generator=gen, device=where).mul_(shape[1] ** -0.5)
             out[name] = t.to(device=device, dtype=dtype)
             bar.update(math.prod(shape) * dtype.itemsize)
     return out

@@ -18,7 +18,7 @@ def paged_decode_kernel(
     stride_bt,
     stride_pt, stride_ph, stride_ps,
     stride_lt, stride_lh,
-    scale, window, block_size, split_len,
+    scale, window, block_size, num_splits, min_split,
     HEAD_DIM, GROUP,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -29,8 +29,10 @@ def paged_decode_kernel(
 ):
     # Split-KV decode (flash decoding): program (sequence, kv head, split) attends the sequence's one new query,
     # for all GROUP query heads that share this kv head (packed as the M rows of the tile), over the split'th
-    # split_len keys of its visible context, read from the paged cache through its block table. It writes that
-    # split's normalized output and log2-sum-exp; the merge kernel combines the splits.
+    # keys of its visible context, read from the paged cache through its block table. It writes that split's
+    # normalized output and log2-sum-exp; the merge kernel combines the splits. The split length comes from this
+    # sequence's context length (read here, on the device), not from the host's bound: a CUDA graph captured
+    # for max_model_len splits a short context as evenly as an eager step would.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,7 +56,11 @@ def paged_decode_kernel(
     first = 0
     if HAS_WINDOW:
         first = tl.maximum(ctx - window, 0)  # the query sits at position ctx - 1 and sees the last `window` keys
-    lo = first + split * split_len  # splits partition the visible keys [first, ctx)
+    # Splits partition the visible keys [first, ctx) in whole key tiles, at least min_split keys each; the
+    # splits past the end see no key.
+    split_len = tl.cdiv(tl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, min_split)
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, ctx)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)

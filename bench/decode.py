@@ -1,0 +1,178 @@
+"""Batch-1 decode benchmark (issue 9): kiln's engine against a torch.compile'd static-cache decoder on the same
+weights, both as a share of the copy bandwidth measured in the same run.
+
+    python bench/decode.py [SPEC ...] [--prompt-lens 64 2048] [--new-tokens 256] [--dtype bf16] [--device auto]
+                           [--compile-mode reduce-overhead|default|none] [--copy-mib 1024] [--out-dir DIR]
+
+For each spec (default llama-3.2-1b and llama-3.1-8b; random weights, generated on the device) and prompt
+length: one request through kiln's Engine (paged KV cache, CUDA-graph decode on a GPU), greedy, `--new-tokens`
+tokens; decode tok/s = (new tokens - 1) / (time of the last token - time of the first). The baseline is
+bench/static_decode.py (gpt-fast style: one static KV cache, plain torch ops) on kiln's own weights, compiled
+with torch.compile(mode=--compile-mode, fullgraph=True), prefilled eagerly, then timed over the same number of
+decode steps with the next token kept on the device. Both are warmed up first (compiles and graph captures are
+not timed). Bytes per step = every weight but the embedding table + the K/V of the mean context; achieved
+bandwidth = bytes per step x steps/s, reported as a share of the measured device copy bandwidth (read + write
+of a --copy-mib buffer). Writes bench/results/decode-<specs>-<device>-<date>.json (metadata: bench_meta.py).
+
+On a CPU only the plumbing is meaningful (kiln runs its reference ops there); tests/test_bench_decode.py runs
+    python bench/decode.py tiny-llama --prompt-lens 8 --new-tokens 6 --dtype fp32 --device cpu --copy-mib 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_meta import result_path, run_metadata, write_json
+from static_decode import StaticDecoder, check_llama_family
+
+from kiln.build import load_model
+from kiln.compile.step import compile_step
+from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Bytes per second moved by dst.copy_(src) (each copy reads and writes nbytes), median of iters."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    del src, dst
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def kiln_decode(m, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """(decode tokens/s, the tokens) of one greedy request through the engine, after a short warm-up request."""
+    step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda")
+    max_len = len(prompt) + new_tokens
+    bs = getattr(step, "block_size", 16)
+    engine = Engine(step, m.tokenizer, m.model, max_num_seqs=1, max_model_len=max_len,
+                    num_blocks=-(-max_len // bs) + 2)  # one sequence's blocks: the rest stays for the baseline
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    engine.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.run()  # warm-up: the prompt's prefill kernels and the decode path
+    engine.add_request(prompt_token_ids=prompt, params=params)
+    first = last = None
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            now = time.perf_counter()
+            first = first or now
+            last, tokens = now, out.outputs[0].token_ids
+    return (len(tokens) - 1) / (last - first), tokens
+
+
+def baseline_decode(dec: StaticDecoder, prompt: list[int], new_tokens: int, mode: str) -> tuple[float, list[int]]:
+    """(decode tokens/s, the tokens) of the compiled static-cache decoder, greedy, the token kept on the device."""
+    dev = dec.device
+    step = dec.forward if mode == "none" else torch.compile(dec.forward, mode=mode, fullgraph=True)
+    with torch.inference_mode():
+        p = len(prompt)
+        logits = dec(torch.tensor(prompt, device=dev), torch.arange(p, device=dev))  # eager prefill
+        first_tok = logits[-1:].argmax(-1)
+        tok, pos = first_tok, torch.tensor([p], device=dev)
+        for _ in range(3):  # warm-up: compile and CUDA-graph recording (rewrites the same positions later)
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            tok = step(tok, pos).argmax(-1)
+            pos = pos + 1
+        tok, pos, out = first_tok, torch.tensor([p], device=dev), [first_tok]
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            tok = step(tok, pos).argmax(-1)
+            pos = pos + 1
+            out.append(tok)
+        _sync(dev)
+        elapsed = time.perf_counter() - start
+    return (new_tokens - 1) / elapsed, torch.cat(out).tolist()
+
+
+def run_one(spec: str, prompt_lens: list[int], new_tokens: int, dtype: str, device: str, mode: str,
+            copy_bw: float, seed: int = 0) -> list[dict]:
+    rows = []
+    for p in prompt_lens:
+        # A fresh model per prompt length: compile_step rewrites the graph in place (same seed: same weights).
+        m = load_model(spec, dtype=dtype, device=device, seed=seed)
+        check_llama_family(m.model)
+        if p + new_tokens > m.model.context:
+            raise SystemExit(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {m.model.context}")
+        rng = random.Random(seed + p)
+        prompt = [rng.randrange(m.model.vocab) for _ in range(p)]
+        dec = StaticDecoder(m.model, dict(m.gm.named_parameters()), p + new_tokens)  # kiln's tensors, shared
+        base_tps, base_toks = baseline_decode(dec, prompt, new_tokens, mode)
+        per_step = dec.bytes_per_step(p + new_tokens // 2)
+        del dec
+        torch._dynamo.reset()  # drop the baseline's graphs (and their memory pool) before kiln runs
+        gc.collect()
+        kiln_tps, kiln_toks = kiln_decode(m, prompt, new_tokens)
+        del m
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        agree = next((i for i, (a, b) in enumerate(zip(kiln_toks, base_toks, strict=False)) if a != b),
+                     min(len(kiln_toks), len(base_toks)))  # fmt: skip
+        row = {"spec": spec, "prompt_len": p, "new_tokens": new_tokens, "bytes_per_step": per_step,
+               "kiln_tok_s": round(kiln_tps, 2), "baseline_tok_s": round(base_tps, 2),
+               "kiln_over_baseline": round(kiln_tps / base_tps, 3),
+               "kiln_bandwidth_share": round(kiln_tps * per_step / copy_bw, 4),
+               "baseline_bandwidth_share": round(base_tps * per_step / copy_bw, 4),
+               "bandwidth_limit_tok_s": round(copy_bw / per_step, 1),
+               "greedy_tokens_agree": agree}  # fmt: skip
+        print(f"{spec} prompt {p}: kiln {kiln_tps:.1f} tok/s ({row['kiln_bandwidth_share']:.0%} of copy bw), "
+              f"compiled baseline {base_tps:.1f} tok/s ({row['baseline_bandwidth_share']:.0%}), "
+              f"ratio {row['kiln_over_baseline']:.2f}x; first {agree} greedy tokens agree", file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("specs", nargs="*", default=["llama-3.2-1b", "llama-3.1-8b"])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 2048])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--compile-mode", default="reduce-overhead", choices=["reduce-overhead", "default", "none"])
+    ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    if args.new_tokens < 2:
+        raise SystemExit("--new-tokens must be at least 2 (decode speed is measured between the first and last)")
+    from kiln.build import resolve_device
+
+    device = resolve_device(args.device)
+    copy_bw = copy_bandwidth(device, args.copy_mib << 20)
+    print(f"copy bandwidth on {device}: {copy_bw / 1e9:.1f} GB/s", file=sys.stderr)
+    rows = [r for spec in args.specs for r in run_one(spec, args.prompt_lens, args.new_tokens, args.dtype,
+                                                       args.device, args.compile_mode, copy_bw)]  # fmt: skip
+    result = {"bench": "decode", **run_metadata(), "dtype": args.dtype, "compile_mode": args.compile_mode,
+              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "rows": rows}  # fmt: skip
+    path = write_json(result_path(args.out_dir, "decode-" + "-".join(args.specs)), result)
+    print(f"wrote {path}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

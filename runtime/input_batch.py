@@ -1,0 +1,126 @@
+"""Persistent step-input buffers: the host side of ModelRunner.prepare, O(tokens and blocks in the step).
+
+BlockTableRows keeps one host block-table row per request with blocks, written only where the request gained
+blocks since its last step (and cleared when the block manager frees it), so a step never rebuilds tables.
+StepBuffers is one flat int64 staging buffer (pinned on CUDA, two of them alternating so the next step can be
+written while the last copy is in flight) holding every input of a step back to back; one asynchronous copy
+moves the used prefix to a device buffer of the same layout, and the StepBatch tensors are views of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.runtime.block_manager import NULL_BLOCK
+
+
+class BlockTableRows:
+    """Host block-table rows, one per request, grown (doubling) as requests arrive."""
+
+    def __init__(self, max_blocks: int, rows: int = 8):
+        self.max_blocks = max_blocks
+        self.host = np.full((max(rows, 1), max_blocks), NULL_BLOCK, dtype=np.int32)
+        self.row_of: dict[str, int] = {}
+        self.written: dict[str, int] = {}  # blocks of the request's table already in its row
+        self.free_rows = list(range(self.host.shape[0] - 1, -1, -1))
+
+    def row(self, request_id: str, table: list[int]) -> int:
+        """The request's row, with any blocks appended to its table since the last call written into it."""
+        row = self.row_of.get(request_id)
+        if row is None:
+            if not self.free_rows:
+                self._grow()
+            row = self.row_of[request_id] = self.free_rows.pop()
+            self.written[request_id] = 0
+        done = self.written[request_id]
+        if len(table) > done:
+            self.host[row, done : len(table)] = table[done:]
+            self.written[request_id] = len(table)
+        return row
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's row (the block manager freed its blocks); the row is reset to the null block."""
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.host[row, : self.written.pop(request_id)] = NULL_BLOCK
+            self.free_rows.append(row)
+
+    def _grow(self) -> None:
+        old = self.host.shape[0]
+        self.host = np.concatenate([self.host, np.full_like(self.host, NULL_BLOCK)])
+        self.free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+
+@dataclass
+class Layout:
+    """Where each input sits in the staging buffer: int64 offsets, then int32 offsets into the int32 tail."""
+
+    n: int  # tokens
+    r: int  # sampled rows
+    s: int  # sequences (padding included)
+    w: int  # block-table width
+    i32_start: int  # int64 index where the int32 part starts
+
+    @property
+    def size(self) -> int:  # int64 words used
+        return self.i32_start + -(-(2 * self.s + 1 + self.s * self.w) // 2)
+
+
+def layout(n: int, r: int, s: int, w: int) -> Layout:
+    return Layout(n, r, s, w, 3 * n + r)
+
+
+class StepBuffers:
+    """The staging (host) and device buffers; views() gives numpy views to fill, tensors() the device views."""
+
+    def __init__(self, device: torch.device, capacity: int = 4096):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slots = 2 if self.cuda else 1
+        self.turn = 0
+        self.events: list[torch.cuda.Event | None] = [None] * self.slots
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        for ev in self.events:  # no copy may still read a buffer that is dropped
+            if ev is not None:
+                ev.synchronize()
+        self.capacity = capacity
+        self.host = [torch.zeros(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(self.slots)]
+        self.dev = torch.zeros(capacity, dtype=torch.int64, device=self.device) if self.cuda else None
+
+    def stage(self, lay: Layout) -> dict[str, np.ndarray]:
+        """Numpy views of the next staging buffer for `lay`, once the copy that last read it has finished."""
+        if lay.size > self.capacity:
+            self._alloc(max(lay.size, 2 * self.capacity))
+        self.turn = (self.turn + 1) % self.slots
+        ev = self.events[self.turn]
+        if ev is not None:
+            ev.synchronize()
+        return _views(self.host[self.turn].numpy(), lay)
+
+    def upload(self, lay: Layout) -> dict[str, torch.Tensor]:
+        """One copy of the staged prefix to the device (asynchronous on CUDA); the step's tensors as its views."""
+        host = self.host[self.turn]
+        if not self.cuda:
+            return _views(host, lay)
+        self.dev[: lay.size].copy_(host[: lay.size], non_blocking=True)
+        ev = self.events[self.turn] = torch.cuda.Event()
+        ev.record()
+        return _views(self.dev, lay)
+
+
+def _views(buf, lay: Layout) -> dict:
+    """The named slices of a flat int64 buffer (numpy array or tensor) for `lay`."""
+    n, r, s, w = lay.n, lay.r, lay.s, lay.w
+    i32 = buf[lay.i32_start : lay.size]
+    i32 = i32.view(np.int32) if isinstance(buf, np.ndarray) else i32.view(torch.int32)
+    return {
+        "tokens": buf[:n], "positions": buf[n : 2 * n], "slot_mapping": buf[2 * n : 3 * n],
+        "sample_indices": buf[3 * n : 3 * n + r],
+        "context_lens": i32[:s], "query_start_loc": i32[s : 2 * s + 1],
+        "block_tables": i32[2 * s + 1 : 2 * s + 1 + s * w].reshape(s, w),
+    }  # fmt: skip

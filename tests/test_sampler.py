@@ -22,7 +22,9 @@ from kiln.runtime.sampler import SamplingParams, apply_repetition_penalty, make_
         ("min_p", -0.1, "0 <= min_p < 1"),
         ("repetition_penalty", 0.0, "repetition_penalty > 0"),
         ("max_tokens", 0, "max_tokens >= 1"),
-        ("seed", "abc", "seed or None"),
+        ("seed", "abc", "0 .. 2**64 - 1, or None"),
+        ("seed", 10**30, "0 .. 2**64 - 1, or None"),
+        ("seed", -1, "0 .. 2**64 - 1, or None"),
         ("stop_token_ids", (3, -1), "token ids >= 0"),
     ],
 )

@@ -148,11 +148,14 @@ class LLM:
             items = _token_prompts(prompt_token_ids)
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params = [SamplingParams.coerce(sampling_params)] * len(items)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = [SamplingParams.coerce(p, f"sampling_params[{i}]") for i, p in enumerate(sampling_params)]
             if len(params) != len(items):
                 raise RequestError(f"sampling_params has {len(params)} entries for {len(items)} prompts; give one "
                                    "SamplingParams or one per prompt")
+        else:
+            raise RequestError(f"sampling_params must be a SamplingParams, a dict of its fields or a list of those "
+                               f"(one per prompt), not {type(sampling_params).__name__}")
         ids: list[str] = []
         with self._lock:
             try:

@@ -191,12 +191,20 @@ def apply_repetition_penalty(logits: torch.Tensor, prev_tokens: torch.Tensor, pe
     """
     if penalty == 1.0 or prev_tokens.numel() == 0:
         return logits
-    ids = prev_tokens.to(device=logits.device, dtype=torch.long)
+    ids = _to_device(prev_tokens.to(dtype=torch.long), logits.device)
     seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)
-    pen = torch.tensor(penalty, dtype=torch.float64, device=logits.device)
-    wide = logits.double()
-    changed = torch.where(wide > 0, wide / pen, wide * pen).clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT).to(logits.dtype)
+    wide = logits.double()  # a Python float scalar divides in float64 too: 1e-300 stays 1e-300, not 0
+    changed = torch.where(wide > 0, wide / penalty, wide * penalty).clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT).to(logits.dtype)
     return torch.where(seen, changed, logits)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a blocking copy (a pageable host -> CUDA copy waits for the stream)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -299,22 +307,23 @@ def sample_batch(
         return BatchSample([], errors)
     # -inf entries are legitimate (masked tokens); NaN, +inf or a row of nothing but -inf are not.
     finite = ~(rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1))
-    rows = torch.where(finite[:, None], rows, torch.zeros((), device=rows.device))  # never feed NaN to multinomial
-    toks = torch.zeros(n, dtype=torch.long, device=rows.device)
-    plain = [i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
-    if plain:
-        idx = torch.tensor(plain, device=rows.device)
-        toks.index_copy_(0, idx, rows.index_select(0, idx).argmax(dim=-1))
-    done = set(plain)
-    for i, p in enumerate(params):
-        if i in done:
-            continue
-        try:
-            toks[i : i + 1] = _sample_rows(rows[i : i + 1], p, generators[i], [prev_tokens[i]])
-        except Exception as e:  # one request's failure must not take down the batch
-            errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
+    rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
+    argmax = rows.argmax(dim=-1)  # every plain greedy row's token, in one kernel and without an index upload
+    toks = argmax
+    if not all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        parts: list[torch.Tensor] = []
+        for i, p in enumerate(params):
+            try:
+                plain = p.greedy and p.repetition_penalty == 1.0
+                parts.append(argmax[i : i + 1] if plain else _sample_rows(rows[i : i + 1], p, generators[i],
+                                                                          [prev_tokens[i]]))
+            except Exception as e:  # one request's failure must not take down the batch
+                errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
+                parts.append(argmax[i : i + 1])
+        toks = torch.cat(parts)
     host = torch.stack([toks, finite.long()]).tolist()  # the step's one device -> host copy
     for i, ok in enumerate(host[1]):
         if not ok and errors[i] is None:
             errors[i] = NONFINITE_LOGITS
     return BatchSample(host[0], errors)
+

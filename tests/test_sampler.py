@@ -194,3 +194,20 @@ def test_coerce_dicts_and_name_unknown_fields():
         SamplingParams.coerce({"top_kk": 1})
     with pytest.raises(RequestError, match="not list"):
         SamplingParams.coerce([1])
+
+
+def test_sample_batch_copies_to_the_host_once(monkeypatch):
+    """The finite flags ride along with the tokens: one tolist() per batch, no item() / int() per row."""
+    calls = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
+    logits = _logits(5, n=4)
+    logits[2, 1] = float("nan")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, seed=3),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.5)]
+    res = sample_batch(logits, params, [make_generator(p.seed) for p in params], [(), (), (), [1, 2]])
+    monkeypatch.undo()
+    assert calls == ["tolist"]
+    assert res.errors == [None, None, NONFINITE_LOGITS, None] and res.tokens[0] == int(logits[0].argmax())

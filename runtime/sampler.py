@@ -47,6 +47,9 @@ class SamplingParams:
         # fields plain Python values and hashable tuples. Anything that does not convert is left for validate().
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids))

@@ -197,3 +197,20 @@ def test_nan_weights_in_the_tiny_spec_end_requests_with_an_error():
     final = run_all(eng)
     assert final[rid].outputs[0].finish_reason == "error" and NONFINITE_LOGITS in final[rid].error
     assert_no_leak(eng)
+
+
+def test_a_sampler_crash_for_the_whole_batch_fails_that_batch_and_the_engine_goes_on(monkeypatch):
+    import kiln.runtime.engine as engine_mod
+
+    eng = make_engine()
+    a = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
+    b = eng.add_request(prompt_token_ids=[3, 4, 5], params=SamplingParams(temperature=0, max_tokens=4))
+    real = engine_mod.sample_batch
+    monkeypatch.setattr(engine_mod, "sample_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kaput")))
+    outs = eng.step()
+    assert {o.request_id for o in outs} == {a, b}
+    assert all(o.outputs[0].finish_reason == "error" and "kaput" in o.error for o in outs)
+    assert_no_leak(eng)
+    monkeypatch.setattr(engine_mod, "sample_batch", real)
+    c = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
+    assert run_all(eng)[c].outputs[0].token_ids == fake_generate([1, 2], 4, V)

@@ -179,6 +179,7 @@ def test_sample_batch_flags_non_finite_rows_and_isolates_failures():
         ({"stop_token_ids": [5, 6]}, (5, 6)),
         ({"stop_token_ids": torch.tensor([7, 8])}, (7, 8)),
         ({"stop_token_ids": torch.tensor(9)}, (9,)),
+        ({"stop_token_ids": None}, ()),
     ],
 )
 def test_stop_token_ids_accept_one_id_or_any_sequence(kwargs, want):

@@ -214,3 +214,21 @@ def test_a_sampler_crash_for_the_whole_batch_fails_that_batch_and_the_engine_goe
     monkeypatch.setattr(engine_mod, "sample_batch", real)
     c = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
     assert run_all(eng)[c].outputs[0].token_ids == fake_generate([1, 2], 4, V)
+
+
+def test_kiln_run_reports_nan_logits_as_one_message(monkeypatch, capsys):
+    """As with NaN weights: `kiln run` exits 2 with the engine's reason instead of printing token 0 forever."""
+    from kiln.cli import main
+    from kiln.runtime.model_runner import ModelRunner
+
+    real = ModelRunner.execute
+
+    def nan_execute(self, sched):
+        logits, sampled = real(self, sched)
+        return torch.full_like(logits, float("nan")), sampled
+
+    monkeypatch.setattr(ModelRunner, "execute", nan_execute)
+    code = main(["run", "tiny-llama", "--prompt-ids", "1,2,3", "--max-tokens", "3", "--temperature", "0",
+                 "--device", "cpu", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "NaN or inf logits" in err and "eps" in err and "Traceback" not in err

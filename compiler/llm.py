@@ -139,11 +139,10 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts (text) and prompt_token_ids")
         if prompts is not None:
-            items: list = [prompts] if isinstance(prompts, str) else list(prompts)
-            bad = [type(p).__name__ for p in items if not isinstance(p, str)]
-            if bad:
-                raise RequestError(f"prompts must be text (a str or a list of str), got {bad[0]}; give token ids "
-                                   "as prompt_token_ids=")
+            try:  # the engine checks each item
+                items: list = [prompts] if isinstance(prompts, str) else list(prompts)
+            except TypeError:
+                raise RequestError(f"prompts must be a str or a list of str, not {type(prompts).__name__}") from None
         else:
             items = _token_prompts(prompt_token_ids)
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):

@@ -219,7 +219,9 @@ class Engine:
     def _fail(self, req: Request, start: int, message: str) -> RequestOutput:
         """End one request with finish_reason "error": drop what this step added, free its blocks, report why."""
         req.num_computed_tokens = start
-        del req.output_token_ids[req._sent_tokens :]  # tokens no output carried yet are rolled back
+        rolled_back = len(req.output_token_ids) - req._sent_tokens  # tokens no output carried yet
+        del req.output_token_ids[req._sent_tokens :]
+        self.num_generated_tokens -= rolled_back
         self.requests.pop(req.request_id, None)
         if not req.status.done:
             self.scheduler.finish(req)

@@ -136,7 +136,9 @@ INPUT_TABLE = [
      (RequestError, "3 dimensions")),
     ("empty prompt_token_ids", lambda: {"prompt_token_ids": []}, (RequestError, "prompt_token_ids is empty")),
     ("integer as prompt_token_ids", lambda: {"prompt_token_ids": 5}, (RequestError, "not int")),
-    ("token ids as prompts", lambda: {"prompts": [[1, 2, 3]]}, (RequestError, "prompt_token_ids=")),
+    ("token ids as prompts", lambda: {"prompts": [[1, 2, 3]]}, None),
+    ("a number as a prompt", lambda: {"prompts": [5]}, (RequestError, "not int")),
+    ("a number as prompts", lambda: {"prompts": 5}, (RequestError, "a str or a list of str, not int")),
     ("out-of-range numpy id", lambda: {"prompt_token_ids": _np().array([1, 10**6])}, (RequestError, "out of range")),
 ]
 
@@ -154,7 +156,7 @@ def test_python_api_inputs_are_accepted_or_named(llm, kwargs, expect):
         kw.setdefault("sampling_params", _params())
         outs = llm.generate(**kw)
         assert outs and all(o.finished and o.outputs[0].finish_reason in ("length", "stop") for o in outs)
-        if "prompt_token_ids" in kw:  # every accepted form of [1, 2, 3] gives the tokens of the plain list
+        if "prompt_token_ids" in kw or kw["prompts"] == [[1, 2, 3]]:  # any form of [1, 2, 3] gives its tokens
             ref = llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=_params())[0].outputs[0].token_ids
             for o in outs:
                 got = o.outputs[0].token_ids

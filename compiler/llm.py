@@ -8,7 +8,10 @@
 
 from __future__ import annotations
 
+import operator
 import os
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from kiln.errors import KilnError, RequestError
@@ -59,66 +62,131 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
             use_cuda_graphs=use_cuda_graphs, max_model_len=max_model_len,
         )  # fmt: skip
+        # Outputs are routed to a queue per request, so any number of generate / generate_stream callers (and
+        # threads) can share the engine: whoever steps it delivers everyone's outputs, and nothing is dropped.
+        self._queues: dict[str, deque[RequestOutput]] = {}
+        self._lock = threading.RLock()
 
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt in one continuous batch; the final outputs in prompt order."""
+        """Generate for every prompt in one continuous batch; the final outputs in prompt order.
+
+        A request that fails alone ends with finish_reason "error" (the message in RequestOutput.error). If
+        generate itself raises (or is interrupted), every request it added is aborted, so the LLM stays usable.
+        """
         ids = self._add(prompts, sampling_params, prompt_token_ids)
-        final = {out.request_id: out for out in self._drain(ids) if out.finished}
+        try:
+            final = {out.request_id: out for out in self._drain(ids) if out.finished}
+        finally:
+            self._release(ids)
         return [final[i] for i in ids]
 
     def generate_stream(
         self,
         prompts: str | Sequence[str] | None = None,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield each request's output every step it grows (outputs[0].delta_text / delta_token_ids are new).
 
-        Closing the generator early aborts the requests still running.
+        Streams and generate calls may interleave freely. Closing the generator early aborts the requests still
+        running.
         """
         ids = self._add(prompts, sampling_params, prompt_token_ids)
         try:
             yield from self._drain(ids)
         finally:
-            for rid in ids:  # no-op for the finished ones
-                self.engine.abort(rid, notify=False)
+            self._release(ids)
 
     def _drain(self, ids: list[str]) -> Iterator[RequestOutput]:
-        mine, left = set(ids), set(ids)
+        """This caller's outputs: what is queued first, and a step of the engine whenever nothing is."""
+        left = list(ids)
         while left:
-            for out in self.engine.step():
-                if out.request_id in mine:
-                    yield out
-                    if out.finished:
-                        left.discard(out.request_id)
+            ready: list[RequestOutput] = []
+            with self._lock:
+                for rid in left:
+                    ready += self._queues[rid]
+                    self._queues[rid].clear()
+                if not ready:
+                    if not self.engine.has_unfinished():
+                        raise KilnError(f"requests {left} left the engine without a final output (aborted through "
+                                        "LLM.engine directly?); abort them through the LLM's generators instead")
+                    self._route(self.engine.step())
+            for out in ready:  # yielded outside the lock: the consumer may run other streams meanwhile
+                if out.finished:
+                    left.remove(out.request_id)
+                yield out
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:  # requests added through LLM.engine directly are not ours to keep
+                q.append(out)
+
+    def _release(self, ids: list[str]) -> None:
+        with self._lock:
+            for rid in ids:
+                self.engine.abort(rid, notify=False)  # no-op for the finished ones
+                self._queues.pop(rid, None)
 
     def _add(self, prompts, sampling_params, prompt_token_ids) -> list[str]:
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts (text) and prompt_token_ids")
         if prompts is not None:
-            items: list = [prompts] if isinstance(prompts, str) else list(prompts)
+            try:  # the engine checks each item
+                items: list = [prompts] if isinstance(prompts, str) else list(prompts)
+            except TypeError:
+                raise RequestError(f"prompts must be a str or a list of str, not {type(prompts).__name__}") from None
         else:
-            ptids = list(prompt_token_ids)
-            items = [ptids] if ptids and isinstance(ptids[0], int) else [list(p) for p in ptids]
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(items)
-        elif len(params) != len(items):
-            raise RequestError(f"sampling_params has {len(params)} entries for {len(items)} prompts; give one "
-                               "SamplingParams or one per prompt")
+            items = _token_prompts(prompt_token_ids)
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
+            params = [SamplingParams.coerce(sampling_params)] * len(items)
+        elif isinstance(sampling_params, (list, tuple)):
+            params = [SamplingParams.coerce(p, f"sampling_params[{i}]") for i, p in enumerate(sampling_params)]
+            if len(params) != len(items):
+                raise RequestError(f"sampling_params has {len(params)} entries for {len(items)} prompts; give one "
+                                   "SamplingParams or one per prompt")
+        else:
+            raise RequestError(f"sampling_params must be a SamplingParams, a dict of its fields or a list of those "
+                               f"(one per prompt), not {type(sampling_params).__name__}")
         ids: list[str] = []
-        try:
-            for item, p in zip(items, params, strict=True):
-                ids.append(self.engine.add_request(item, p))
-        except KilnError:
-            for rid in ids:  # all or nothing: a bad prompt leaves no half-submitted batch behind
-                self.engine.abort(rid, notify=False)
-            raise
+        with self._lock:
+            try:
+                for item, p in zip(items, params, strict=True):
+                    rid = self.engine.add_request(item, p)
+                    self._queues[rid] = deque()
+                    ids.append(rid)
+            except BaseException:
+                self._release(ids)  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                raise
         return ids
+
+
+def _token_prompts(prompt_token_ids: object) -> list:
+    """One prompt (a sequence of ints, a 1-D array or tensor) or several (a list of those, a 2-D array) as a
+    list of prompts; the engine checks each one's ids."""
+    ndim = getattr(prompt_token_ids, "ndim", None)
+    if ndim is not None:  # numpy arrays and tensors
+        if ndim == 1:
+            return [prompt_token_ids]
+        if ndim == 2:
+            return list(prompt_token_ids)  # type: ignore[call-overload]
+        raise RequestError(f"prompt_token_ids has {ndim} dimensions; give one prompt (1-D) or a batch (2-D)")
+    try:
+        items = list(prompt_token_ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise RequestError(f"prompt_token_ids must be a sequence of token ids or a list of them, not "
+                           f"{type(prompt_token_ids).__name__}") from None
+    if not items:
+        raise RequestError("prompt_token_ids is empty; give at least one prompt of at least one token")
+    try:
+        operator.index(items[0])
+        return [items]  # one prompt
+    except TypeError:
+        return items

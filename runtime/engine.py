@@ -5,7 +5,10 @@
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-A bad request raises RequestError from add_request and is never queued, so the others keep being served.
+A bad request raises RequestError from add_request and is never queued, so the others keep being served. A
+request that fails later, while its token is sampled or its output emitted (a sampler error, non-finite logits,
+a detokenizer or stop-string exception), finishes alone with finish_reason "error" and a message in
+RequestOutput.error; its blocks are freed and the rest of the batch goes on in the same step.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +27,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus
-from kiln.runtime.sampler import SamplingParams, check_stop, make_generator, sample_batch
+from kiln.runtime.sampler import BatchSample, SamplingParams, check_stop, make_generator, sample_batch
 from kiln.runtime.scheduler import Scheduler
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike
 
@@ -96,10 +100,11 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | Sequence[int] | None = None, params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int] | None = None, params: SamplingParams | dict | None = None,
                     request_id: str | None = None, *, prompt_token_ids: Sequence[int] | None = None) -> str:
-        """Queue one request and return its id. A prompt is text (tokenized here) or a list of token ids."""
-        params = (params or SamplingParams()).validate()
+        """Queue one request and return its id. A prompt is text (tokenized here) or token ids: a sequence of
+        ints, a 1-D numpy array or a 1-D integer tensor. params: a SamplingParams or a dict of its fields."""
+        params = SamplingParams.coerce(params, "params").validate()
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
             prompt_token_ids = prompt
@@ -127,7 +132,8 @@ class Engine:
         try:  # ints of any kind (numpy, 0-d tensors), but not floats
             ids = [operator.index(t) for t in prompt_token_ids]
         except TypeError:
-            raise RequestError("prompt_token_ids must be a sequence of integer token ids") from None
+            raise RequestError(f"prompt_token_ids must be a sequence of integer token ids (a list, a 1-D numpy array "
+                               f"or 1-D integer tensor), not {_describe(prompt_token_ids)}") from None
         if not ids:
             raise RequestError("the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -158,7 +164,7 @@ class Engine:
         self.scheduler.finish(req, RequestStatus.ABORTED)
         self._finish(req, "abort", None)
         if notify:
-            self._pending.append(req.make_output())
+            self._pending.append(self._output(req))
         return True
 
     def has_unfinished(self) -> bool:
@@ -176,24 +182,59 @@ class Engine:
             return outputs
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens
-        bs = self.block_manager.block_size
         logits, sampled = self.runner.execute(sched)
         for s in sched.seqs:
-            req = s.request
-            req.num_computed_tokens = s.start + s.num_new
-            if req.num_computed_tokens // bs > s.start // bs:  # a block was filled: offer it to the prefix cache
-                self.block_manager.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            s.request.num_computed_tokens = s.start + s.num_new
+            if not s.sample:
+                self._commit(s.request, s.start)
         if not sampled:
             return outputs
         reqs = [s.request for s in sampled]
-        tokens = sample_batch(
-            logits, [r.params for r in reqs], [r.generator for r in reqs],
-            [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
+        try:
+            result = sample_batch(
+                logits, [r.params for r in reqs], [r.generator for r in reqs],
+                [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
+        except Exception as e:  # not one row's fault (sample_batch isolates rows): the batch is lost, not the engine
+            result = BatchSample([0] * len(reqs), [f"sampling the batch failed ({type(e).__name__}: {e})"] * len(reqs))
         now = time.perf_counter()
-        for req, tok in zip(reqs, tokens, strict=True):
-            self._append(req, tok, now)
-            outputs.append(req.make_output())
+        for s, tok, err in zip(sampled, result.tokens, result.errors, strict=True):
+            req = s.request
+            if err is None:
+                try:
+                    self._commit(req, s.start)  # only now: K/V next to non-finite logits is not offered for reuse
+                    self._append(req, tok, now)
+                    outputs.append(req.make_output())
+                    continue
+                except Exception as e:  # a detokenizer or stop-string failure ends this request only
+                    err = f"emitting its output failed ({type(e).__name__}: {e})"
+            outputs.append(self._fail(req, s.start, err))
         return outputs
+
+    def _commit(self, req: Request, start: int) -> None:
+        if req.num_computed_tokens // self.block_manager.block_size > start // self.block_manager.block_size:
+            self.block_manager.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)  # a block filled
+
+    def _fail(self, req: Request, start: int, message: str) -> RequestOutput:
+        """End one request with finish_reason "error": drop what this step added, free its blocks, report why."""
+        req.num_computed_tokens = start
+        rolled_back = len(req.output_token_ids) - req._sent_tokens  # tokens no output carried yet
+        del req.output_token_ids[req._sent_tokens :]
+        self.num_generated_tokens -= rolled_back
+        self.requests.pop(req.request_id, None)
+        if not req.status.done:
+            self.scheduler.finish(req)
+        req.error = f"request {req.request_id!r}: {message}"
+        self._finish(req, "error", None)
+        print(f"kiln: {req.error}", file=sys.stderr)
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        try:
+            return req.make_output()
+        except Exception as e:  # a broken detokenizer: report the text already sent
+            req.error = req.error or f"request {req.request_id!r}: emitting its output failed ({type(e).__name__}: {e})"
+            req.finish_reason = req.finish_reason or "error"
+            return req.make_output(text_failed=True)
 
     def _append(self, req: Request, tok: int, now: float) -> None:
         req.output_token_ids.append(tok)
@@ -212,7 +253,12 @@ class Engine:
     def _finish(req: Request, reason: str, stop_reason: int | str | None) -> None:
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.metrics.finish_time = time.perf_counter()
-        req.detokenizer.flush()
+        if reason == "error":
+            return  # the detokenizer may be what failed; the text stays as sent
+        try:
+            req.detokenizer.flush()
+        except Exception as e:  # the held-back tail is lost, the request still ends as asked
+            req.error = f"request {req.request_id!r}: flushing its text failed ({type(e).__name__}: {e})"
 
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every request has finished, yielding each step's outputs."""
@@ -244,3 +290,11 @@ class Engine:
 
     def stats_dict(self) -> dict:
         return dataclasses.asdict(self.stats)
+
+
+def _describe(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    return type(value).__name__

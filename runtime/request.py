@@ -62,11 +62,13 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why it failed (finish_reason "error"), or a problem met while finishing it
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     _sent_tokens: int = 0  # how much the last RequestOutput already carried (for deltas)
     _sent_text: int = 0
+    _text: str = ""  # the text the last RequestOutput carried
 
     @property
     def num_tokens(self) -> int:
@@ -89,9 +91,14 @@ class Request:
             return self.output_token_ids[start - p : stop - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
-    def make_output(self) -> RequestOutput:
-        """The cumulative output so far plus what is new since the previous call."""
-        text = self.detokenizer.visible_text(final=self.status.done)
+    def make_output(self, text_failed: bool = False) -> RequestOutput:
+        """The cumulative output so far plus what is new since the previous call.
+
+        A request that failed keeps the text already sent (its detokenizer may be what failed), so the deltas a
+        stream received still add up to the final text.
+        """
+        failed = text_failed or self.finish_reason == "error"
+        text = self._text if failed else self.detokenizer.visible_text(final=self.status.done)
         out = CompletionOutput(
             index=0,
             token_ids=list(self.output_token_ids),
@@ -101,9 +108,9 @@ class Request:
             delta_token_ids=self.output_token_ids[self._sent_tokens :],
             delta_text=text[self._sent_text :],
         )
-        self._sent_tokens, self._sent_text = len(self.output_token_ids), len(text)
+        self._sent_tokens, self._sent_text, self._text = len(self.output_token_ids), len(text), text
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out], self.status.done,
-                             dataclasses.replace(self.metrics))
+                             dataclasses.replace(self.metrics), self.error)
 
 
 @dataclass
@@ -111,7 +118,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]  # every generated token so far (a stop token that ended generation included)
     text: str  # their text; a stop string that ended generation is trimmed
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     delta_token_ids: list[int] = field(default_factory=list)  # new since the previous output of this request
     delta_text: str = ""
@@ -129,3 +136,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # with finish_reason "error": what failed and the likely cause

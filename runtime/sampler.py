@@ -2,21 +2,35 @@
 
 The order of logit processing follows HF transformers: repetition penalty, temperature, top-k, top-p, min-p,
 then one draw from the remaining distribution. Temperature 0 means greedy (argmax after the penalty).
+
+Extreme but valid parameters must not overflow: the temperature divides log-probabilities (max exactly 0, so
+the result is never NaN), a temperature below TEMPERATURE_FLOOR is greedy, and penalised logits are clamped to a
+finite range. Non-finite model logits are flagged per row on the device and come back with the sampled tokens
+in the same host copy, so detecting them costs no extra synchronisation.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from kiln.errors import RequestError
 
+TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy (as in vLLM): the draw would be argmax anyway
+SEED_MAX = 2**64 - 1  # torch generators take 64-bit seeds
+_LOGIT_LIMIT = 1e30  # penalised logits are clamped to +-this: finite, and far beyond any real logit gap
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples. temperature 0 (or any value below TEMPERATURE_FLOOR = 1e-5) is greedy; seed is an
+    integer in 0 .. 2**64 - 1; stop_token_ids accepts one id or any sequence of ids (numpy and torch included).
+    """
+
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -29,12 +43,39 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the text contains one (trimmed from the text)
 
     def __post_init__(self) -> None:
-        # Accept a single stop string and lists for convenience; keep the stored fields hashable tuples.
+        # Accept a single stop string / token id, lists, arrays and numpy scalars for convenience; keep the stored
+        # fields plain Python values and hashable tuples. Anything that does not convert is left for validate().
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         for name in ("stop", "stop_token_ids"):
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, int, float, str)) and value is not None and hasattr(value, "item"):
+                try:  # numpy scalars and 0-d tensors
+                    object.__setattr__(self, name, value.item())
+                except (TypeError, ValueError, RuntimeError):
+                    pass
+
+    @classmethod
+    def coerce(cls, value: object, what: str = "sampling_params") -> SamplingParams:
+        """A SamplingParams, None (the defaults) or a dict of its fields; RequestError names anything else."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(str(k) for k in value if k not in known)
+            if unknown:
+                raise RequestError(f"{what} has unknown field(s) {', '.join(map(repr, unknown))}; known fields: "
+                                   f"{', '.join(sorted(known))}")
+            return cls(**value)
+        raise RequestError(f"{what} must be a SamplingParams or a dict of its fields, not {type(value).__name__}")
 
     def validate(self) -> SamplingParams:
         """Raise RequestError naming the first bad parameter, its value and the allowed range; return self."""
@@ -61,12 +102,17 @@ class SamplingParams:
                 _is_int(self.max_tokens) and self.max_tokens >= 1,
                 "an integer max_tokens >= 1",
             ),
-            ("seed", self.seed, self.seed is None or _is_int(self.seed), "an integer seed or None"),
+            (
+                "seed",
+                self.seed,
+                self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= SEED_MAX),
+                "an integer seed in 0 .. 2**64 - 1, or None",
+            ),
             (
                 "stop_token_ids",
                 self.stop_token_ids,
-                all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-                "a tuple of token ids >= 0",
+                isinstance(self.stop_token_ids, tuple) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+                "token ids >= 0: one id or a sequence of them",
             ),
             (
                 "stop",
@@ -83,7 +129,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < TEMPERATURE_FLOOR
 
 
 def check_stop(
@@ -109,6 +155,28 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _int_tuple(value: object) -> object:
+    """One token id or a sequence of them (lists, tuples, numpy arrays, tensors) as a tuple of ints; any other
+    value unchanged, for validate() to name."""
+    if isinstance(value, (str, bytes, bool)):
+        return value
+    try:
+        return (operator.index(value),)
+    except TypeError:
+        pass
+    try:
+        items = list(value)  # type: ignore[call-overload]
+    except TypeError:
+        return value
+    out = []
+    for t in items:
+        try:
+            out.append(t if isinstance(t, bool) else operator.index(t))
+        except TypeError:
+            out.append(t)
+    return tuple(out)
+
+
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
     """A generator seeded for one request, or None (torch's global RNG) when the request has no seed."""
     if seed is None:
@@ -119,19 +187,39 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 
 
 def apply_repetition_penalty(logits: torch.Tensor, prev_tokens: torch.Tensor, penalty: float) -> torch.Tensor:
-    """HF rule on [V] logits: seen tokens' positive logits are divided by `penalty`, negative ones multiplied."""
+    """HF rule on [V] logits: seen tokens' positive logits are divided by `penalty`, negative ones multiplied.
+
+    A mask instead of unique() keeps it free of host syncs; the result is clamped so that an extreme penalty
+    (1e-300, 1e300) gives a huge but finite logit instead of inf or NaN.
+    """
     if penalty == 1.0 or prev_tokens.numel() == 0:
         return logits
-    ids = prev_tokens.to(device=logits.device, dtype=torch.long).unique()
-    seen = logits[ids]
-    logits = logits.clone()
-    logits[ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits
+    ids = _to_device(prev_tokens.to(dtype=torch.long), logits.device)
+    seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, ids, True)
+    wide = logits.double()  # a Python float scalar divides in float64 too: 1e-300 stays 1e-300, not 0
+    changed = torch.where(wide > 0, wide / penalty, wide * penalty).clamp(-_LOGIT_LIMIT, _LOGIT_LIMIT).to(logits.dtype)
+    return torch.where(seen, changed, logits)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without a blocking copy (a pageable host -> CUDA copy waits for the stream)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p on [N, V] fp32 logits; filtered entries become -inf."""
-    logits = logits / params.temperature
+    """Temperature, top-k, top-p and min-p on [N, V] fp32 logits; the result is log-probabilities (up to a
+    per-row constant), with filtered entries -inf.
+
+    Temperature divides log_softmax(logits), whose row maximum is exactly 0, so any temperature > 0 leaves the
+    maximum at 0 and the rest in [-inf, 0]: no overflow to NaN, however small the temperature.
+    """
+    logits = logits.log_softmax(dim=-1)
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = logits.topk(params.top_k, dim=-1).indices
@@ -147,10 +235,23 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if params.min_p > 0.0:
-        probs = logits.softmax(dim=-1)
-        threshold = params.min_p * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
+        # In log space: p_i < min_p * p_max  <=>  logp_i < log(min_p) + logp_max.
+        logp = logits.log_softmax(dim=-1)
+        threshold = math.log(params.min_p) + logp.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logp < threshold, float("-inf"))
     return logits
+
+
+def _sample_rows(rows: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                 prev_tokens: Sequence[object] | None) -> torch.Tensor:
+    """int64 [N] on the device, one token per row of finite fp32 [N, V] logits; no host sync."""
+    if params.repetition_penalty != 1.0 and prev_tokens is not None:
+        rows = torch.stack([apply_repetition_penalty(r, torch.as_tensor(p, dtype=torch.long), params.repetition_penalty)
+                            for r, p in zip(rows, prev_tokens, strict=True)])
+    if params.greedy:
+        return rows.argmax(dim=-1)
+    probs = process_logits(rows, params).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def sample(
@@ -166,22 +267,26 @@ def sample(
     """
     single = logits.dim() == 1
     rows = logits.float().reshape(-1, logits.shape[-1])
+    per_row = None
     if params.repetition_penalty != 1.0 and prev_tokens is not None:
         per_row = [prev_tokens] if single else list(prev_tokens)
         if len(per_row) != rows.shape[0]:
             raise ValueError(f"prev_tokens has {len(per_row)} rows for {rows.shape[0]} rows of logits")
-        rows = torch.stack(
-            [
-                apply_repetition_penalty(r, torch.as_tensor(p, dtype=torch.long), params.repetition_penalty)
-                for r, p in zip(rows, per_row, strict=True)
-            ]
-        )
-    if params.greedy:
-        out = rows.argmax(dim=-1)
-    else:
-        probs = process_logits(rows, params).softmax(dim=-1)
-        out = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    out = _sample_rows(rows, params, generator, per_row)
     return int(out[0]) if single else out
+
+
+@dataclass
+class BatchSample:
+    """The outcome of sample_batch: a token per row, and per row None or why it could not be sampled."""
+
+    tokens: list[int]
+    errors: list[str | None]
+
+
+NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; likely causes: non-finite weights in the "
+                    "checkpoint, or an extreme spec or config value (a norm eps, rope theta, a scale); run "
+                    "`kiln check` on the spec and check the checkpoint for NaN/inf")
 
 
 def sample_batch(
@@ -189,21 +294,39 @@ def sample_batch(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     prev_tokens: Sequence[Sequence[int]],
-) -> list[int]:
+) -> BatchSample:
     """One token per row of [R, V] logits, each row with its own request's parameters and generator.
 
     Greedy rows without a repetition penalty share one argmax; every other row is drawn alone with its own
-    generator, so a seeded request gives the same tokens whatever else is in the batch.
+    generator, so a seeded request gives the same tokens whatever else is in the batch. Every row's token and
+    its finite flag stay on the device until one host copy at the end (the tokens are needed there anyway). A
+    row whose logits are not finite, or whose sampling raises, gets an error instead of a token; the others are
+    unaffected.
     """
     rows = logits.float()
-    out = [0] * rows.shape[0]
-    plain = [i for i, p in enumerate(params) if p.greedy and p.repetition_penalty == 1.0]
-    if plain:
-        idx = torch.tensor(plain, device=rows.device)
-        for i, tok in zip(plain, rows.index_select(0, idx).argmax(dim=-1).tolist(), strict=True):
-            out[i] = tok
-    done = set(plain)
-    for i, p in enumerate(params):
-        if i not in done:
-            out[i] = int(sample(rows[i], p, generators[i], prev_tokens=prev_tokens[i]))
-    return out
+    n = rows.shape[0]
+    errors: list[str | None] = [None] * n
+    if n == 0:
+        return BatchSample([], errors)
+    # -inf entries are legitimate (masked tokens); NaN, +inf or a row of nothing but -inf are not.
+    finite = ~(rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1))
+    rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
+    argmax = rows.argmax(dim=-1)  # every plain greedy row's token, in one kernel and without an index upload
+    toks = argmax
+    if not all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        parts: list[torch.Tensor] = []
+        for i, p in enumerate(params):
+            try:
+                plain = p.greedy and p.repetition_penalty == 1.0
+                parts.append(argmax[i : i + 1] if plain else _sample_rows(rows[i : i + 1], p, generators[i],
+                                                                          [prev_tokens[i]]))
+            except Exception as e:  # one request's failure must not take down the batch
+                errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
+                parts.append(argmax[i : i + 1])
+        toks = torch.cat(parts)
+    host = torch.stack([toks, finite.long()]).tolist()  # the step's one device -> host copy
+    for i, ok in enumerate(host[1]):
+        if not ok and errors[i] is None:
+            errors[i] = NONFINITE_LOGITS
+    return BatchSample(host[0], errors)
+

@@ -83,7 +83,7 @@ def run_trace(engine: Engine, trace: list[TraceRequest], *, label: str = "",
             last = now
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
-    ttft = [o.metrics.first_token_time - start for o in finished]
+    ttft = [o.metrics.first_token_time - start for o in finished if o.metrics.first_token_time is not None]
     tpot = [t for o in finished if (t := o.metrics.tpot_s(len(o.outputs[0].token_ids))) is not None]
     st = engine.stats
     return {

@@ -94,3 +94,76 @@ def test_pool_too_small_is_refused_at_start_up():
 
     with pytest.raises(KilnError, match="--num-blocks"):
         LLM("tiny-llama", device="cpu", num_blocks=8)
+
+
+def _np():
+    return pytest.importorskip("numpy")
+
+
+# Python-API inputs: (description, generate kwargs builder, None if accepted else (exception, message fragment)).
+INPUT_TABLE = [
+    ("numpy int64 array", lambda: {"prompt_token_ids": _np().array([1, 2, 3])}, None),
+    ("numpy int32 array", lambda: {"prompt_token_ids": _np().array([1, 2, 3], dtype=_np().int32)}, None),
+    ("list of numpy ints", lambda: {"prompt_token_ids": [_np().int64(1), _np().int64(2), _np().int64(3)]}, None),
+    ("1-D torch tensor", lambda: {"prompt_token_ids": __import__("torch").tensor([1, 2, 3])}, None),
+    ("2-D numpy batch", lambda: {"prompt_token_ids": _np().array([[1, 2, 3], [1, 2, 3]])}, None),
+    ("list of 1-D tensors", lambda: {"prompt_token_ids": [__import__("torch").tensor([1, 2, 3])]}, None),
+    ("scalar stop_token_ids", lambda: {"prompt_token_ids": [1, 2, 3], "sampling_params": _params(stop_token_ids=999)},
+     None),
+    ("numpy stop_token_ids", lambda: {"prompt_token_ids": [1, 2, 3],
+                                      "sampling_params": _params(stop_token_ids=_np().array([998, 999]))}, None),
+    ("dict sampling_params", lambda: {"prompt_token_ids": [1, 2, 3],
+                                      "sampling_params": {"temperature": 0, "max_tokens": 4, "ignore_eos": True}},
+     None),
+    ("list of dict sampling_params", lambda: {"prompts": ["a"], "sampling_params": [{"temperature": 0,
+                                                                                     "max_tokens": 4}]}, None),
+    ("numpy float temperature", lambda: {"prompt_token_ids": [1, 2, 3],
+                                         "sampling_params": _params(temperature=_np().float32(0.0))}, None),
+    ("temperature 1e-45 (greedy)", lambda: {"prompt_token_ids": [1, 2, 3],
+                                            "sampling_params": _params(temperature=1e-45)}, None),
+    ("dict with an unknown field", lambda: {"prompts": "a", "sampling_params": {"temprature": 0}},
+     (RequestError, "unknown field(s) 'temprature'")),
+    ("sampling_params of a wrong type", lambda: {"prompts": "a", "sampling_params": 0.5},
+     (RequestError, "must be a SamplingParams, a dict")),
+    ("seed 10**30", lambda: {"prompts": "a", "sampling_params": _params(seed=10**30)},
+     (RequestError, "seed = 1000000000000000000000000000000")),
+    ("negative seed", lambda: {"prompts": "a", "sampling_params": _params(seed=-1)}, (RequestError, "0 .. 2**64 - 1")),
+    ("float stop_token_ids", lambda: {"prompts": "a", "sampling_params": _params(stop_token_ids=1.5)},
+     (RequestError, "stop_token_ids = 1.5")),
+    ("float numpy prompt", lambda: {"prompt_token_ids": _np().array([1.0, 2.0])},
+     (RequestError, "sequence of integer token ids")),
+    ("3-D array prompt", lambda: {"prompt_token_ids": _np().zeros((1, 1, 2), dtype=int)},
+     (RequestError, "3 dimensions")),
+    ("empty prompt_token_ids", lambda: {"prompt_token_ids": []}, (RequestError, "prompt_token_ids is empty")),
+    ("integer as prompt_token_ids", lambda: {"prompt_token_ids": 5}, (RequestError, "not int")),
+    ("token ids as prompts", lambda: {"prompts": [[1, 2, 3]]}, None),
+    ("a number as a prompt", lambda: {"prompts": [5]}, (RequestError, "not int")),
+    ("a number as prompts", lambda: {"prompts": 5}, (RequestError, "a str or a list of str, not int")),
+    ("out-of-range numpy id", lambda: {"prompt_token_ids": _np().array([1, 10**6])}, (RequestError, "out of range")),
+]
+
+
+def _params(**kw):
+    from kiln import SamplingParams
+
+    return SamplingParams(**{"temperature": 0, "max_tokens": 4, "ignore_eos": True, **kw})
+
+
+@pytest.mark.parametrize(("kwargs", "expect"), [row[1:] for row in INPUT_TABLE], ids=[row[0] for row in INPUT_TABLE])
+def test_python_api_inputs_are_accepted_or_named(llm, kwargs, expect):
+    kw = kwargs()
+    if expect is None:
+        kw.setdefault("sampling_params", _params())
+        outs = llm.generate(**kw)
+        assert outs and all(o.finished and o.outputs[0].finish_reason in ("length", "stop") for o in outs)
+        if "prompt_token_ids" in kw or kw["prompts"] == [[1, 2, 3]]:  # any form of [1, 2, 3] gives its tokens
+            ref = llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=_params())[0].outputs[0].token_ids
+            for o in outs:
+                got = o.outputs[0].token_ids
+                assert o.prompt_token_ids == [1, 2, 3] and got == ref[: len(got)] and got
+    else:
+        exc, fragment = expect
+        with pytest.raises(exc) as err:
+            llm.generate(**kw)
+        assert fragment in str(err.value)
+    assert not llm.engine.has_unfinished() and not llm._queues

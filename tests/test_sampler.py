@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from kiln.errors import RequestError
-from kiln.runtime.sampler import SamplingParams, apply_repetition_penalty, make_generator, process_logits, sample
+from kiln.runtime.sampler import (
+    NONFINITE_LOGITS,
+    SamplingParams,
+    apply_repetition_penalty,
+    make_generator,
+    process_logits,
+    sample,
+    sample_batch,
+)
 
 
 @pytest.mark.parametrize(
@@ -22,7 +30,9 @@ from kiln.runtime.sampler import SamplingParams, apply_repetition_penalty, make_
         ("min_p", -0.1, "0 <= min_p < 1"),
         ("repetition_penalty", 0.0, "repetition_penalty > 0"),
         ("max_tokens", 0, "max_tokens >= 1"),
-        ("seed", "abc", "seed or None"),
+        ("seed", "abc", "0 .. 2**64 - 1, or None"),
+        ("seed", 10**30, "0 .. 2**64 - 1, or None"),
+        ("seed", -1, "0 .. 2**64 - 1, or None"),
         ("stop_token_ids", (3, -1), "token ids >= 0"),
     ],
 )
@@ -110,3 +120,95 @@ def test_repetition_penalty_changes_greedy_choice():
     rows = torch.stack([logits, logits])
     got = sample(rows, SamplingParams(temperature=0, repetition_penalty=1.5), prev_tokens=[[0], [1]])
     assert got.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-45),
+        SamplingParams(temperature=1e-300, top_p=0.5, min_p=0.5),
+        SamplingParams(temperature=1e-6, top_k=3),
+        SamplingParams(temperature=2e-5),  # just above the floor: sampled, but the gaps make it argmax
+    ],
+)
+def test_tiny_temperatures_are_greedy_without_overflow(params):
+    logits = _logits(3, n=8) * 1e3  # big gaps: at 2e-5 the runner-up is exp(-gap / 2e-5) = 0 in fp32
+    for seed in range(3):
+        assert torch.equal(sample(logits, params, make_generator(seed)), logits.argmax(-1))
+
+
+def test_extreme_penalties_and_temperatures_stay_finite():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [-5.0, -6.0, -7.0, -8.0]])
+    rows = torch.stack([apply_repetition_penalty(r, torch.tensor([0, 1, 2, 3]), 1e-300) for r in logits])
+    assert torch.isfinite(rows).all()
+    rows = torch.stack([apply_repetition_penalty(r, torch.tensor([0, 1, 2, 3]), 1e300) for r in logits])
+    assert torch.isfinite(rows).all()
+    for p in (SamplingParams(repetition_penalty=1e-300), SamplingParams(repetition_penalty=1e300, temperature=1e300),
+              SamplingParams(temperature=1e300, top_p=1e-300), SamplingParams(temperature=1e-300, min_p=0.999999)):
+        got = sample(logits, p, make_generator(0), prev_tokens=[[0, 1, 2, 3], [0, 1, 2, 3]])
+        assert ((0 <= got) & (got < 4)).all()
+    # A tiny penalty makes a seen positive logit dominate; temperature 1e300 is uniform.
+    assert sample(logits[0], SamplingParams(temperature=0, repetition_penalty=1e-300), prev_tokens=[2]) == 2
+    flat = sample(logits[0].expand(4000, 4), SamplingParams(temperature=1e300), make_generator(0))
+    assert torch.bincount(flat, minlength=4).min() > 850
+
+
+def test_sample_batch_flags_non_finite_rows_and_isolates_failures():
+    logits = _logits(4, n=5)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :10] = float("-inf")  # some masked tokens are fine
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0), SamplingParams(temperature=0.5, seed=1),
+              SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0.5, seed=2)]
+    gens = [make_generator(p.seed) for p in params]
+    res = sample_batch(logits, params, gens, [(), (), (), [1], ()])
+    assert res.errors[0] is None and res.errors[4] is None
+    assert all(e == NONFINITE_LOGITS for e in res.errors[1:4])
+    assert res.tokens[0] == int(logits[0].argmax()) and res.tokens[4] >= 10
+    gens[4] = "broken"  # one row's sampler raising does not touch the others
+    res = sample_batch(logits[[0, 4]], [params[0], params[4]], [None, "broken"], [(), ()])
+    assert res.errors[0] is None and res.tokens[0] == int(logits[0].argmax())
+    assert res.errors[1].startswith("sampling failed (TypeError")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "want"),
+    [
+        ({"stop_token_ids": 5}, (5,)),
+        ({"stop_token_ids": [5, 6]}, (5, 6)),
+        ({"stop_token_ids": torch.tensor([7, 8])}, (7, 8)),
+        ({"stop_token_ids": torch.tensor(9)}, (9,)),
+        ({"stop_token_ids": None}, ()),
+    ],
+)
+def test_stop_token_ids_accept_one_id_or_any_sequence(kwargs, want):
+    p = SamplingParams(**kwargs).validate()
+    assert p.stop_token_ids == want and all(type(t) is int for t in p.stop_token_ids)
+    hash(p)  # still a hashable frozen dataclass
+
+
+def test_coerce_dicts_and_name_unknown_fields():
+    assert SamplingParams.coerce({"temperature": 0, "max_tokens": 3}) == SamplingParams(temperature=0, max_tokens=3)
+    assert SamplingParams.coerce(None) == SamplingParams()
+    with pytest.raises(RequestError, match="unknown field.*'top_kk'"):
+        SamplingParams.coerce({"top_kk": 1})
+    with pytest.raises(RequestError, match="not list"):
+        SamplingParams.coerce([1])
+
+
+def test_sample_batch_copies_to_the_host_once(monkeypatch):
+    """The finite flags ride along with the tokens: one tolist() per batch, no item() / int() per row."""
+    calls = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _real=real, _name=name, **k: calls.append(_name) or _real(self, *a, **k))
+    logits = _logits(5, n=4)
+    logits[2, 1] = float("nan")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.01, seed=3),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.5)]
+    res = sample_batch(logits, params, [make_generator(p.seed) for p in params], [(), (), (), [1, 2]])
+    monkeypatch.undo()
+    assert calls == ["tolist"]
+    assert res.errors == [None, None, NONFINITE_LOGITS, None] and res.tokens[0] == int(logits[0].argmax())

@@ -52,6 +52,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         final = out
     assert final is not None and final.finished
+    if final.outputs[0].finish_reason == "error":  # e.g. NaN logits: the engine says why; no traceback
+        raise KilnError(final.error or "generation failed")
     gen, metrics = final.outputs[0], final.metrics
     n = len(gen.token_ids)
     decode_s = metrics.finish_time - metrics.first_token_time

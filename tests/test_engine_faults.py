@@ -182,7 +182,7 @@ def test_nan_logits_end_that_request_with_an_error_naming_the_cause():
 
 def test_nan_weights_in_the_tiny_spec_end_requests_with_an_error():
     from kiln.build import load_model
-    from kiln.compile_step import compile_step
+    from kiln.compile.step import compile_step
 
     m = load_model("tiny-llama", device="cpu", seed=0)
     with torch.no_grad():

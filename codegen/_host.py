@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from kiln import env
 from kiln.codegen.cache import load_kernel
 from kiln.errors import CodegenError
 
@@ -53,7 +53,7 @@ def check_tensor(
         raise CodegenError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise CodegenError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
-    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and _recorder is None:
+    if t.device.type != "cuda" and not env.triton_interpret() and _recorder is None:
         raise CodegenError(
             f"{name} is on {t.device}; Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
             "triton is imported to run them on CPU"

@@ -14,6 +14,8 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+from kiln.build import load_model
+from kiln.compile.step import compile_step
 from kiln.errors import KilnError, RequestError
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import RequestOutput
@@ -47,9 +49,6 @@ class LLM:
         ("auto": the model's dtype, or "int8"): None takes the spec's `kv_cache = paged(block = 16, dtype = ...)`,
         else 16 and auto.
         """
-        from kiln.build import load_model
-        from kiln.compile.step import compile_step
-
         self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed)
         m = self.loaded
         kernels = m.device.type == "cuda" if use_kernels is None else use_kernels

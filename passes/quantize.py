@@ -24,6 +24,8 @@ from kiln.errors import KilnError, PassError
 from kiln.passes._graph import erase_attr_if_unused, is_call, rename, unique_attr_name
 from kiln.passes.base import Pass, PassResult
 from kiln.quant.formats import QuantizedWeight, QuantScheme, as_scheme, check_shape, quantize_rtn
+from kiln.quant.gptq import calibrate
+from kiln.quant.gptq import calibration_ids as make_ids
 
 kiln_ops = torch.ops.kiln
 _LM_HEAD_WEIGHTS = ("lm_head.weight", "embed.weight")
@@ -142,8 +144,6 @@ def quantize_weights(
             raise PassError(str(e)) from None
     out: dict[str, QuantizedWeight] = {}
     if scheme.method == "gptq" and linears:
-        from kiln.quant.gptq import calibrate
-        from kiln.quant.gptq import calibration_ids as make_ids
 
         if calibration_ids is None:
             # Learned position tables bound the sequence length (gpt2's 1024, a tiny model's 64).

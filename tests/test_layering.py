@@ -169,3 +169,14 @@ def test_a_reversed_import_is_caught(tmp_path, monkeypatch, source, target):
     monkeypatch.setitem(SOURCES, source, fake)
     bad = [v for v in violations({source: fake}) if target in v]
     assert bad and f"may not import {target}" in bad[0]
+
+
+def test_importing_the_compiler_does_not_import_triton():
+    """Triton reads TRITON_INTERPRET when it is first imported, so only launching a kernel may import it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kiln.build, kiln.llm, kiln.cli, kiln.compile.step, kiln.compile.driver, kiln.dynamo.backend; "
+            "print('triton' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

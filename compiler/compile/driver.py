@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from kiln import env
+from kiln.codegen.cache import default_cache
+from kiln.codegen.render import render
 from kiln.compile.lowering import KernelRequest, kernel_requests, lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.ir.text import format_graph
@@ -54,7 +57,7 @@ class CompiledModel:
 
 
 def kernels_usable() -> bool:
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.is_available() or env.triton_interpret()
 
 
 def _passed(
@@ -67,7 +70,6 @@ def _passed(
 def _load(requests: list[KernelRequest]) -> KernelStats:
     from tqdm import tqdm
 
-    from kiln.codegen.cache import default_cache
 
     cache = default_cache()
     before = (cache.stats.hits, cache.stats.misses)
@@ -100,7 +102,7 @@ def compile_model(
     lowered = lower(gm)
     requests = kernel_requests(lowered)
     stats = _load(requests)
-    dump = dump_dir if dump_dir is not None else os.environ.get("KILN_DUMP_DIR")
+    dump = dump_dir if dump_dir is not None else env.dump_dir()
     if dump:
         path = Path(dump) / f"{len(names) + 1:02d}_lowered.txt"
         path.write_text(format_graph(lowered, title="lowered (kernel calls)"))
@@ -114,7 +116,6 @@ def _kernel_file_name(index: int, req: KernelRequest) -> str:
 
 def kernel_source(req: KernelRequest) -> str:
     """The rendered kernel with a header naming the graph nodes that launch it (op, shapes, dtypes)."""
-    from kiln.codegen.render import render
 
     lines = [
         "# kiln emit: launched by (shapes and dtypes at the example input; the kernel is shape-generic",

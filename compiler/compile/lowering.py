@@ -25,16 +25,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
+from kiln.codegen import act, flash_attn, norm, paged, quant, rope, tiles
+from kiln.codegen._host import recording
 from kiln.errors import CodegenError
+from kiln.quant.formats import dequantize_parts
 
 kiln_ops = torch.ops.kiln
-
-
-def _cg():
-    # Imported on first use: kiln.codegen imports triton, whose interpreter switch must be set first.
-    from kiln.codegen import act, flash_attn, norm, rope, tiles
-
-    return act, flash_attn, norm, rope, tiles
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -55,70 +51,62 @@ def k_add(a, b):
 
 
 def k_rms_norm(x, weight, eps):
-    return _cg()[2].rms_norm(x, weight, eps)
+    return norm.rms_norm(x, weight, eps)
 
 
 def k_layer_norm(x, weight, bias, eps):
-    return _cg()[2].layer_norm(x, weight, bias, eps)
+    return norm.layer_norm(x, weight, bias, eps)
 
 
 def k_add_rms_norm(x, residual, weight, eps):
-    return _cg()[2].rms_norm(x, weight, eps, residual=residual)
+    return norm.rms_norm(x, weight, eps, residual=residual)
 
 
 def k_add_layer_norm(x, residual, weight, bias, eps):
-    return _cg()[2].layer_norm(x, weight, bias, eps, residual=residual)
+    return norm.layer_norm(x, weight, bias, eps, residual=residual)
 
 
 def k_rope(x, positions, inv_freq):
-    return _cg()[3].rope(x, positions, inv_freq)
+    return rope.rope(x, positions, inv_freq)
 
 
 def k_gated_act(gate, up, kind):
-    return _cg()[0].gated_act(_dense(gate), _dense(up), kind)
+    return act.gated_act(_dense(gate), _dense(up), kind)
 
 
 def k_act(x, kind):
-    return _cg()[0].act(_dense(x), kind)
+    return act.act(_dense(x), kind)
 
 
 def k_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale):
-    return _cg()[1].flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale)
+    return flash_attn.flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale)
 
 
 def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, warps, stages):
-    tile = _cg()[4].TileConfig(block_m, block_n, warps, stages)
-    return _cg()[1].flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile=tile)
+    tile = tiles.TileConfig(block_m, block_n, warps, stages)
+    return flash_attn.flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile=tile)
 
 
 def k_paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
                       max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales=None,
                       tile=None):  # fmt: skip
     # tile: (block_m, block_n, warps, stages) of a spec's fixed flash tile (compile_step pins it), else the default.
-    from kiln.codegen import paged
-
-    tile = _cg()[4].TileConfig(*tile) if tile is not None else None
+    tile = tiles.TileConfig(*tile) if tile is not None else None
     return paged.paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
                                  max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale,
                                  kv_scales=kv_scales, tile=tile)
 
 
 def k_linear_w8(x, qweight, scales, bias):
-    from kiln.codegen import quant
-
     return quant.linear_w8(x, qweight, scales, bias)
 
 
 def k_linear_w4(x, qweight, scales, zeros, group, bias):
-    from kiln.codegen import quant
-
     return quant.linear_w4(x, qweight, scales, zeros, group, bias)
 
 
 def k_embedding_q(qweight, scales, zeros, ids, bits, group, dtype):
     # A gather of a few rows then their dequantization: torch, like the unquantized embedding.
-    from kiln.quant.formats import dequantize_parts
-
     z = zeros[ids] if zeros is not None else None
     return dequantize_parts(qweight[ids], scales[ids], z, bits, group).to(dtype)
 
@@ -214,8 +202,6 @@ class _Recorder(fx.Interpreter):
 
 def kernel_requests(gm: fx.GraphModule) -> list[KernelRequest]:
     """The distinct kernels a lowered graph launches for its example input shapes (placeholders' meta['val'])."""
-    import kiln.codegen._host as host
-
     ref = next(iter(gm.parameters()), None)
     # Record on the target device when it is a GPU (wrappers may ask it for its capability), else on meta.
     device = ref.device if ref is not None and ref.device.type == "cuda" else torch.device("meta")
@@ -229,6 +215,6 @@ def kernel_requests(gm: fx.GraphModule) -> list[KernelRequest]:
             if n.op == "placeholder"
         ]
     rec = _Recorder(gm, mode, device)
-    with host.recording(rec.record), mode:
+    with recording(rec.record), mode:
         rec.run(*inputs)
     return list(rec.requests.values())

@@ -27,6 +27,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.* Level-1 ops)
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
 import kiln.passes
+from kiln import env
 from kiln.errors import InternalError, KilnError, PassError
 from kiln.ir.text import format_graph
 from kiln.model_config import CompileConfig
@@ -137,10 +138,6 @@ def build_pipeline(
 # ---- running ----------------------------------------------------------------------------------------------
 
 
-def debug_enabled() -> bool:
-    return os.environ.get("KILN_DEBUG", "") not in ("", "0")
-
-
 def propagate(gm: fx.GraphModule) -> fx.GraphModule:
     """Refill node.meta["val"] with FakeTensors shaped like the inputs' current meta (computes nothing)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -212,8 +209,8 @@ def run_pipeline(
     dump_dir: str | os.PathLike | None = None,
 ) -> fx.GraphModule:
     """Run `passes` over `gm` in order (it is changed in place and returned)."""
-    debug = debug_enabled() if debug is None else debug
-    dump_dir = dump_dir if dump_dir is not None else os.environ.get("KILN_DUMP_DIR") or None
+    debug = env.debug() if debug is None else debug
+    dump_dir = dump_dir if dump_dir is not None else env.dump_dir()
     dump_path = Path(dump_dir) if dump_dir is not None else None
     if dump_path is not None:
         _dump(dump_path, 0, "input", gm)

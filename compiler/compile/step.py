@@ -24,7 +24,9 @@ import torch
 from torch import fx
 
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+from kiln.codegen.cache import default_cache
 from kiln.compile.driver import kernels_usable
+from kiln.compile.lowering import kernel_requests, lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.errors import KilnError, PassError
 from kiln.model_config import CompileConfig, ModelConfig
@@ -128,9 +130,6 @@ def compile_step(
     ref = next(iter(gm.parameters()), None)
     model_device = ref.device if ref is not None else torch.device("cpu")
     if use_kernels:
-        from kiln.codegen.cache import default_cache
-        from kiln.compile.lowering import kernel_requests, lower
-
         gm = lower(gm)
         tile = (extra.get("attention") or {}).get("tile")
         if tile:

@@ -1,0 +1,44 @@
+"""Every environment variable kiln reads, in one place.
+
+| variable | effect |
+| --- | --- |
+| KILN_DEBUG | 1: every pass is followed by lint, fake propagation and an IR check; kernel wrappers check every tensor |
+| KILN_DUMP_DIR | a directory: the graph after every pass (and `kiln compile --emit`'s kernels) are written there |
+| KILN_CACHE_DIR | where generated kernels are cached (default ~/.cache/kiln/kernels) |
+| KILN_AUTOTUNE | 0: flash_tiling picks tiles by heuristic instead of timing them on the GPU (default 1) |
+| TRITON_INTERPRET | 1: Triton runs kernels in its interpreter on CPU; triton reads it once, when first imported |
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+
+def _flag(name: str, default: str = "") -> bool:
+    return os.environ.get(name, default) not in ("", "0")
+
+
+def debug() -> bool:
+    return _flag("KILN_DEBUG")
+
+
+def dump_dir() -> Path | None:
+    value = os.environ.get("KILN_DUMP_DIR")
+    return Path(value) if value else None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln" / "kernels")
+
+
+def autotune() -> bool:
+    return _flag("KILN_AUTOTUNE", "1")
+
+
+@functools.cache
+def triton_interpret() -> bool:
+    """Whether generated kernels run in Triton's interpreter. Read once: triton itself reads the variable only
+    when it is first imported, so a later change would not take effect anyway."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,108 @@
+"""Every entry of lowering's KERNEL_TABLE against its reference op, from one table of example inputs.
+
+On CPU the generated kernels run in Triton's interpreter at small, odd shapes (fp32); under the `gpu` marker
+the same table runs at real sizes in bf16 and fp16. A new kernel in KERNEL_TABLE without an example here
+fails `test_every_kernel_has_an_example`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kiln.compile.lowering import KERNEL_TABLE
+from kiln.quant.formats import parse_scheme, quantize_rtn
+
+kiln_ops = torch.ops.kiln
+
+
+def _rand(g: torch.Generator, *shape: int, dtype: torch.dtype, device: str, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def _quantized(g, n, k, scheme, device):
+    qw = quantize_rtn(torch.randn(n, k, generator=g) * k**-0.5, parse_scheme(scheme))
+    zeros = qw.zeros.to(device) if qw.zeros is not None else None
+    return qw.qweight.to(device), qw.scales.to(device), zeros, qw
+
+
+def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callable[[], tuple]]:
+    """op -> a builder of its positional arguments. size "small": odd CPU shapes; "real": GPU-sized."""
+    small = size == "small"
+    g = torch.Generator().manual_seed(0)
+    rows, d, ffn = (7, 40, 52) if small else (1031, 2048, 8192)
+    heads, kv_heads, hd = (4, 2, 16) if small else (32, 8, 128)
+    seq = 13 if small else 1531
+    r = lambda *s, scale=1.0: _rand(g, *s, dtype=dtype, device=device, scale=scale)  # noqa: E731
+    ids = lambda n: torch.randint(0, 97, (1, n), generator=g).to(device)  # noqa: E731
+    pos = torch.arange(seq, device=device)[None]
+    inv_freq = (10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)).to(device)
+    qkv = lambda: (r(1, seq, heads * hd), r(1, seq, kv_heads * hd), r(1, seq, kv_heads * hd))  # noqa: E731
+    attn = (heads, kv_heads, True, 5 if small else 0, hd**-0.5)
+    tile = (16, 16, 4, 1) if small else (128, 64, 8, 3)
+    group = 32 if small else 128
+    k4 = 96 if small else d
+
+    def w8():
+        qweight, scales, _, _ = _quantized(g, 24 if small else 2048, d, "int8", device)
+        return r(rows, d), qweight, scales, None
+
+    def w4():
+        qweight, scales, zeros, _ = _quantized(g, 24 if small else 2048, k4, f"int4-g{group}-asym", device)
+        return r(rows, k4), qweight, scales, zeros, group, r(24 if small else 2048)
+
+    def emb_q():
+        qweight, scales, zeros, qw = _quantized(g, 97, k4, f"int4-g{group}", device)
+        return qweight, scales, zeros, ids(5), 4, group, dtype
+
+    return {
+        kiln_ops.embedding.default: lambda: (r(97, d), ids(seq)),
+        kiln_ops.linear.default: lambda: (r(rows, d), r(24, d, scale=d**-0.5), r(24)),
+        kiln_ops.add.default: lambda: (r(rows, d), r(rows, d)),
+        kiln_ops.rms_norm.default: lambda: (r(rows, d), r(d), 1e-5),
+        kiln_ops.layer_norm.default: lambda: (r(rows, d), r(d), r(d), 1e-5),
+        kiln_ops.add_rms_norm.default: lambda: (r(rows, d), r(rows, d), r(d), 1e-5),
+        kiln_ops.add_layer_norm.default: lambda: (r(rows, d), r(rows, d), r(d), r(d), 1e-5),
+        kiln_ops.rope.default: lambda: (r(1, seq, (heads + kv_heads) * hd), pos, inv_freq),
+        kiln_ops.gated_act.default: lambda: (r(rows, ffn), r(rows, ffn), "silu"),
+        kiln_ops.act.default: lambda: (r(rows, ffn), "gelu_tanh"),
+        kiln_ops.attention.default: lambda: (*qkv(), *attn),
+        kiln_ops.flash_attention.default: lambda: (*qkv(), *attn, *tile),
+        kiln_ops.paged_attention.default: None,  # a whole step over a paged cache: tests/test_kernels_paged.py
+        kiln_ops.linear_w8.default: w8,
+        kiln_ops.linear_w4.default: w4,
+        kiln_ops.embedding_q.default: emb_q,
+    }
+
+
+def test_every_kernel_has_an_example():
+    assert set(KERNEL_TABLE) == set(_examples("small", torch.float32, "cpu"))
+
+
+def _check(op, size: str, dtype: torch.dtype, device: str, tol: float) -> None:
+    build = _examples(size, dtype, device)[op]
+    if build is None:
+        pytest.skip("covered with its cache set-up in tests/test_kernels_paged.py")
+    args = build()
+    want = op(*args)  # the reference implementation registered with the op
+    got = KERNEL_TABLE[op](*args)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for w, o in zip(want, got, strict=True):
+        assert o.shape == w.shape and o.dtype == w.dtype, f"{op}: {o.dtype}{list(o.shape)} vs {w.dtype}{list(w.shape)}"
+        assert torch.isfinite(o).all()
+        err = (o.float() - w.float()).abs().max().item()
+        assert err <= tol * max(w.float().abs().max().item(), 1.0), f"{op}: max error {err}"
+
+
+@pytest.mark.parametrize("op", list(KERNEL_TABLE), ids=lambda op: op.name())
+def test_kernel_equals_its_reference_op(op):
+    _check(op, "small", torch.float32, "cpu", 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("op", list(KERNEL_TABLE), ids=lambda op: op.name())
+def test_kernel_equals_its_reference_op_at_real_size_on_gpu(op, dtype):
+    _check(op, "real", dtype, "cuda", 2e-2 if dtype == torch.bfloat16 else 5e-3)

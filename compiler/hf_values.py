@@ -1,0 +1,157 @@
+"""Typed reading of config.json values, the keys each family reads, and the spec validator applied to them.
+
+Every value is read through a `Reader`, which checks its JSON type (a KilnError naming the key and the file
+otherwise) and records which config key fed which spec setting. The range checks (positive sizes, heads
+divisible by kv_heads, positive theta and eps, ...) are the spec validator's own: the importer renders the
+spec it would write, resolves it in-process, and `refuse_spec_errors` turns any diagnostic into a KilnError
+that names the config keys behind it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.errors import KilnError, SpecError
+
+# Keys every transformers config may carry that do not change a forward pass (bookkeeping, training-only
+# settings, generation defaults that old configs still hold). Read by nobody in kiln, on purpose.
+GENERIC_KEYS = frozenset(
+    """_name_or_path architectures model_type transformers_version torch_dtype dtype use_cache bos_token_id
+    eos_token_id pad_token_id sep_token_id decoder_start_token_id initializer_range attention_dropout
+    output_attentions output_hidden_states return_dict id2label label2id problem_type chunk_size_feed_forward
+    tokenizer_class task_specific_params num_labels finetuning_task prefix use_bfloat16 torchscript pruned_heads
+    tf_legacy_loss is_decoder cross_attention_hidden_size tie_encoder_decoder max_length min_length do_sample
+    early_stopping num_beams num_beam_groups diversity_penalty temperature top_k top_p typical_p
+    repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids
+    num_return_sequences output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
+    remove_invalid_values exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
+    use_return_dict""".split()
+)
+_ROPE = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "original_max_position_embeddings")
+_LLAMA_BASE = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "hidden_act max_position_embeddings rms_norm_eps tie_word_embeddings".split()
+)
+# The keys transformers' config class of each family defines (and its model reads). A key outside these and
+# GENERIC_KEYS is stored by transformers and never read, so kiln ignores it too, and says so.
+FAMILY_KEYS = {
+    "llama": frozenset([*_LLAMA_BASE, *_ROPE, "attention_bias", "mlp_bias", "pretraining_tp"]),
+    "mistral": frozenset([*_LLAMA_BASE, *_ROPE, "sliding_window", "layer_types"]),
+    "qwen2": frozenset(
+        [*_LLAMA_BASE, *_ROPE, "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"]
+    ),
+    "gpt2": frozenset(
+        """vocab_size n_embd n_head n_layer n_positions n_inner n_ctx hidden_size num_attention_heads
+        num_hidden_layers max_position_embeddings activation_function layer_norm_epsilon resid_pdrop embd_pdrop
+        attn_pdrop summary_type summary_use_proj summary_activation summary_proj_to_labels summary_first_dropout
+        scale_attn_weights scale_attn_by_inverse_layer_idx reorder_and_upcast_attn add_cross_attention
+        tie_word_embeddings""".split()
+    ),
+}
+# Keys whose presence changes the model in a way kiln cannot build; refused by name whatever the family.
+REFUSED_KEYS = {
+    "quantization_config": "pre-quantized HF checkpoints are not supported; load the fp16/bf16/fp32 checkpoint "
+    "and quantize with `kiln quantize` or --quantize",
+    "is_encoder_decoder": "encoder-decoder models are not supported; kiln builds decoder-only models",
+}
+
+_MISSING = object()
+
+
+@dataclass
+class Reader:
+    """Reads typed values out of one config.json, remembering which key fed which spec setting."""
+
+    hf: dict
+    source: str  # the config file, for messages
+    origins: dict[str, list[str]] = field(default_factory=dict)  # spec setting -> config keys
+
+    def _fail(self, key: str, value: Any, want: str) -> KilnError:
+        return KilnError(f"{self.source}: config key `{key}` must be {want}, got {value!r}; fix the value in the file")
+
+    def raw(self, *keys: str, required: bool = True) -> tuple[str, Any]:
+        """(key, value) of the first of `keys` present and not null; (keys[0], _MISSING) when none is."""
+        for key in keys:
+            if self.hf.get(key) is not None:
+                return key, self.hf[key]
+        if required:
+            raise KilnError(
+                f"{self.source}: config key `{' / '.join(keys)}` is missing; the checkpoint's config is incomplete "
+                "(re-save it with transformers' save_pretrained)"
+            )
+        return keys[0], _MISSING
+
+    def int(self, spec: str, *keys: str, default: Any = _MISSING) -> Any:
+        key, value = self.raw(*keys, required=default is _MISSING)
+        if value is _MISSING:
+            return default
+        if type(value) is not int:
+            raise self._fail(key, value, "a whole number")
+        self.origins.setdefault(spec, []).append(key)
+        return value
+
+    def float(self, spec: str, key: str, value: Any = _MISSING, default: float | None = None) -> float:
+        if value is _MISSING:
+            key, value = self.raw(key, required=default is None)
+            if value is _MISSING:
+                return float(default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self._fail(key, value, "a number")
+        try:
+            out = float(value)
+        except OverflowError:  # a JSON integer too big for a float
+            out = math.inf
+        if not math.isfinite(out):
+            raise self._fail(key, value, "a finite number")
+        self.origins.setdefault(spec, []).append(key)
+        return out
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.hf.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._fail(key, value, "true or false")
+        return value
+
+    def str(self, key: str, default: str) -> str:
+        value = self.hf.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self._fail(key, value, "a string")
+        return value
+
+    def dict(self, key: str) -> dict:
+        value = self.hf.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self._fail(key, value, "an object")
+        return dict(value)
+
+
+def check_keys(hf: dict, model_type: str, source: str) -> list[str]:
+    """Refuse keys kiln cannot honour; return the keys transformers ignores for this family (kiln does too)."""
+    for key, why in REFUSED_KEYS.items():
+        if hf.get(key):
+            raise KilnError(f"{source}: config key `{key}` is set: {why}")
+    known = FAMILY_KEYS[model_type] | GENERIC_KEYS
+    return sorted(k for k in hf if k not in known)
+
+
+def refuse_spec_errors(err: SpecError, origins: dict[str, list[str]], source: str) -> KilnError:
+    """The spec validator's diagnostics on the generated spec, restated in terms of config.json keys."""
+    lines = []
+    for d in err.diagnostics:
+        words = set(re.findall(r"[A-Za-z_]+", d.message.split(",")[0]))
+        m = re.match(r"\s*(\w+)\s*=", d.source_line)
+        if m:
+            words.add(m.group(1))
+        keys = sorted({k for spec, ks in origins.items() if spec in words for k in ks})
+        where = f"config key {', '.join(f'`{k}`' for k in keys)}" if keys else "config values"
+        lines.append(f"{where}: {d.message}")
+    return KilnError(f"{source}: kiln cannot build this config: " + "; ".join(lines) + "; fix the values in the file")

@@ -89,6 +89,12 @@ def outside(data: dict) -> dict:
     return data
 
 
+def absolute(data: dict) -> dict:
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = "/etc/passwd"
+    return data
+
+
 def nan_weights(d: Path) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -167,6 +173,7 @@ CASES = [
          WeightError),
     Case("index-is-a-list", "sharded", index(lambda d: [d]), "api", "weight_map", WeightError),
     Case("index-outside-dir", "sharded", index(outside), "run", "outside the checkpoint directory", WeightError),
+    Case("index-absolute-path", "sharded", index(absolute), "api", "outside the checkpoint directory", WeightError),
     Case("index-missing-shard", "sharded", lambda d: next(d.glob("model-0000*.safetensors")).unlink(), "run",
          "names shards that are not there", WeightError),
     # generation_config.json / eos
@@ -217,3 +224,23 @@ def test_bad_checkpoint(case: Case, good, tmp_path, capsys):
 def test_table_is_big_enough():
     assert len(CASES) >= 25
     assert {c.via for c in CASES} == {"import", "run", "api"}
+
+
+def test_quantized_checkpoint_accepts_flags_that_agree(good):
+    m = load_model(weights=good["int8"], device="cpu", dtype="fp32", quantize="int8")
+    assert m.compile.dtype == "fp32"
+    assert m.gm.meta["kiln_quantize"]["bits"] == 8
+
+
+def test_shards_linked_like_the_hf_hub_cache_load(good, tmp_path):
+    # snapshots/<rev>/model-0000x.safetensors -> ../../blobs/<hash>: symlinks out of the directory are fine,
+    # only index entries naming paths outside it are refused.
+    d = tmp_path / "snapshots" / "rev"
+    shutil.copytree(good["sharded"], d)
+    (tmp_path / "blobs").mkdir()
+    for i, shard in enumerate(sorted(d.glob("model-0000*.safetensors"))):
+        blob = tmp_path / "blobs" / f"blob{i}"
+        shard.rename(blob)
+        os.symlink(Path("..", "..", "blobs", blob.name), shard)
+    m = load_model(weights=d, device="cpu")
+    assert m.model.layers == 2

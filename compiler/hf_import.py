@@ -1,8 +1,9 @@
 """Hugging Face config.json -> ModelConfig, and ModelConfig -> spec AST (what `kiln import` prints).
 
-Supported families: llama, mistral, qwen2, gpt2. Both the transformers v4 spelling of rotary settings
-(`rope_theta` + `rope_scaling`) and the v5 one (`rope_parameters` holding `rope_theta` and the scaling
-keys) are read. Anything kiln cannot express raises KilnError naming the feature and what is supported.
+Supported families: llama, mistral (and ministral), qwen2, gpt2. config.json is read as transformers reads
+it (kiln.hf_values: typed values, key precedence, the keys each family reads); the values are then checked by
+the spec validator itself, on the spec kiln would write. Anything kiln cannot express raises a KilnError naming
+the config key and the file; keys transformers ignores for the family are ignored too, and named in a note.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 from pathlib import Path
 
 from kiln.errors import KilnError, SpecError
-from kiln.hf_values import Reader, check_keys, refuse_spec_errors
+from kiln.hf_values import Reader, check_keys, layer_window, refuse_spec_errors, rope_config
 from kiln.model_config import (
     Add,
     AttentionCall,
@@ -24,7 +25,6 @@ from kiln.model_config import (
     NormCall,
     NormConfig,
     RopeConfig,
-    RopeScaling,
     Var,
 )
 from kiln.spec_ast import (
@@ -43,7 +43,7 @@ from kiln.spec_ast import (
     SpecFile,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "gpt2")
 # HF activation names -> kiln activation of the gated MLP (llama family) or the plain MLP (gpt2).
 _GATED = {
     "silu": "swiglu",
@@ -75,91 +75,6 @@ def load_hf_config(hf_dir: str | Path) -> dict:
         raise KilnError(f"{path}: holds a JSON {type(hf).__name__}, not an object of config keys; "
                         "re-save the checkpoint's config with transformers")
     return hf
-
-
-def _rope(r: Reader, context: int) -> RopeConfig:
-    # transformers (convert_rope_params_to_dict): a legacy rope_scaling *replaces* rope_parameters; rope_theta
-    # and partial_rotary_factor inside it win over the top-level keys, which win over the defaults.
-    scaling = r.dict("rope_scaling")
-    key, params = ("rope_scaling", scaling) if scaling else ("rope_parameters", r.dict("rope_parameters"))
-    if any(isinstance(v, dict) for v in params.values()):
-        raise KilnError(f"{r.source}: config key `{key}` holds per-layer-type rotary settings; kiln uses one "
-                        "rotary setting for every layer")
-    theta = r.float("theta", f"{key}.rope_theta", params["rope_theta"]) if params.get("rope_theta") is not None \
-        else r.float("theta", "rope_theta", default=10000.0)
-    partial = params.get("partial_rotary_factor", r.hf.get("partial_rotary_factor"))
-    if partial is not None and partial != 1.0:
-        raise KilnError(f"{r.source}: config key `partial_rotary_factor` is {partial!r}; kiln rotates the whole "
-                        "head (only 1.0 is supported)")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return RopeConfig(theta=theta)
-
-    def need(name: str) -> float:
-        if params.get(name) is None:
-            raise KilnError(f"{r.source}: config key `{key}` ({kind} scaling) has no `{name}`; add it, as "
-                            "transformers requires it too")
-        return r.float(name if name == "factor" else name.split("_")[0], f"{key}.{name}", params[name])
-
-    if kind == "linear":
-        return RopeConfig(theta=theta, scaling=RopeScaling("linear", factor=need("factor")))
-    if kind == "llama3":
-        factor, low, high = need("factor"), need("low_freq_factor"), need("high_freq_factor")
-        if r.hf.get("original_max_position_embeddings") is not None:  # transformers gives the top-level key priority
-            original = r.int("original", "original_max_position_embeddings")
-        elif params.get("original_max_position_embeddings") is not None:
-            original = params["original_max_position_embeddings"]
-            if type(original) is not int:
-                raise KilnError(f"{r.source}: config key `{key}.original_max_position_embeddings` must be a whole "
-                                f"number, got {original!r}; fix the value in the file")
-            r.origins.setdefault("original", []).append(f"{key}.original_max_position_embeddings")
-        else:
-            original = context
-        return RopeConfig(theta=theta, scaling=RopeScaling("llama3", factor, low, high, original))
-    raise KilnError(f"{r.source}: config key `{key}`: rope scaling {kind!r} is not supported; "
-                    "supported: default, linear, llama3")
-
-
-def _layer_types(r: Reader, layers: int) -> list[str] | None:
-    types = r.hf.get("layer_types")
-    if types is None:
-        return None
-    allowed = ("full_attention", "sliding_attention")
-    if not isinstance(types, list) or any(t not in allowed for t in types):
-        raise KilnError(f"{r.source}: config key `layer_types` must be a list of {' / '.join(allowed)}, got "
-                        f"{types!r}; fix the value in the file")
-    if len(types) != layers:
-        raise KilnError(f"{r.source}: config key `layer_types` has {len(types)} entries but num_hidden_layers is "
-                        f"{layers}; give one entry per layer")
-    return types
-
-
-def _window(r: Reader, model_type: str, layers: int) -> int | None:
-    """The sliding window shared by every layer, or None; kiln's layer body is the same for all layers.
-
-    transformers: mistral slides every layer by `sliding_window`, unless config.json has `layer_types` (then
-    AutoConfig loads it as Ministral, which slides only the "sliding_attention" layers). qwen2 slides only
-    with use_sliding_window, on the layers layer_types names, by default those at index >= max_window_layers.
-    """
-    types = _layer_types(r, layers)
-    if model_type == "qwen2" and not r.bool("use_sliding_window", False):
-        return None
-    window = r.int("window", "sliding_window", default=None)
-    if window is None:
-        return None
-    if types is None and model_type == "qwen2":
-        first = r.int("layers", "max_window_layers", default=28)  # Qwen2Config's default
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if types is None or set(types) == {"sliding_attention"}:
-        return window
-    if set(types) == {"full_attention"}:
-        return None
-    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    raise KilnError(
-        f"{r.source}: {model_type} with a sliding window on some layers only (config key `layer_types`: layers "
-        f"{sliding} slide, the others attend fully) is not supported; kiln applies one attention setting to every "
-        "layer. For qwen2 set max_window_layers to 0 or >= num_hidden_layers"
-    )
 
 
 def _standard_body(window: int | None, qkv_bias: bool, out_bias: bool, act: str, mlp_bias: bool):
@@ -232,13 +147,13 @@ def _llama_family(r: Reader, model_type: str) -> ModelConfig:
         context=context,
         norm=NormConfig("rms", r.float("eps", "rms_norm_eps", default=1e-6)),
         body=_standard_body(
-            _window(r, model_type, layers),
+            layer_window(r, model_type, layers),
             model_type == "qwen2" or attention_bias,
             attention_bias,
             _act(r, "hidden_act", "silu", _GATED, model_type),
             mlp_bias,
         ),
-        rope=_rope(r, context),
+        rope=rope_config(r, context),
         positions="rope",
         tie_embeddings=r.bool("tie_word_embeddings", False),
     )

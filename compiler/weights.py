@@ -22,7 +22,7 @@ from kiln.model_config import ModelConfig, param_shapes
 
 Convert = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 PROGRESS_THRESHOLD = 1 << 30  # bytes; bigger checkpoints show a progress bar unless told otherwise
-_PREFIX = {"llama": "model.", "mistral": "model.", "qwen2": "model.", "gpt2": "transformer."}
+_PREFIX = {"llama": "model.", "mistral": "model.", "ministral": "model.", "qwen2": "model.", "gpt2": "transformer."}
 _SITES = {  # kiln site -> HF module, per naming scheme
     "llama": {"norm0": "input_layernorm", "attn0": "self_attn", "norm1": "post_attention_layernorm", "mlp0": "mlp"},
     "gpt2": {"norm0": "ln_1", "attn0": "attn", "norm1": "ln_2", "mlp0": "mlp"},

@@ -104,3 +104,15 @@ def test_ignored_keys_are_named_on_stderr(tmp_path, capsys):
     assert main(["import", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "attention_bias" in err and "my_custom_key" in err
+
+
+def test_ministral_checkpoint_matches(tmp_path):
+    import transformers as tf
+    from hf_models import SMALL
+
+    cfg = tf.MinistralConfig(**{**SMALL, "sliding_window": MISTRAL_WINDOW, "head_dim": 8})
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    assert config_from_hf(load_hf_config(tmp_path)).sites()[1].window == MISTRAL_WINDOW
+    assert_same_logits(tmp_path)

@@ -29,7 +29,7 @@ GENERIC_KEYS = frozenset(
     repetition_penalty length_penalty no_repeat_ngram_size encoder_no_repeat_ngram_size bad_words_ids
     num_return_sequences output_scores return_dict_in_generate forced_bos_token_id forced_eos_token_id
     remove_invalid_values exponential_decay_length_penalty suppress_tokens begin_suppress_tokens
-    use_return_dict""".split()
+    use_return_dict is_encoder_decoder""".split()
 )
 _ROPE = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "original_max_position_embeddings")
 _LLAMA_BASE = (
@@ -232,7 +232,7 @@ def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
     if window is None:
         return None
     if types is None and model_type == "qwen2":
-        first = r.int("layers", "max_window_layers", default=28)  # Qwen2Config's default
+        first = r.int("max_window_layers", "max_window_layers", default=28)  # Qwen2Config's default
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if types is None or set(types) == {"sliding_attention"}:
         return window

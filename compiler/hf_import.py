@@ -125,11 +125,11 @@ def _llama_family(r: Reader, model_type: str) -> ModelConfig:
     kv_heads = r.int("kv_heads", "num_key_value_heads", default=None)
     if kv_heads is None:
         kv_heads = heads
-        r.origins.setdefault("kv_heads", []).append("num_attention_heads")
+        r.derive("kv_heads", "heads")
     head_dim = r.int("head_dim", "head_dim", default=None)
     if head_dim is None:  # transformers: hidden_size // num_attention_heads
         head_dim = dim // heads if heads > 0 else 0
-        r.origins.setdefault("head_dim", []).extend(["hidden_size", "num_attention_heads"])
+        r.derive("head_dim", "dim", "heads")
     # Only Llama has bias switches; Mistral's and Qwen2's attention ignore attention_bias (Qwen2 always has
     # q/k/v biases), as transformers does.
     llama = model_type == "llama"
@@ -170,12 +170,12 @@ def _gpt2(r: Reader) -> ModelConfig:
         raise KilnError(f"{r.source}: gpt2 add_cross_attention is not supported; kiln builds decoder-only models")
     dim = r.int("dim", "n_embd", "hidden_size")
     heads = r.int("heads", "n_head", "num_attention_heads")
-    r.origins["kv_heads"] = list(r.origins["heads"])
-    r.origins["head_dim"] = [*r.origins["dim"], *r.origins["heads"]]
+    r.derive("kv_heads", "heads")
+    r.derive("head_dim", "dim", "heads")
     ffn = r.int("ffn", "n_inner", default=None)
     if ffn is None:
         ffn = 4 * dim
-        r.origins["ffn"] = list(r.origins["dim"])
+        r.derive("ffn", "dim")
     return ModelConfig(
         name="hf",
         vocab=r.int("vocab", "vocab_size"),
@@ -202,7 +202,7 @@ def _validated(cfg: ModelConfig, r: Reader, name: str) -> ModelConfig:
     try:
         resolved = parse_and_resolve(format_spec(config_to_spec(cfg)), r.source).model
     except SpecError as e:
-        raise refuse_spec_errors(e, r.origins, r.source) from None
+        raise refuse_spec_errors(e, r) from None
     return dataclasses.replace(resolved, name=name)
 
 

@@ -70,6 +70,11 @@ class Reader:
     hf: dict
     source: str  # the config file, for messages
     origins: dict[str, list[str]] = field(default_factory=dict)  # spec setting -> config keys
+    derived: set[str] = field(default_factory=set)  # spec settings computed from other keys (head_dim, ...)
+
+    def derive(self, spec: str, *from_specs: str) -> None:
+        self.origins[spec] = [k for s in from_specs for k in self.origins.get(s, [])]
+        self.derived.add(spec)
 
     def _fail(self, key: str, value: Any, want: str) -> KilnError:
         return KilnError(f"{self.source}: config key `{key}` must be {want}, got {value!r}; fix the value in the file")
@@ -145,18 +150,24 @@ def check_keys(hf: dict, model_type: str, source: str) -> list[str]:
     return sorted(k for k in hf if k not in known)
 
 
-def refuse_spec_errors(err: SpecError, origins: dict[str, list[str]], source: str) -> KilnError:
-    """The spec validator's diagnostics on the generated spec, restated in terms of config.json keys."""
-    lines = []
+def refuse_spec_errors(err: SpecError, r: Reader) -> KilnError:
+    """The spec validator's diagnostics on the generated spec, restated in terms of config.json keys.
+
+    A diagnostic on a derived setting (head_dim from hidden_size / num_attention_heads) whose keys were already
+    named is a consequence of the first problem and left out."""
+    lines, named = [], set()
     for d in err.diagnostics:
         words = set(re.findall(r"[A-Za-z_]+", d.message.split(",")[0]))
         m = re.match(r"\s*(\w+)\s*=", d.source_line)
         if m:
             words.add(m.group(1))
-        keys = sorted({k for spec, ks in origins.items() if spec in words for k in ks})
+        keys = sorted({k for spec, ks in r.origins.items() if spec in words for k in ks})
+        if m and m.group(1) in r.derived and named & set(keys):
+            continue
+        named.update(keys)
         where = f"config key {', '.join(f'`{k}`' for k in keys)}" if keys else "config values"
         lines.append(f"{where}: {d.message}")
-    return KilnError(f"{source}: kiln cannot build this config: " + "; ".join(lines) + "; fix the values in the file")
+    return KilnError(f"{r.source}: kiln cannot build this config: " + "; ".join(lines) + "; fix the values in the file")
 
 
 def rope_config(r: Reader, context: int) -> RopeConfig:

@@ -114,6 +114,8 @@ def config_from_hf(
                      f"{', '.join(ignored)}")
     r = Reader(hf, source)
     cfg = _gpt2(r) if model_type == "gpt2" else _llama_family(r, model_type)
+    if notes is not None:
+        notes.extend(r.notes)
     return _validated(cfg, r, name or model_type)
 
 

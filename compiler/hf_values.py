@@ -61,6 +61,12 @@ REFUSED_KEYS = {
 }
 
 _MISSING = object()
+# The keys each supported rope type reads from rope_parameters / rope_scaling (besides type and theta).
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass
@@ -70,6 +76,7 @@ class Reader:
     hf: dict
     source: str  # the config file, for messages
     origins: dict[str, list[str]] = field(default_factory=dict)  # spec setting -> config keys
+    notes: list[str] = field(default_factory=list)  # keys read and deliberately ignored, for the user
     derived: set[str] = field(default_factory=set)  # spec settings computed from other keys (head_dim, ...)
 
     def derive(self, spec: str, *from_specs: str) -> None:
@@ -186,6 +193,11 @@ def rope_config(r: Reader, context: int) -> RopeConfig:
         raise KilnError(f"{r.source}: config key `partial_rotary_factor` is {partial!r}; kiln rotates the whole "
                         "head (only 1.0 is supported)")
     kind = params.get("rope_type", params.get("type", "default"))
+    used = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *_ROPE_KEYS.get(kind, ())}
+    unread = sorted(str(k) for k in params if k not in used)
+    if unread and kind in _ROPE_KEYS:
+        r.notes.append(f"{r.source}: `{key}` keys that {kind} rope does not use, ignored as transformers does: "
+                       f"{', '.join(unread)}")
     if kind == "default":
         return RopeConfig(theta=theta)
 

@@ -90,7 +90,7 @@ def eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
         if value is None:
             continue
         ids = value if isinstance(value, list) else [value]
-        if not ids or any(type(v) is not int or v < 0 for v in ids):
+        if any(type(v) is not int or v < 0 for v in ids):
             raise KilnError(f"{path}: eos_token_id must be a token id (a whole number >= 0) or a list of them, "
                             f"got {value!r}; fix the value in the file")
         return tuple(ids)

@@ -243,3 +243,10 @@ def test_unread_keys_are_noted_and_values_are_named_with_the_file():
         config_from_hf({**LLAMA_MIN, "num_hidden_layers": -1}, source="ck/config.json")
     with pytest.raises(KilnError, match="`intermediate_size` must be a whole number"):
         config_from_hf({**LLAMA_MIN, "intermediate_size": 16.0})
+
+
+def test_rope_keys_the_type_does_not_use_are_noted():
+    notes: list[str] = []
+    rope = {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}
+    assert config_from_hf({**LLAMA_MIN, "rope_parameters": rope}, notes=notes).rope.scaling.factor == 2.0
+    assert len(notes) == 1 and "beta_fast" in notes[0] and "rope_parameters" in notes[0]

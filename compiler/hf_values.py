@@ -193,6 +193,9 @@ def rope_config(r: Reader, context: int) -> RopeConfig:
         raise KilnError(f"{r.source}: config key `partial_rotary_factor` is {partial!r}; kiln rotates the whole "
                         "head (only 1.0 is supported)")
     kind = params.get("rope_type", params.get("type", "default"))
+    if not isinstance(kind, str):
+        raise KilnError(f"{r.source}: config key `{key}.rope_type` must be a string such as \"linear\", got "
+                        f"{kind!r}; fix the value in the file")
     used = {"rope_type", "type", "rope_theta", "partial_rotary_factor", *_ROPE_KEYS.get(kind, ())}
     unread = sorted(str(k) for k in params if k not in used)
     if unread and kind in _ROPE_KEYS:

@@ -41,7 +41,11 @@ def _model_from_checkpoint(weights: Path) -> tuple[ModelConfig, str]:
     from kiln.hf.config import config_from_hf, load_hf_config
 
     hf = load_hf_config(weights)
-    return config_from_hf(hf, name=weights.name), hf.get("model_type", "")
+    notes: list[str] = []
+    cfg = config_from_hf(hf, name=weights.name, source=str(weights / "config.json"), notes=notes)
+    for note in notes:
+        say(f"note: {note}")
+    return cfg, hf.get("model_type", "")
 
 
 def load_model(
@@ -70,7 +74,7 @@ def load_model(
         from kiln.compile.quantized import is_quantized_checkpoint
 
         if is_quantized_checkpoint(weights_dir):
-            return _load_quantized(weights_dir, spec, dev)
+            return _load_quantized(weights_dir, spec, dev, dtype=dtype, quantize=quantize)
     if weights_dir is not None and not (weights_dir / "config.json").is_file():
         raise KilnError(f"--weights {weights_dir}: no config.json there; point it at a Hugging Face checkpoint dir "
                         "or a directory written by `kiln quantize`")
@@ -105,16 +109,40 @@ def load_model(
     return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source)
 
 
-def _load_quantized(weights_dir: Path, spec: str | os.PathLike | None, dev: torch.device) -> LoadedModel:
-    """A checkpoint written by `kiln quantize`: its graph is already passed (fusion + quantize), no calibration."""
-    from kiln.compile.quantized import SPEC, load_quantized
+def _load_quantized(
+    weights_dir: Path, spec: str | os.PathLike | None, dev: torch.device, *, dtype: str | None, quantize: str | None
+) -> LoadedModel:
+    """A checkpoint written by `kiln quantize`: its graph is already passed (fusion + quantize), no calibration.
+
+    Its scheme and float dtype are fixed when it is written: --quantize / --dtype that agree are accepted,
+    others refused (the weights cannot be re-quantized or re-cast here), never silently ignored.
+    """
+    from kiln.compile.quantized import SPEC, load_quantized, stored_scheme
     from kiln.spec.loader import load_spec
     from kiln.tokenizer import load_tokenizer
 
+    if quantize is not None:
+        from kiln.quant.formats import parse_scheme
+
+        want, have = parse_scheme(quantize), stored_scheme(weights_dir)
+        if want.label != have.label:  # calibration options do not matter once the weights are stored
+            raise KilnError(
+                f"--quantize {quantize}: {weights_dir} was quantized by `kiln quantize` with {have.label} and "
+                "cannot be quantized again; drop --quantize, or run `kiln quantize` on the original checkpoint "
+                f"with --quantize {quantize}"
+            )
+    if dtype is not None and dtype not in DTYPES:
+        raise KilnError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
     loaded = load_spec(spec if spec is not None else weights_dir / SPEC)
     gm = load_quantized(weights_dir, loaded.model, device=dev)
-    dtype = next((k for k, v in TORCH_DTYPES.items() if v == gm.get_parameter("embed.weight").dtype), "fp32")
-    comp = dataclasses.replace(loaded.compile, dtype=dtype)
+    stored = next((k for k, v in TORCH_DTYPES.items() if v == gm.get_parameter("embed.weight").dtype), "fp32")
+    if dtype is not None and dtype != stored:
+        raise KilnError(
+            f"--dtype {dtype}: {weights_dir} is a `kiln quantize` checkpoint stored in {stored}, and its dtype is "
+            f"fixed when it is written; drop --dtype (or pass --dtype {stored}), or quantize again with "
+            f"`kiln quantize --dtype {dtype}`"
+        )
+    comp = dataclasses.replace(loaded.compile, dtype=stored)
     tokenizer = load_tokenizer(weights_dir, vocab=loaded.model.vocab)
     return LoadedModel(loaded.model, comp, gm, tokenizer, dev, source=str(weights_dir))
 

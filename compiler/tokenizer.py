@@ -68,16 +68,30 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+def _eos_value(path: Path):
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise KilnError(f"{path}: not valid JSON ({e}); fix or delete the file") from None
+    if not isinstance(data, dict):
+        raise KilnError(f"{path}: holds a JSON {type(data).__name__}, not an object; fix or delete the file")
+    return data.get("eos_token_id")
+
+
 def eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
     """eos_token_id from generation_config.json, else config.json (an int or a list); () when neither says."""
     for name in ("generation_config.json", "config.json"):
         path = Path(hf_dir) / name
         if not path.is_file():
             continue
-        value = json.loads(path.read_text()).get("eos_token_id")
+        value = _eos_value(path)
         if value is None:
             continue
-        return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+        ids = value if isinstance(value, list) else [value]
+        if any(type(v) is not int or v < 0 for v in ids):
+            raise KilnError(f"{path}: eos_token_id must be a token id (a whole number >= 0) or a list of them, "
+                            f"got {value!r}; fix the value in the file")
+        return tuple(ids)
     return ()
 
 

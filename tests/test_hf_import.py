@@ -110,7 +110,7 @@ def test_gpt2_fields(tmp_path):
 @pytest.mark.parametrize(
     "hf, match",
     [
-        ({"model_type": "falcon"}, "'falcon' is not supported; supported: llama, mistral, qwen2, gpt2"),
+        ({"model_type": "falcon"}, "'falcon' is not supported; supported: llama, mistral, ministral, qwen2, gpt2"),
         (
             {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "scale_attn_by_inverse_layer_idx": True},
             "scale_attn_by_inverse_layer_idx",
@@ -188,3 +188,65 @@ def test_spec_round_trip(family, tmp_path):
     model, comp = validate.resolve(parser.parse_spec(text, "<import>"))
     assert model == cfg, text
     assert comp.dtype == "bf16"
+
+
+LLAMA_MIN = {
+    "model_type": "llama",
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "intermediate_size": 16,
+    "max_position_embeddings": 8,
+}
+
+
+@pytest.mark.parametrize(
+    "rope, want",
+    [
+        # transformers: a legacy rope_scaling replaces rope_parameters (not merged); its theta comes from the
+        # top level when it has none
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+          "rope_scaling": {"type": "linear", "factor": 2.0}}, (1e4, "linear", 2.0)),
+        ({"rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}}, (500.0, "linear", 2.0)),
+        ({"rope_theta": 500.0, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}, (7.0, None, None)),
+        ({"rope_theta": 500.0, "rope_parameters": {"rope_type": "linear", "factor": 3.0}}, (500.0, "linear", 3.0)),
+        ({"rope_scaling": {"rope_type": "linear", "type": "llama3", "factor": 2.0}}, (1e4, "linear", 2.0)),
+    ],
+)
+def test_rope_precedence_follows_transformers(rope, want, tmp_path):
+    import transformers as tf
+
+    cfg = config_from_hf({**LLAMA_MIN, **rope})
+    scaling = cfg.rope.scaling
+    assert (cfg.rope.theta, scaling and scaling.kind, scaling and scaling.factor) == want
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_MIN, **rope}))
+    params = tf.AutoConfig.from_pretrained(tmp_path).rope_parameters  # the oracle agrees
+    assert params["rope_theta"] == want[0] and params["rope_type"] == (want[1] or "default")
+
+
+def test_llama3_original_context_prefers_the_top_level_key():
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    assert config_from_hf({**LLAMA_MIN, "rope_parameters": rope}).rope.scaling.original_context == 16
+    top = {**LLAMA_MIN, "rope_parameters": rope, "original_max_position_embeddings": 4}
+    assert config_from_hf(top).rope.scaling.original_context == 4
+    del rope["original_max_position_embeddings"]
+    assert config_from_hf({**LLAMA_MIN, "rope_parameters": rope}).rope.scaling.original_context == 8
+
+
+def test_unread_keys_are_noted_and_values_are_named_with_the_file():
+    notes: list[str] = []
+    config_from_hf({**LLAMA_MIN, "frobnicate": 1, "sliding_window": 4}, notes=notes, source="ck/config.json")
+    assert len(notes) == 1 and "frobnicate" in notes[0] and "sliding_window" in notes[0]
+    with pytest.raises(KilnError, match=r"ck/config.json: .*`num_hidden_layers`: layers must be a positive"):
+        config_from_hf({**LLAMA_MIN, "num_hidden_layers": -1}, source="ck/config.json")
+    with pytest.raises(KilnError, match="`intermediate_size` must be a whole number"):
+        config_from_hf({**LLAMA_MIN, "intermediate_size": 16.0})
+
+
+def test_rope_keys_the_type_does_not_use_are_noted():
+    notes: list[str] = []
+    rope = {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}
+    assert config_from_hf({**LLAMA_MIN, "rope_parameters": rope}, notes=notes).rope.scaling.factor == 2.0
+    assert len(notes) == 1 and "beta_fast" in notes[0] and "rope_parameters" in notes[0]

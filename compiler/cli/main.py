@@ -134,12 +134,12 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from kiln.hf.config import config_from_hf, config_to_spec, load_hf_config
-    from kiln.spec.formatter import format_spec
+    from kiln.hf.config import import_spec
 
-    src = Path(args.hf_dir)
-    cfg = config_from_hf(load_hf_config(src), name=args.name or src.resolve().name)
-    text = f"# imported by `kiln import` from {src}\n" + format_spec(config_to_spec(cfg))
+    notes: list[str] = []
+    cfg, text = import_spec(args.hf_dir, args.name or "", notes)  # resolved in-process: always passes `kiln check`
+    for note in notes:
+        print(f"kiln: note: {note}", file=sys.stderr)
     if args.output:
         Path(args.output).write_text(text)
         print(f"kiln: wrote {args.output} ({cfg.name}, {cfg.layers} layers)", file=sys.stderr)

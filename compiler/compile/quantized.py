@@ -22,7 +22,7 @@ from torch import fx
 import kiln.ir.ops_quant  # noqa: F401  (the quantized ops the graph holds)
 from kiln.errors import WeightError
 from kiln.model_config import ModelConfig
-from kiln.quant.formats import QuantizedWeight, as_scheme
+from kiln.quant.formats import QuantizedWeight, QuantScheme, as_scheme
 
 FORMAT, VERSION = "kiln-quantized", 1
 TENSORS, META, SPEC = "model.safetensors", "quantization.json", "spec.kiln"
@@ -90,6 +90,25 @@ def save_quantized(gm: fx.GraphModule, out_dir: str | os.PathLike, cfg: ModelCon
     return out
 
 
+def _meta(src: Path) -> dict:
+    try:
+        meta = json.loads((src / META).read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WeightError(f"{src / META}: not valid JSON ({e}); quantize the model again") from None
+    if not isinstance(meta, dict):
+        raise WeightError(f"{src / META}: not a JSON object; quantize the model again")
+    return meta
+
+
+def stored_scheme(in_dir: str | os.PathLike) -> QuantScheme:
+    """The quantization scheme a `kiln quantize` checkpoint was written with."""
+    src = Path(in_dir)
+    try:
+        return as_scheme(_meta(src)["scheme"])
+    except (KeyError, TypeError) as e:
+        raise WeightError(f"{src / META}: no valid `scheme` ({e}); quantize the model again") from None
+
+
 def _place(gm: fx.GraphModule, name: str, tensor: torch.Tensor, param: bool) -> None:
     *path, leaf = name.split(".")
     mod = gm.get_submodule(".".join(path)) if path else gm
@@ -112,7 +131,7 @@ def load_quantized(
     src = Path(in_dir)
     if not is_quantized_checkpoint(src):
         raise WeightError(f"{src}: not a kiln quantized checkpoint (expected {META} and {TENSORS} there)")
-    meta = json.loads((src / META).read_text())
+    meta = _meta(src)
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise WeightError(
             f"{src / META}: format {meta.get('format')} v{meta.get('version')}, expected {FORMAT} "

@@ -1,17 +1,19 @@
 """Hugging Face config.json -> ModelConfig, and ModelConfig -> spec AST (what `kiln import` prints).
 
-Supported families: llama, mistral, qwen2, gpt2. Both the transformers v4 spelling of rotary settings
-(`rope_theta` + `rope_scaling`) and the v5 one (`rope_parameters` holding `rope_theta` and the scaling
-keys) are read. Anything kiln cannot express raises KilnError naming the feature and what is supported.
+Supported families: llama, mistral (and ministral), qwen2, gpt2. config.json is read as transformers reads
+it (kiln.hf.values: typed values, key precedence, the keys each family reads); the values are then checked by
+the spec validator itself, on the spec kiln would write. Anything kiln cannot express raises a KilnError naming
+the config key and the file; keys transformers ignores for the family are ignored too, and named in a note.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, SpecError
+from kiln.hf.values import Reader, check_keys, layer_window, refuse_spec_errors, rope_config
 from kiln.model_config import (
     Add,
     AttentionCall,
@@ -23,7 +25,6 @@ from kiln.model_config import (
     NormCall,
     NormConfig,
     RopeConfig,
-    RopeScaling,
     Var,
 )
 from kiln.spec.ast import (
@@ -42,7 +43,7 @@ from kiln.spec.ast import (
     SpecFile,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "gpt2")
 # HF activation names -> kiln activation of the gated MLP (llama family) or the plain MLP (gpt2).
 _GATED = {
     "silu": "swiglu",
@@ -62,68 +63,18 @@ _PLAIN = {
 
 
 def load_hf_config(hf_dir: str | Path) -> dict:
-    """The parsed config.json of a checkpoint directory."""
+    """The parsed config.json of a checkpoint directory (a JSON object, else a KilnError naming the file)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise KilnError(f"{hf_dir}: no config.json; point at a Hugging Face checkpoint directory")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise KilnError(f"{path}: not valid JSON ({e})") from None
-
-
-def _require(hf: dict, *keys: str) -> Any:
-    for key in keys:
-        if hf.get(key) is not None:
-            return hf[key]
-    raise KilnError(f"config.json has no {' / '.join(keys)}; the checkpoint's config is incomplete")
-
-
-def _rope(hf: dict, context: int) -> RopeConfig:
-    # v5 keeps everything in rope_parameters; v4 has rope_theta at top level and scaling in rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    if params and not any(k in params for k in ("rope_theta", "rope_type", "type", "factor")):
-        raise KilnError("per-layer-type rope_parameters are not supported; kiln uses one rotary setting")
-    scaling = dict(hf.get("rope_scaling") or {})
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise KilnError("partial_rotary_factor != 1 is not supported; kiln rotates the whole head")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return RopeConfig(theta=theta)
-    if kind == "linear":
-        return RopeConfig(theta=theta, scaling=RopeScaling("linear", factor=float(params["factor"])))
-    if kind == "llama3":
-        scale = RopeScaling(
-            "llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_context=int(params.get("original_max_position_embeddings", context)),
-        )
-        return RopeConfig(theta=theta, scaling=scale)
-    raise KilnError(f"rope scaling {kind!r} is not supported; supported: default, linear, llama3")
-
-
-def _window(hf: dict, model_type: str, layers: int) -> int | None:
-    """The sliding window shared by every layer, or None; kiln's layer body is the same for all layers."""
-    if model_type == "mistral":
-        return hf.get("sliding_window")
-    if model_type != "qwen2" or not hf.get("use_sliding_window"):
-        return None
-    types = hf.get("layer_types")
-    if types is None:  # the v4 rule: layers at index >= max_window_layers slide
-        first = int(hf.get("max_window_layers", layers))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    if set(types) == {"full_attention"}:
-        return None
-    if set(types) == {"sliding_attention"}:
-        return int(_require(hf, "sliding_window"))
-    raise KilnError(
-        f"qwen2 with sliding window on some layers only (layer_types {types}) is not supported; "
-        "kiln applies one attention setting to every layer (max_window_layers 0 or >= num_hidden_layers)"
-    )
+        hf = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, OSError) as e:
+        raise KilnError(f"{path}: not valid JSON or not readable ({e}); re-save the checkpoint's config") from None
+    if not isinstance(hf, dict):
+        raise KilnError(f"{path}: holds a JSON {type(hf).__name__}, not an object of config keys; "
+                        "re-save the checkpoint's config with transformers")
+    return hf
 
 
 def _standard_body(window: int | None, qkv_bias: bool, out_bias: bool, act: str, mlp_bias: bool):
@@ -135,73 +86,144 @@ def _standard_body(window: int | None, qkv_bias: bool, out_bias: bool, act: str,
     return (LayerAssign("x", Add(x, attn)), LayerAssign("x", Add(x, mlp)))
 
 
-def _act(hf_act: str, table: dict[str, str], model_type: str) -> str:
+def _act(r: Reader, key: str, default: str, table: dict[str, str], model_type: str) -> str:
+    hf_act = r.str(key, default)
     if hf_act not in table:
-        raise KilnError(f"{model_type} activation {hf_act!r} is not supported; supported: {', '.join(table)}")
+        raise KilnError(f"{r.source}: config key `{key}`: {model_type} activation {hf_act!r} is not "
+                        f"supported; supported: {', '.join(table)}")
     return table[hf_act]
 
 
-def config_from_hf(hf: dict, name: str = "") -> ModelConfig:
-    """The ModelConfig for a parsed config.json; `name` defaults to the model type."""
+def config_from_hf(
+    hf: dict, name: str = "", *, source: str = "config.json", notes: list[str] | None = None
+) -> ModelConfig:
+    """The ModelConfig for a parsed config.json, read as transformers reads it, checked by the spec validator.
+
+    name defaults to the model type; source names the file in messages; notes, when given, receives one line
+    about keys kiln ignores because transformers ignores them for this family too.
+    """
+    if not isinstance(hf, dict):
+        raise KilnError(f"{source}: holds a JSON {type(hf).__name__}, not an object of config keys")
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise KilnError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    name = name or model_type
-    if model_type == "gpt2":
-        return _gpt2(hf, name)
+        raise KilnError(f"{source}: model_type {model_type!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    ignored = check_keys(hf, model_type, source)
+    if ignored and notes is not None:
+        notes.append(f"{source}: keys transformers' {model_type} model does not read, ignored by kiln too: "
+                     f"{', '.join(ignored)}")
+    r = Reader(hf, source)
+    cfg = _gpt2(r) if model_type == "gpt2" else _llama_family(r, model_type)
+    if notes is not None:
+        notes.extend(r.notes)
+    return _validated(cfg, r, name or model_type)
 
-    dim = int(_require(hf, "hidden_size"))
-    heads = int(_require(hf, "num_attention_heads"))
-    layers = int(_require(hf, "num_hidden_layers"))
-    context = int(_require(hf, "max_position_embeddings"))
-    qkv_bias = model_type == "qwen2" or bool(hf.get("attention_bias", False))
-    out_bias = model_type == "llama" and bool(hf.get("attention_bias", False))
-    mlp_bias = model_type == "llama" and bool(hf.get("mlp_bias", False))
-    act = _act(hf.get("hidden_act", "silu"), _GATED, model_type)
+
+def _llama_family(r: Reader, model_type: str) -> ModelConfig:
+    dim = r.int("dim", "hidden_size")
+    heads = r.int("heads", "num_attention_heads")
+    layers = r.int("layers", "num_hidden_layers")
+    context = r.int("context", "max_position_embeddings")
+    kv_heads = r.int("kv_heads", "num_key_value_heads", default=None)
+    if kv_heads is None:
+        kv_heads = heads
+        r.derive("kv_heads", "heads")
+    head_dim = r.int("head_dim", "head_dim", default=None)
+    if head_dim is None:  # transformers: hidden_size // num_attention_heads
+        head_dim = dim // heads if heads > 0 else 0
+        r.derive("head_dim", "dim", "heads")
+    # Only Llama has bias switches; Mistral's and Qwen2's attention ignore attention_bias (Qwen2 always has
+    # q/k/v biases), as transformers does.
+    llama = model_type == "llama"
+    attention_bias = llama and r.bool("attention_bias", False)
+    mlp_bias = llama and r.bool("mlp_bias", False)
     return ModelConfig(
-        name=name,
-        vocab=int(_require(hf, "vocab_size")),
+        name="hf",
+        vocab=r.int("vocab", "vocab_size"),
         dim=dim,
         layers=layers,
         heads=heads,
-        kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or dim // heads),
-        ffn=int(_require(hf, "intermediate_size")),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=r.int("ffn", "intermediate_size"),
         context=context,
-        norm=NormConfig("rms", float(hf.get("rms_norm_eps", 1e-6))),
-        body=_standard_body(_window(hf, model_type, layers), qkv_bias, out_bias, act, mlp_bias),
-        rope=_rope(hf, context),
+        norm=NormConfig("rms", r.float("eps", "rms_norm_eps", default=1e-6)),
+        body=_standard_body(
+            layer_window(r, model_type, layers),
+            model_type == "qwen2" or attention_bias,
+            attention_bias,
+            _act(r, "hidden_act", "silu", _GATED, model_type),
+            mlp_bias,
+        ),
+        rope=rope_config(r, context),
         positions="rope",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=r.bool("tie_word_embeddings", False),
     )
 
 
-def _gpt2(hf: dict, name: str) -> ModelConfig:
-    if hf.get("scale_attn_by_inverse_layer_idx"):
-        raise KilnError("gpt2 scale_attn_by_inverse_layer_idx is not supported; kiln scales by 1/sqrt(head_dim)")
-    if hf.get("scale_attn_weights", True) is False:
-        raise KilnError("gpt2 scale_attn_weights = false is not supported; kiln scales by 1/sqrt(head_dim)")
-    if hf.get("add_cross_attention"):
-        raise KilnError("gpt2 add_cross_attention is not supported; kiln builds decoder-only models")
-    dim = int(_require(hf, "n_embd", "hidden_size"))
-    heads = int(_require(hf, "n_head", "num_attention_heads"))
-    act = _act(hf.get("activation_function", "gelu_new"), _PLAIN, "gpt2")
+def _gpt2(r: Reader) -> ModelConfig:
+    if r.bool("scale_attn_by_inverse_layer_idx", False):
+        raise KilnError(f"{r.source}: gpt2 scale_attn_by_inverse_layer_idx is not supported; kiln scales by "
+                        "1/sqrt(head_dim)")
+    if not r.bool("scale_attn_weights", True):
+        raise KilnError(f"{r.source}: gpt2 scale_attn_weights = false is not supported; kiln scales by "
+                        "1/sqrt(head_dim)")
+    if r.bool("add_cross_attention", False):
+        raise KilnError(f"{r.source}: gpt2 add_cross_attention is not supported; kiln builds decoder-only models")
+    dim = r.int("dim", "n_embd", "hidden_size")
+    heads = r.int("heads", "n_head", "num_attention_heads")
+    r.derive("kv_heads", "heads")
+    r.derive("head_dim", "dim", "heads")
+    ffn = r.int("ffn", "n_inner", default=None)
+    if ffn is None:
+        ffn = 4 * dim
+        r.derive("ffn", "dim")
     return ModelConfig(
-        name=name,
-        vocab=int(_require(hf, "vocab_size")),
+        name="hf",
+        vocab=r.int("vocab", "vocab_size"),
         dim=dim,
-        layers=int(_require(hf, "n_layer", "num_hidden_layers")),
+        layers=r.int("layers", "n_layer", "num_hidden_layers"),
         heads=heads,
         kv_heads=heads,
-        head_dim=dim // heads,
-        ffn=int(hf.get("n_inner") or 4 * dim),
-        context=int(_require(hf, "n_positions", "max_position_embeddings")),
-        norm=NormConfig("layer", float(hf.get("layer_norm_epsilon", 1e-5))),
-        body=_standard_body(None, True, True, act, True),
+        head_dim=dim // heads if heads > 0 else 0,
+        ffn=ffn,
+        context=r.int("context", "n_positions", "max_position_embeddings"),
+        norm=NormConfig("layer", r.float("eps", "layer_norm_epsilon", default=1e-5)),
+        body=_standard_body(None, True, True, _act(r, "activation_function", "gelu_new", _PLAIN, "gpt2"), True),
         rope=None,
         positions="learned",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        tie_embeddings=r.bool("tie_word_embeddings", True),
     )
+
+
+def _validated(cfg: ModelConfig, r: Reader, name: str) -> ModelConfig:
+    """cfg as the spec validator resolves it: the spec `kiln import` would write must pass `kiln check`."""
+    from kiln.spec.formatter import format_spec
+    from kiln.spec.loader import parse_and_resolve
+
+    try:
+        resolved = parse_and_resolve(format_spec(config_to_spec(cfg)), r.source).model
+    except SpecError as e:
+        raise refuse_spec_errors(e, r) from None
+    return dataclasses.replace(resolved, name=name)
+
+
+def import_spec(hf_dir: str | Path, name: str = "", notes: list[str] | None = None) -> tuple[ModelConfig, str]:
+    """(config, spec text) that `kiln import` writes for a checkpoint; the text is resolved before it is returned,
+    so a spec kiln import writes always passes `kiln check`."""
+    from kiln.spec.formatter import format_spec
+    from kiln.spec.loader import parse_and_resolve
+
+    src = Path(hf_dir)
+    cfg = config_from_hf(load_hf_config(src), name=name or src.resolve().name, source=str(src / "config.json"),
+                         notes=notes)
+    text = f"# imported by `kiln import` from {src}\n" + format_spec(config_to_spec(cfg))
+    try:
+        parse_and_resolve(text, "<kiln import>")
+    except SpecError as e:
+        raise KilnError(f"the spec for {src} does not resolve ({e}); pass a plain --name such as --name my_model") \
+            from None
+    return cfg, text
 
 
 # ---- ModelConfig -> spec AST -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from kiln.model_config import ModelConfig, param_shapes
 from kiln.progress import PROGRESS_THRESHOLD
 
 Convert = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-_PREFIX = {"llama": "model.", "mistral": "model.", "qwen2": "model.", "gpt2": "transformer."}
+_PREFIX = {"llama": "model.", "mistral": "model.", "ministral": "model.", "qwen2": "model.", "gpt2": "transformer."}
 _SITES = {  # kiln site -> HF module, per naming scheme
     "llama": {"norm0": "input_layernorm", "attn0": "self_attn", "norm1": "post_attention_layernorm", "mlp0": "mlp"},
     "gpt2": {"norm0": "ln_1", "attn0": "attn", "norm1": "ln_2", "mlp0": "mlp"},
@@ -112,19 +112,57 @@ def weight_plan(cfg: ModelConfig, model_type: str) -> list[Source]:
     return plan
 
 
+def _regular_file(path: Path, what: str) -> bool:
+    """True when `path` is a readable regular file; False when absent; a WeightError for anything else there."""
+    try:
+        if path.is_file():
+            return True
+        present = path.is_symlink() or path.exists()
+    except OSError as e:  # a symlink loop, a name too long, a permission problem
+        raise WeightError(f"{path}: cannot read the {what} ({e}); replace it with the real file") from None
+    if present:
+        kind = "a directory" if path.is_dir() else "a broken or looping symlink" if path.is_symlink() else "not a file"
+        raise WeightError(f"{path}: the {what} is {kind}, not a file; replace it with the real file")
+    return False
+
+
+def _index_shards(index: Path) -> list[str]:
+    try:
+        data = json.loads(index.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise WeightError(f"{index}: not valid JSON ({e}); re-save the checkpoint with save_pretrained") from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise WeightError(f"{index}: has no `weight_map` object (tensor name -> shard file); re-save the "
+                          "checkpoint with save_pretrained, or remove the index next to a single model.safetensors")
+    bad = [f"{k!r}: {v!r}" for k, v in wmap.items() if not isinstance(v, str) or not v]
+    if bad:
+        raise WeightError(f"{index}: weight_map values must be shard file names, got {', '.join(bad[:3])}")
+    return sorted(set(wmap.values()))
+
+
 def checkpoint_files(hf_dir: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: model.safetensors, the shards of an index, or any *.safetensors."""
     d = Path(hf_dir)
-    if (d / "model.safetensors").is_file():
+    if _regular_file(d / "model.safetensors", "weights file"):
         return [d / "model.safetensors"]
     index = d / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (d / s).is_file()]
+    if _regular_file(index, "shard index"):
+        files: list[Path] = []
+        missing = []
+        for shard in _index_shards(index):
+            path = d / shard
+            # Judged by name, not by where a symlink points: the HF hub cache links shards into ../../blobs.
+            if Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise WeightError(f"{index} names shard {shard!r}, which is outside the checkpoint directory {d}; "
+                                  "kiln reads shards only from the checkpoint's own directory: fix the index")
+            if not _regular_file(path, "shard"):
+                missing.append(shard)
+            files.append(path)
         if missing:
             raise WeightError(f"{index} names shards that are not there: {', '.join(missing)}")
-        return [d / s for s in shards]
-    files = sorted(d.glob("*.safetensors"))
+        return files
+    files = sorted(p for p in d.glob("*.safetensors") if _regular_file(p, "weights file"))
     if files:
         return files
     bins = sorted(p.name for p in d.glob("*.bin"))
@@ -135,20 +173,28 @@ def checkpoint_files(hf_dir: str | Path) -> list[Path]:
     )
 
 
+def _unreadable(path: Path, e: Exception) -> WeightError:
+    return WeightError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); the file is corrupt or "
+                       "truncated: download or save the checkpoint again")
+
+
 def _scan(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], int]]:
     """HF name -> (file, shape, bytes), from the headers only."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     found: dict[str, tuple[Path, tuple[int, ...], int]] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
-                nbytes = _itemsize(sl.get_dtype())
-                for n in shape:
-                    nbytes *= n
-                found[name] = (path, shape, nbytes)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    shape = tuple(sl.get_shape())
+                    nbytes = _itemsize(sl.get_dtype())
+                    for n in shape:
+                        nbytes *= n
+                    found[name] = (path, shape, nbytes)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise _unreadable(path, e) from None
     return found
 
 
@@ -187,6 +233,15 @@ def _check(plan: list[Source], found: dict, names: dict[str, str], cfg: ModelCon
         )
 
 
+def _finite(t: torch.Tensor, name: str, path: Path) -> torch.Tensor:
+    """t, unless it holds NaN or inf: such weights make every logit NaN and greedy decoding emit token 0."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise WeightError(f"{path}: tensor {name} holds {bad} NaN/inf values of {t.numel()}; the checkpoint is "
+                          "corrupt (or was saved after a diverged step): use an intact checkpoint")
+    return t
+
+
 def load_hf_weights(
     hf_dir: str | Path,
     cfg: ModelConfig,
@@ -200,7 +255,7 @@ def load_hf_weights(
 
     progress: a byte-count bar on stderr; None shows it for checkpoints over 1 GiB.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     from tqdm import tqdm
 
     plan = weight_plan(cfg, model_type)
@@ -218,12 +273,16 @@ def load_hf_weights(
         total=total, unit="B", unit_scale=True, desc="kiln: loading weights", file=sys.stderr, disable=not show
     ) as bar:
         for path, sources in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for src in sources:
-                    hf_name = names[src.hf]
-                    for kiln, t in zip(src.targets, src.convert(f.get_tensor(hf_name)), strict=True):
-                        out[kiln] = t.to(device=device, dtype=dtype).contiguous()
-                    bar.update(found[hf_name][2])
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for src in sources:
+                        hf_name = names[src.hf]
+                        tensor = _finite(f.get_tensor(hf_name), hf_name, path)
+                        for kiln, t in zip(src.targets, src.convert(tensor), strict=True):
+                            out[kiln] = t.to(device=device, dtype=dtype).contiguous()
+                        bar.update(found[hf_name][2])
+            except (SafetensorError, OSError) as e:
+                raise _unreadable(path, e) from None
     shapes = param_shapes(cfg)
     assert all(tuple(out[n].shape) == s for n, s in shapes.items()), "weight plan produced a wrong shape"
     return {n: out[n] for n in shapes}

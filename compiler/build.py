@@ -10,8 +10,15 @@ from pathlib import Path
 
 import torch
 
+from kiln.compile.quantized import SPEC, is_quantized_checkpoint, load_quantized, stored_scheme
 from kiln.errors import KilnError
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.weights import load_hf_weights
+from kiln.ir.frontend import build_graph
 from kiln.model_config import DTYPES, CompileConfig, ModelConfig
+from kiln.quant.formats import parse_scheme
+from kiln.spec.loader import DEFAULT_SPEC, load_spec
+from kiln.tokenizer import load_tokenizer
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -38,7 +45,6 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def _model_from_checkpoint(weights: Path) -> tuple[ModelConfig, str]:
-    from kiln.hf.config import config_from_hf, load_hf_config
 
     hf = load_hf_config(weights)
     notes: list[str] = []
@@ -64,14 +70,10 @@ def load_model(
     None the weights are seeded random. dtype and quantize (a scheme name such as int8 or int4-gptq-g128)
     override the spec's compile part (CLI flags win).
     """
-    from kiln.ir.frontend import build_graph
-    from kiln.spec.loader import DEFAULT_SPEC, load_spec
-    from kiln.tokenizer import load_tokenizer
 
     dev = resolve_device(device)
     weights_dir = Path(weights) if weights is not None else None
     if weights_dir is not None:
-        from kiln.compile.quantized import is_quantized_checkpoint
 
         if is_quantized_checkpoint(weights_dir):
             return _load_quantized(weights_dir, spec, dev, dtype=dtype, quantize=quantize)
@@ -94,14 +96,12 @@ def load_model(
             raise KilnError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
     if quantize is not None:
-        from kiln.quant.formats import parse_scheme
 
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
     tdtype = TORCH_DTYPES[comp.dtype]
 
     params = None
     if weights_dir is not None:
-        from kiln.hf.weights import load_hf_weights
 
         params = load_hf_weights(weights_dir, cfg, model_type=model_type, dtype=tdtype, device=dev)
     gm = build_graph(cfg, params, dtype=tdtype, device=dev, seed=seed)
@@ -117,12 +117,8 @@ def _load_quantized(
     Its scheme and float dtype are fixed when it is written: --quantize / --dtype that agree are accepted,
     others refused (the weights cannot be re-quantized or re-cast here), never silently ignored.
     """
-    from kiln.compile.quantized import SPEC, load_quantized, stored_scheme
-    from kiln.spec.loader import load_spec
-    from kiln.tokenizer import load_tokenizer
 
     if quantize is not None:
-        from kiln.quant.formats import parse_scheme
 
         want, have = parse_scheme(quantize), stored_scheme(weights_dir)
         if want.label != have.label:  # calibration options do not matter once the weights are stored

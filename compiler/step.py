@@ -13,6 +13,7 @@ travel together as a KVCache, which the runtime allocates once and only passes t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +50,18 @@ class StepBatch:
     max_query_len: int  # host-side copies so kernels need no device -> host sync
     max_context_len: int
 
+    def graph_inputs(self, cache: KVCache) -> dict[str, object]:
+        """The step graph's inputs by name, in step_input_names order (tokens and positions as [1, N])."""
+        inputs: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "max_query_len":  # the cache goes between the tensors and the host-side bounds
+                inputs["kv_cache"] = cache.data
+                if cache.scales is not None:
+                    inputs["kv_scales"] = cache.scales
+            value = getattr(self, f.name)
+            inputs[f.name] = value.view(1, -1) if f.name in ("tokens", "positions") else value
+        return inputs
+
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
@@ -72,6 +85,14 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return int(self.data.shape[3])
+
+
+def step_input_names(quantized: bool) -> tuple[str, ...]:
+    """The step graph's placeholders in order: StepBatch's tensors, the cache (and its scales when int8), then
+    StepBatch's host-side ints. StepBatch is the one source; the kv_cache pass and CompiledStep both use this."""
+    tensors = [f.name for f in dataclasses.fields(StepBatch) if f.type != "int"]
+    ints = [f.name for f in dataclasses.fields(StepBatch) if f.type == "int"]
+    return (*tensors, "kv_cache", *(("kv_scales",) if quantized else ()), *ints)
 
 
 class StepModel(Protocol):

@@ -30,14 +30,11 @@ import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 from kiln.errors import PassError
 from kiln.passes._graph import is_call, rename
 from kiln.passes.base import Pass, PassResult
+from kiln.step import step_input_names
 
 kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
 _NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
-INPUTS = (
-    "tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "sample_indices",
-    "kv_cache", "max_query_len", "max_context_len",
-)  # fmt: skip
 # Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic).
 _N, _S, _R, _MAX_BLOCKS, _NUM_BLOCKS, _BLOCK_SIZE = 8, 2, 2, 4, 8, 16
 
@@ -90,12 +87,6 @@ def _add_inputs(graph: fx.Graph, examples: dict, names: tuple[str, ...]) -> dict
     return nodes
 
 
-def step_inputs(quantized: bool) -> tuple[str, ...]:
-    """The step graph's input names in order: INPUTS, with kv_scales after kv_cache for an int8 cache."""
-    at = INPUTS.index("kv_cache") + 1
-    return (*INPUTS[:at], "kv_scales", *INPUTS[at:]) if quantized else INPUTS
-
-
 def _gather_sites(logits: fx.Node) -> list[tuple[fx.Node, int]]:
     """(consumer, argument index) pairs whose argument is replaced by its sampled rows."""
     x = logits.args[0]
@@ -128,7 +119,7 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     device = weight.device if weight is not None else placeholders[0].meta["val"].device
     quantized = kv_dtype == "int8"
     examples = _example_inputs(device, kv_heads, head_dim, torch.int8 if quantized else dtype, len(attn))
-    inputs = _add_inputs(graph, examples, step_inputs(quantized))
+    inputs = _add_inputs(graph, examples, step_input_names(quantized))
     kv_scales = inputs["kv_scales"] if quantized else None  # always passed: the op has no default (ops_paged)
     step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
     bounds = [inputs["max_query_len"], inputs["max_context_len"]]

@@ -15,8 +15,9 @@ from kiln.compile.pipeline import check_ir, propagate
 from kiln.errors import PassError
 from kiln.ir.frontend import build_graph
 from kiln.ir.text import format_graph
-from kiln.passes.kv_cache import INPUTS, PASS
+from kiln.passes.kv_cache import PASS
 from kiln.spec.loader import load_spec
+from kiln.step import step_input_names
 
 kiln_ops = torch.ops.kiln
 SPECS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-gpt2"]
@@ -69,7 +70,7 @@ def test_pass_rewrites_attention_and_second_run_is_a_no_op(spec):
     assert [n.args[4] for n in paged] == list(range(cfg.layers))
     assert all(n.is_impure() for n in paged)  # mutable schema (writes kv_cache): dead-code elimination keeps it
     assert ops.count(torch.ops.aten.index_select.default) in (1, 2)
-    assert tuple(n.name for n in gm.graph.nodes if n.op == "placeholder") == INPUTS
+    assert tuple(n.name for n in gm.graph.nodes if n.op == "placeholder") == step_input_names(False)
     logits = gm.graph.find_nodes(op="output")[0].args[0]
     assert tuple(logits.meta["val"].shape) == (1, 2, cfg.vocab)  # example R = 2 sampled rows
     text = format_graph(gm)

@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "kiln.quant": {*LEAVES, "kiln.step", "kiln.tokenizer"},
     "kiln.ir": {*LEAVES, "kiln.model_config", "kiln.quant"},
     "kiln.codegen": {*LEAVES},
-    "kiln.passes": {*LEAVES, "kiln.model_config", "kiln.ir", "kiln.quant", "kiln.codegen"},
+    "kiln.passes": {*LEAVES, "kiln.model_config", "kiln.step", "kiln.ir", "kiln.quant", "kiln.codegen"},
     "kiln.hf": {*LEAVES, "kiln.model_config", "kiln.step", "kiln.spec", "kiln.tokenizer"},
     "kiln.gguf": {*LEAVES, "kiln.model_config", "kiln.spec", "kiln.tokenizer", "kiln.hf", "kiln.quant", "kiln.ir"},
     "kiln.compile": {*LEAVES, "kiln.model_config", "kiln.step", "kiln.spec", "kiln.quant", "kiln.ir", "kiln.codegen",

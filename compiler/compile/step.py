@@ -74,14 +74,7 @@ class CompiledStep:
         the bare data tensor of a cache in the model's dtype)."""
         cache = kv_cache if isinstance(kv_cache, KVCache) else KVCache(kv_cache)
         self._check_cache(cache)
-        inputs = dict(
-            tokens=batch.tokens.view(1, -1), positions=batch.positions.view(1, -1), slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables, context_lens=batch.context_lens, query_start_loc=batch.query_start_loc,
-            sample_indices=batch.sample_indices, kv_cache=cache.data, max_query_len=int(batch.max_query_len),
-            max_context_len=int(batch.max_context_len),
-        )  # fmt: skip
-        if cache.scales is not None:
-            inputs["kv_scales"] = cache.scales
+        inputs = batch.graph_inputs(cache)
         with torch.no_grad():
             logits = self.gm(**inputs)
         return logits.reshape(-1, self.vocab).float()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from kiln.errors import KilnError
+from kiln.errors import Diagnostic, KilnError, SpecError
 from kiln.model_config import CompileConfig, ModelConfig
 from kiln.parser import parse_spec
 from kiln.spec_ast import SpecFile
@@ -37,11 +37,33 @@ def parse_and_resolve(text: str, path: str = "<spec>") -> LoadedSpec:
     return LoadedSpec(ast=ast, model=model, compile=compile_config, path=path)
 
 
+def read_spec_file(path: Path) -> str:
+    """The text of a spec file; an unreadable file is a KilnError, one that is not UTF-8 a SpecError at the
+    first bad byte (a binary file given by mistake, or a legacy encoding)."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise KilnError(f"{path}: cannot read the spec file: {e.strerror or e}; check the path and its "
+                        "permissions") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        binary = b"\0" in data[:4096]
+        hint = ("this looks like a binary file, not a spec: pass the .kiln text file" if binary else
+                "save the file as UTF-8 (specs are UTF-8 text)")
+        raise SpecError([Diagnostic(str(path), line, col, f"not UTF-8 text: byte 0x{data[e.start]:02x} at byte "
+                                    f"offset {e.start} cannot be decoded", hint)]) from None
+
+
 def load_spec(ref: str | os.PathLike) -> LoadedSpec:
     """Load `ref`: a path to a .kiln file, or a bundled spec name such as "tiny-llama" (an existing file wins)."""
     path = Path(ref)
     if path.is_file():
-        return parse_and_resolve(path.read_text(encoding="utf-8"), str(path))
+        return parse_and_resolve(read_spec_file(path), str(path))
+    if path.is_dir():
+        raise KilnError(f"{ref}: is a directory, not a spec file; pass a .kiln file or a bundled spec name")
     name = str(ref)
     if name.endswith(_SUFFIX) and os.sep not in name:
         name = name[: -len(_SUFFIX)]

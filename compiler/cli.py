@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kiln.cli_common import (
     QUANTIZE_HELP,
+    check_input_file,
     check_output_dir,
     check_output_file,
     engine_flags,
@@ -97,6 +98,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from kiln.quantization import parse_scheme
 
     out = check_output_dir("-o", args.output)
+    check_input_file("--calibration", args.calibration)
     scheme = parse_scheme(args.quantize)
     if args.calibration:
         scheme = dataclasses.replace(scheme, calibration=args.calibration)

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from kiln.cli_common import QUANTIZE_HELP, engine_flags, positive_int, seed_arg, serving_engine, step_model
+from kiln.cli_common import (
+    QUANTIZE_HELP,
+    check_input_file,
+    engine_flags,
+    positive_int,
+    seed_arg,
+    serving_engine,
+    step_model,
+)
 from kiln.errors import KilnError
 
 
@@ -59,6 +67,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from kiln.quality import DEFAULT_SCHEMES, bench_quality_main
 
+    check_input_file("--eval-text", args.eval_text)
+    check_input_file("--calibration", args.calibration)
     schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
     from kiln.quantization import parse_scheme
 

@@ -75,6 +75,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def check_input_file(flag: str, path: str | None) -> None:
+    """Check before any work that the file a flag names can be read (None: the flag was not given)."""
+    if path is None:
+        return
+    p = Path(path)
+    if not p.exists():
+        raise KilnError(f"{flag} {path}: no such file; check the path")
+    if not p.is_file():
+        raise KilnError(f"{flag} {path}: is not a regular file; give a text file")
+    try:
+        with p.open("rb"):
+            pass
+    except OSError as e:
+        raise KilnError(f"{flag} {path}: cannot read ({e.strerror or e}); check its permissions") from None
+
+
 def _writable_dir(flag: str, path: str, directory: Path) -> None:
     """Raise a KilnError naming `flag` unless `directory` exists, is a directory and takes new files."""
     if not directory.exists():

@@ -28,7 +28,9 @@ class Diagnostic:
         head = f"{self.path}:{self.line}:{self.column}: error: {self.message}"
         parts = [head]
         if self.source_line:
-            parts.append(f"    {self.source_line}")
+            # A control character (NUL, ...) would vanish or garble the terminal; one `?` keeps the caret aligned.
+            shown = "".join(c if c.isprintable() or c == "\t" else "?" for c in self.source_line)
+            parts.append(f"    {shown}")
             parts.append("    " + " " * max(self.column - 1, 0) + "^")
         if self.hint:
             parts.append(f"  hint: {self.hint}")

@@ -244,7 +244,8 @@ def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
         if size > MAX_WEIGHT_BYTES:
             r.error(spec.model, f"model `{model.name}` has {format_count(param_count(model))} parameters, "
                     f"{format_bytes(size)} in {comp.dtype}: above the {format_bytes(MAX_WEIGHT_BYTES)} of weights "
-                    "any one device can hold", "make it smaller (layers, dim, ffn, vocab), or use fp16 / bf16")
+                    "any one device can hold", "make it smaller (layers, dim, ffn, vocab)"
+                    + (", or set `dtype = bf16` in the compile block (half the bytes)" if comp.dtype == "fp32" else ""))
     if r.diags or model is None:
         raise SpecError(r.diags)
     return model, comp

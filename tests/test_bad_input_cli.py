@@ -73,10 +73,10 @@ ROWS = [
         fragment="head_dim = 99999999999 is above the largest kiln can build, 256"),
     Row("head-size-from-dim", **check(GOOD.replace("dim = 32", "dim = 4096").replace("heads = 4", "heads = 2")),
         code=2, fragment="dim / heads = 2048 is the head size"),
-    Row("2.6TB-model", **check(GOOD.replace("vocab = 64 dim = 32 layers = 2", "vocab = 128000 dim = 65536 "
-                                            "layers = 1000").replace("ffn = 64", "ffn = 100000")
-                               .replace("heads = 4", "heads = 512") + "compile {\n  dtype = bf16\n}\n"),
-        code=2, fragment="any one device can hold"),
+    Row("2.6TB-model", **check(GOOD.replace("vocab = 64 dim = 32 layers = 2 heads = 4", "vocab = 128000 "
+                                            "dim = 32768 layers = 75 heads = 256").replace("ffn = 64", "ffn = 131072")
+                               + "compile {\n  dtype = bf16\n}\n"),
+        code=2, fragment="has 1.3T parameters, 2.4 TiB in bf16: above the 1.0 TiB of weights any one device can hold"),
     Row("layers-1e8", **check(GOOD.replace("layers = 2", "layers = 100000000")), code=2,
         fragment="layers = 100000000 is above the largest kiln can build, 1024"),
     Row("context-huge", **check(GOOD.replace("context = 16", "context = 99999999999")), code=2,
@@ -246,16 +246,15 @@ def test_many_unknown_keys_are_diagnosed_in_linear_time():
 
     n = 20_000
     text = HEAD + "".join(f"  unknown_{i} = {i}\n" for i in range(n)) + LAYER + "}\n"
-    t0 = time.perf_counter()
     ast = parse_spec(text, "many.kiln")
     ast = dataclasses.replace(ast, source=_CountingStr(ast.source))
     with pytest.raises(SpecError) as info:
         resolve(ast)
-    elapsed = time.perf_counter() - t0
     assert len(info.value.diagnostics) == n
     assert info.value.diagnostics[-1].source_line == f"  unknown_{n - 1} = {n - 1}"
-    assert _CountingStr.splits == 1  # the source is split once, not once per diagnostic
-    assert elapsed < 60  # about 3 s on a loaded 2-core machine; the quadratic version took minutes
+    # The source is split once, not once per diagnostic (that made 32k keys take minutes). No timing is
+    # asserted (tests never do); this whole test takes a few seconds.
+    assert _CountingStr.splits == 1
 
 
 # ---- kernel cache hygiene ------------------------------------------------------------------------------------

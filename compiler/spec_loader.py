@@ -15,6 +15,7 @@ from kiln.validate import resolve
 
 DEFAULT_SPEC = "tiny-llama"
 _SUFFIX = ".kiln"
+MAX_SPEC_BYTES = 16 << 20  # specs are a few hundred bytes; this stops a checkpoint given by mistake being read
 
 
 @dataclass
@@ -41,6 +42,10 @@ def read_spec_file(path: Path) -> str:
     """The text of a spec file; an unreadable file is a KilnError, one that is not UTF-8 a SpecError at the
     first bad byte (a binary file given by mistake, or a legacy encoding)."""
     try:
+        size = path.stat().st_size
+        if size > MAX_SPEC_BYTES:
+            raise KilnError(f"{path}: {size / 2**20:.0f} MiB is far too large for a spec file (at most "
+                            f"{MAX_SPEC_BYTES >> 20} MiB); pass the .kiln text file, not a checkpoint")
         data = path.read_bytes()
     except OSError as e:
         raise KilnError(f"{path}: cannot read the spec file: {e.strerror or e}; check the path and its "

@@ -96,6 +96,8 @@ ROWS = [
         fragment="U+00A0 (NO-BREAK SPACE)"),
     Row("zero-width-space", **check(GOOD.replace("layers", "\u200blayers")), code=2,
         fragment="s.kiln:2:23: error: unexpected character U+200B (ZERO WIDTH SPACE)"),
+    Row("curly-quotes", **check(GOOD.replace('"m"', "\u201cm\u201d")), code=2,
+        fragment="U+201C (LEFT DOUBLE QUOTATION MARK)"),
     Row("x-times-x-times-x", **check(spec(layer="  layer {\n    x = x * x * x\n  }\n")), code=2,
         fragment="operator `*` is not supported", once=True),
     Row("check-a-directory", ["check", "{tmp}"], code=2, fragment="is a directory, not a spec file"),
@@ -182,6 +184,35 @@ def test_bad_input_is_one_message_and_exit_2(row: Row, tmp_path, capsys):
 
 def test_the_table_covers_enough_rows():
     assert len(ROWS) >= 35 and len({r.id for r in ROWS}) == len(ROWS)
+
+
+def test_a_huge_file_given_as_a_spec_is_refused_unread(tmp_path, capsys):
+    big = tmp_path / "model.safetensors"
+    with big.open("wb") as f:
+        f.truncate(17 << 20)  # sparse: costs no disk
+    code, _, err = run_main(["check", str(big)], capsys)
+    assert code == 2 and "17 MiB is far too large for a spec file" in err and "Traceback" not in err
+
+
+def test_check_reports_parameters_and_weight_bytes(capsys):
+    from kiln.model_config import param_shapes
+    from kiln.spec_loader import bundled_specs, load_spec
+    from kiln.validate import param_count
+
+    for name in bundled_specs():
+        model = load_spec(name).model
+        assert param_count(model) == sum(torch_numel(s) for s in param_shapes(model).values())
+    code, out, _ = run_main(["check", "llama-3.1-8b", "tiny-llama"], capsys)
+    assert code == 0
+    assert "ok (llama-3.1-8b, 32 layers, 8.0B parameters, 15.0 GiB of weights in bf16)" in out
+    assert "ok (tiny-llama, 2 layers, 139.6K parameters, 545.2 KiB of weights in fp32)" in out
+
+
+def torch_numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 # ---- the error contract ----------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
                 status = 1
         elif args.write:
             if text != source:
-                write_file_atomic(str(path), path, text)
+                write_file_atomic("--write", path, text)
                 print(f"{path}: reformatted", file=sys.stderr)
         else:
             sys.stdout.write(text)
@@ -326,8 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         traceback.print_exc()
-        print(f"kiln: this is a bug in kiln, not a problem with your input; please report it to {REPORT_BUGS} "
-              "with the command line and the traceback above", file=sys.stderr)
+        print(f"kiln: this is a bug in kiln, not a problem with your input; please report it on {REPORT_BUGS} "
+              "with the command line, `kiln --version` and the traceback above", file=sys.stderr)
         return EXIT_BUG
 
 

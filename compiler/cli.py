@@ -128,6 +128,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
             n = len(e.diagnostics)
             print(f"{e}\n{ref}: {n} error{'s' if n != 1 else ''}", file=sys.stderr)
+        except KilnError as e:  # unreadable, a directory, no such spec: report it and check the rest
+            failed += 1
+            print(f"kiln: error: {e}", file=sys.stderr)
         else:
             n, dtype = param_count(loaded.model), loaded.compile.dtype
             print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers, {format_count(n)} "

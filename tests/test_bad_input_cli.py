@@ -194,6 +194,11 @@ def test_a_huge_file_given_as_a_spec_is_refused_unread(tmp_path, capsys):
     assert code == 2 and "17 MiB is far too large for a spec file" in err and "Traceback" not in err
 
 
+def test_check_goes_on_after_a_file_it_cannot_read(tmp_path, capsys):
+    code, out, err = run_main(["check", str(tmp_path), "tiny-llama"], capsys)
+    assert code == 2 and "is a directory, not a spec file" in err and "ok (tiny-llama" in out
+
+
 def test_check_reports_parameters_and_weight_bytes(capsys):
     from kiln.model_config import param_shapes
     from kiln.spec_loader import bundled_specs, load_spec

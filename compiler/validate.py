@@ -53,6 +53,11 @@ SIZE_LIMITS = {  # key -> (largest value, why)
     "window": (1 << 24, "window is at most the largest context, 16777216"),
     "original": (1 << 24, "original is a context length: at most 16777216"),
 }
+FLOAT_LIMITS = {  # key -> (largest value, why): beyond these the fp32 arithmetic overflows or means nothing
+    "eps": (1.0, "eps keeps the norm's division finite and is tiny, e.g. eps = 1e-5"),
+    "theta": (1e12, "rope theta is a base wavelength, e.g. 10000 or 500000; larger ones overflow in fp32"),
+    "factor": (1e6, "rope scaling factors are small ratios, e.g. factor = 8"),
+}
 MAX_WEIGHT_BYTES = 1 << 40  # 1 TiB; see the module docstring
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 POSITIONS = ("rope", "learned", "none")
@@ -66,7 +71,7 @@ def _norm(r: _Report, e: Expr) -> NormConfig | None:
     if found is None:
         return None
     func, kw = found
-    eps = _float(r, kw["eps"], "eps") if "eps" in kw else 1e-5
+    eps = _float(r, kw["eps"], "eps", *FLOAT_LIMITS["eps"]) if "eps" in kw else 1e-5
     return NormConfig(func, eps) if eps is not None else None
 
 
@@ -77,7 +82,7 @@ def _rope(r: _Report, e: Expr) -> RopeConfig | None:
     _, kw = found
     if "theta" not in kw:
         r.error(e, "rope() needs `theta = ...`", "e.g. rope = rope(theta = 10000)")
-    theta = _float(r, kw["theta"], "theta") if "theta" in kw else None
+    theta = _float(r, kw["theta"], "theta", *FLOAT_LIMITS["theta"]) if "theta" in kw else None
     scaling = None
     if "scaling" in kw:
         funcs = {"llama3": ("factor", "low", "high", "original"), "linear": ("factor",)}
@@ -89,7 +94,7 @@ def _rope(r: _Report, e: Expr) -> RopeConfig | None:
         if "factor" not in skw:
             r.error(kw["scaling"], f"{kind}() needs `factor = ...`", f"e.g. scaling = {kind}(factor = 8)")
             return None
-        vals = {k: _float(r, skw[k], k) for k in ("factor", "low", "high") if k in skw}
+        vals = {k: _float(r, skw[k], k, *FLOAT_LIMITS["factor"]) for k in ("factor", "low", "high") if k in skw}
         original = _int(r, skw["original"], "original", *SIZE_LIMITS["original"]) if "original" in skw else 8192
         if None in vals.values() or original is None:
             return None

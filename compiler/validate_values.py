@@ -75,14 +75,18 @@ def _int(r: _Report, e: Expr, name: str, hi: int | None = None, why: str = "") -
     return None
 
 
-def _float(r: _Report, e: Expr, name: str) -> float | None:
+def _float(r: _Report, e: Expr, name: str, hi: float | None = None, why: str = "") -> float | None:
+    """A positive finite number, at most `hi` (`why` says where that bound comes from)."""
     if isinstance(e, Num) and not isinstance(e.value, bool) and e.value > 0:
         try:
             value = float(e.value)
         except OverflowError:  # an integer beyond the float range
             value = math.inf
-        if math.isfinite(value):
+        if math.isfinite(value) and (hi is None or value <= hi):
             return value
+        if math.isfinite(value):
+            r.error(e, f"{name} = {value:g} is above the largest kiln accepts, {hi:g}", why)
+            return None
         r.error(e, f"{name} is too large to be a finite number (above 1.7e308)",
                 f"{name} must be a finite number, e.g. {name} = 1e-5 or {name} = 10000")
         return None

@@ -69,7 +69,7 @@ def kernel_key(template: str, name: str, params: dict[str, Any], triton_ver: str
 @dataclass
 class CacheStats:
     hits: int = 0  # requests answered without rendering (in-process memo, or a file a previous process wrote)
-    misses: int = 0  # requests that had to render
+    misses: int = 0  # requests that had to render (a repaired file included)
     renders: int = 0
     imports: int = 0  # modules imported (once per key per process)
     disk_writes: int = 0  # files written (absent from the disk cache before)
@@ -113,8 +113,7 @@ class KernelCache:
             if path.exists():
                 log.warning("kernel cache file %s is corrupt (truncated or edited); rendering it again", path)
                 self.stats.repaired += 1
-            else:
-                self.stats.misses += 1
+            self.stats.misses += 1
             self._write(path, render(template, name=name, **params))
             self.stats.renders += 1
         fn = getattr(self._import(path), name, None)
@@ -133,15 +132,17 @@ class KernelCache:
             tmps = list(directory.glob("*.tmp"))
         except OSError:
             return
+        removed = 0
         for tmp in tmps:
             try:
                 if now - tmp.stat().st_mtime > STALE_TMP_S:
                     tmp.unlink()
-                    self.stats.stale_tmp_removed += 1
+                    removed += 1
             except OSError:  # another process removed or replaced it first
                 continue
-        if self.stats.stale_tmp_removed:
-            log.info("removed %d stale temporary files from %s", self.stats.stale_tmp_removed, directory)
+        self.stats.stale_tmp_removed += removed
+        if removed:
+            log.info("removed %d stale temporary files from %s", removed, directory)
 
     def path_for(self, family: str, key: str) -> Path:
         return self.root / f"{family}_{key}.py"

@@ -32,7 +32,7 @@ from kiln.cli_common import (
     staged_dir,
     write_file_atomic,
 )
-from kiln.errors import KilnError, SpecError
+from kiln.errors import KilnError, SpecError, UsageError
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
@@ -147,7 +147,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
     for ref in args.specs:
         path = Path(ref)
         if not path.is_file():
-            raise KilnError(f"{ref}: no such spec file")
+            raise UsageError(f"{ref}: no such spec file; check the path")
         source = read_spec_file(path)
         text = format_spec(parse_spec(source, str(path)))
         if args.check:

@@ -14,7 +14,7 @@ from kiln.cli_common import (
     serving_engine,
     step_model,
 )
-from kiln.errors import KilnError
+from kiln.errors import KilnError, UsageError
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -26,9 +26,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
     except ValueError as e:
-        raise KilnError(f"--input-len / --output-len: {e}") from None
+        raise UsageError(f"--input-len / --output-len: {e}") from None
     if args.num_requests < 1:
-        raise KilnError(f"--num-requests {args.num_requests}: give at least 1")
+        raise UsageError(f"--num-requests {args.num_requests}: give at least 1")
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
                    quantize=args.quantize)
     trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=m.model.vocab,
@@ -76,7 +76,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
         try:
             parse_scheme(s)
         except KilnError:
-            raise KilnError(f"--schemes: {s!r} is not a quantization scheme; give a comma-separated list of "
+            raise UsageError(f"--schemes: {s!r} is not a quantization scheme; give a comma-separated list of "
                             "int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]") from None
     bench_quality_main(args.spec, args.weights, schemes=schemes, positions=args.positions, eval_text=args.eval_text,
                        calibration=args.calibration, dtype=args.dtype, device=args.device, json=args.json)

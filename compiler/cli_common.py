@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.errors import KilnError
+from kiln.errors import UsageError
 
 QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
                  "(overrides the spec's `quantize`)")
@@ -81,29 +81,29 @@ def check_input_file(flag: str, path: str | None) -> None:
         return
     p = Path(path)
     if not p.exists():
-        raise KilnError(f"{flag} {path}: no such file; check the path")
+        raise UsageError(f"{flag} {path}: no such file; check the path")
     if not p.is_file():
-        raise KilnError(f"{flag} {path}: is not a regular file; give a text file")
+        raise UsageError(f"{flag} {path}: is not a regular file; give a text file")
     try:
         with p.open("rb"):
             pass
     except OSError as e:
-        raise KilnError(f"{flag} {path}: cannot read ({e.strerror or e}); check its permissions") from None
+        raise UsageError(f"{flag} {path}: cannot read ({e.strerror or e}); check its permissions") from None
 
 
 def _writable_dir(flag: str, path: str, directory: Path) -> None:
-    """Raise a KilnError naming `flag` unless `directory` exists, is a directory and takes new files."""
+    """Raise a UsageError naming `flag` unless `directory` exists, is a directory and takes new files."""
     if not directory.exists():
-        raise KilnError(f"{flag} {path}: the directory {directory} does not exist; create it first "
+        raise UsageError(f"{flag} {path}: the directory {directory} does not exist; create it first "
                         f"(mkdir -p {directory}) or choose another place")
     if not directory.is_dir():
-        raise KilnError(f"{flag} {path}: {directory} is a file, not a directory; choose a path inside a directory")
+        raise UsageError(f"{flag} {path}: {directory} is a file, not a directory; choose a path inside a directory")
     try:  # a real probe: permission bits say nothing for root, or on a read-only mount
         fd, probe = tempfile.mkstemp(prefix=".kiln-probe-", dir=directory)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise KilnError(f"{flag} {path}: cannot write in {directory} ({e.strerror or e}); choose a writable "
+        raise UsageError(f"{flag} {path}: cannot write in {directory} ({e.strerror or e}); choose a writable "
                         "place") from None
 
 
@@ -111,7 +111,7 @@ def check_output_file(flag: str, path: str) -> Path:
     """Check before any work that `path` can be written as a file; returns it as a Path."""
     p = Path(path)
     if p.is_dir():
-        raise KilnError(f"{flag} {path}: is a directory; give a file name, e.g. {flag} {p / 'model.kiln'}")
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {flag} {p / 'model.kiln'}")
     _writable_dir(flag, path, p.parent)
     return p
 
@@ -120,7 +120,7 @@ def check_output_dir(flag: str, path: str) -> Path:
     """Check before any work that `path` is (or can be made, one level deep) a writable directory."""
     p = Path(path)
     if p.exists() and not p.is_dir():
-        raise KilnError(f"{flag} {path}: is a file, not a directory; give a new or existing directory")
+        raise UsageError(f"{flag} {path}: is a file, not a directory; give a new or existing directory")
     _writable_dir(flag, path, p if p.is_dir() else p.parent)
     return p
 
@@ -137,7 +137,7 @@ def write_file_atomic(flag: str, path: Path, text: str) -> None:
     except OSError as e:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        raise KilnError(f"{flag} {path}: cannot write ({e.strerror or e}); choose a writable place") from None
+        raise UsageError(f"{flag} {path}: cannot write ({e.strerror or e}); choose a writable place") from None
 
 
 def _umask() -> int:
@@ -163,7 +163,7 @@ def staged_dir(flag: str, path: Path) -> Iterator[Path]:
             else:
                 os.replace(item, target)
     except OSError as e:
-        raise KilnError(f"{flag} {path}: cannot write ({e.strerror or e}); choose a writable place") from None
+        raise UsageError(f"{flag} {path}: cannot write ({e.strerror or e}); choose a writable place") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 

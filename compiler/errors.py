@@ -59,3 +59,8 @@ class CodegenError(KilnError):
 
 class RequestError(KilnError):
     """A generation request with a bad parameter; names the parameter and the allowed range."""
+
+
+class UsageError(KilnError):
+    """A bad flag value or path (an output that cannot be written, an input that cannot be read): names the
+    flag or path and the fix."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
-from kiln.errors import Diagnostic, KilnError, SpecError
+from kiln.errors import Diagnostic, SpecError, UsageError
 from kiln.model_config import CompileConfig, ModelConfig
 from kiln.parser import parse_spec
 from kiln.spec_ast import SpecFile
@@ -39,16 +39,16 @@ def parse_and_resolve(text: str, path: str = "<spec>") -> LoadedSpec:
 
 
 def read_spec_file(path: Path) -> str:
-    """The text of a spec file; an unreadable file is a KilnError, one that is not UTF-8 a SpecError at the
+    """The text of a spec file; an unreadable file is a UsageError, one that is not UTF-8 a SpecError at the
     first bad byte (a binary file given by mistake, or a legacy encoding)."""
     try:
         size = path.stat().st_size
         if size > MAX_SPEC_BYTES:
-            raise KilnError(f"{path}: {size / 2**20:.0f} MiB is far too large for a spec file (at most "
+            raise UsageError(f"{path}: {size / 2**20:.0f} MiB is far too large for a spec file (at most "
                             f"{MAX_SPEC_BYTES >> 20} MiB); pass the .kiln text file, not a checkpoint")
         data = path.read_bytes()
     except OSError as e:
-        raise KilnError(f"{path}: cannot read the spec file: {e.strerror or e}; check the path and its "
+        raise UsageError(f"{path}: cannot read the spec file: {e.strerror or e}; check the path and its "
                         "permissions") from None
     try:
         return data.decode("utf-8")
@@ -68,11 +68,11 @@ def load_spec(ref: str | os.PathLike) -> LoadedSpec:
     if path.is_file():
         return parse_and_resolve(read_spec_file(path), str(path))
     if path.is_dir():
-        raise KilnError(f"{ref}: is a directory, not a spec file; pass a .kiln file or a bundled spec name")
+        raise UsageError(f"{ref}: is a directory, not a spec file; pass a .kiln file or a bundled spec name")
     name = str(ref)
     if name.endswith(_SUFFIX) and os.sep not in name:
         name = name[: -len(_SUFFIX)]
     if name in bundled_specs():
         res = files("kiln.specs").joinpath(name + _SUFFIX)
         return parse_and_resolve(res.read_text(encoding="utf-8"), str(res))
-    raise KilnError(f"{ref}: no such spec file or bundled spec; bundled specs are: {', '.join(bundled_specs())}")
+    raise UsageError(f"{ref}: no such spec file or bundled spec; bundled specs are: {', '.join(bundled_specs())}")

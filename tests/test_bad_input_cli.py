@@ -197,6 +197,18 @@ def test_a_huge_file_given_as_a_spec_is_refused_unread(tmp_path, capsys):
     assert code == 2 and "17 MiB is far too large for a spec file" in err and "Traceback" not in err
 
 
+def test_path_and_flag_errors_are_usage_errors(tmp_path):
+    from kiln.cli_common import check_output_file
+    from kiln.errors import KilnError, UsageError
+    from kiln.spec_loader import load_spec
+
+    assert issubclass(UsageError, KilnError)
+    with pytest.raises(UsageError, match="is a directory, not a spec file"):
+        load_spec(tmp_path)
+    with pytest.raises(UsageError, match="-o .*: the directory .* does not exist"):
+        check_output_file("-o", str(tmp_path / "no" / "x.kiln"))
+
+
 def test_check_goes_on_after_a_file_it_cannot_read(tmp_path, capsys):
     code, out, err = run_main(["check", str(tmp_path), "tiny-llama"], capsys)
     assert code == 2 and "is a directory, not a spec file" in err and "ok (tiny-llama" in out

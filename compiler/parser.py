@@ -300,7 +300,7 @@ def _char_name(char: str) -> str:
 
 
 def _char_hint(char: str) -> str:
-    if char in "\u201c\u201d\u2018\u2019":
+    if char and char in "\u201c\u201d\u2018\u2019":
         return 'strings use straight double quotes: "..." (a word processor turned them into curly ones)'
     if not (char.isascii() and char.isprintable()):
         return ("remove it or retype the line: specs are plain ASCII outside strings and comments "

@@ -28,7 +28,9 @@ class Diagnostic:
         head = f"{self.path}:{self.line}:{self.column}: error: {self.message}"
         parts = [head]
         if self.source_line:
-            parts.append(f"    {self.source_line}")
+            # A control character (NUL, ...) would vanish or garble the terminal; one `?` keeps the caret aligned.
+            shown = "".join(c if c.isprintable() or c == "\t" else "?" for c in self.source_line)
+            parts.append(f"    {shown}")
             parts.append("    " + " " * max(self.column - 1, 0) + "^")
         if self.hint:
             parts.append(f"  hint: {self.hint}")
@@ -57,6 +59,11 @@ class CodegenError(KilnError):
 
 class RequestError(KilnError):
     """A generation request with a bad parameter; names the parameter and the allowed range."""
+
+
+class UsageError(KilnError):
+    """A bad flag value or path (an output that cannot be written, an input that cannot be read): names the
+    flag or path and the fix."""
 
 
 class InternalError(RuntimeError):

@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from kiln.cli.common import QUANTIZE_HELP, engine_flags, serving_engine, step_model
-from kiln.errors import KilnError
+from kiln.cli.common import (
+    QUANTIZE_HELP,
+    check_input_file,
+    engine_flags,
+    positive_int,
+    seed_arg,
+    serving_engine,
+    step_model,
+)
+from kiln.errors import KilnError, UsageError
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -18,9 +26,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
     except ValueError as e:
-        raise KilnError(f"--input-len / --output-len: {e}") from None
+        raise UsageError(f"--input-len / --output-len: {e}") from None
     if args.num_requests < 1:
-        raise KilnError(f"--num-requests {args.num_requests}: give at least 1")
+        raise UsageError(f"--num-requests {args.num_requests}: give at least 1")
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
                    quantize=args.quantize)
     trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=m.model.vocab,
@@ -88,7 +96,17 @@ def _write_profile(prof, path: str, top: int = 40) -> str:
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from kiln.cli.quality import DEFAULT_SCHEMES, bench_quality_main
 
+    check_input_file("--eval-text", args.eval_text)
+    check_input_file("--calibration", args.calibration)
     schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
+    from kiln.quant.formats import parse_scheme
+
+    for s in schemes:  # checked before the model loads, naming this flag
+        try:
+            parse_scheme(s)
+        except KilnError:
+            raise UsageError(f"--schemes: {s!r} is not a quantization scheme; give a comma-separated list of "
+                            "int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]") from None
     bench_quality_main(args.spec, args.weights, schemes=schemes, positions=args.positions, eval_text=args.eval_text,
                        calibration=args.calibration, dtype=args.dtype, device=args.device, json=args.json)
     return 0
@@ -103,10 +121,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
     t.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
     t.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
-    t.add_argument("--num-requests", type=int, default=256, help="requests in the trace (default 256)")
+    t.add_argument("--num-requests", type=positive_int, default=256, help="requests in the trace (default 256)")
     t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
     t.add_argument("--output-len", default="100:1024", metavar="LO:HI", help="output lengths, uniform (100:1024)")
-    t.add_argument("--seed", type=int, default=0, help="seed of the trace and of random weights (default 0)")
+    t.add_argument("--seed", type=seed_arg, default=0, help="seed of the trace and of random weights (default 0)")
     t.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most, and static batch size")
     t.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
     t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
@@ -124,7 +142,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     qb.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
     qb.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
     qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,int4-gptq-g128)")
-    qb.add_argument("--positions", type=int, default=256, help="evaluated positions (default 256)")
+    qb.add_argument("--positions", type=positive_int, default=256, help="evaluated positions (default 256)")
     qb.add_argument("--eval-text", metavar="FILE", help="text to evaluate on (default: seeded random tokens)")
     qb.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
     qb.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")

@@ -1,7 +1,12 @@
 """The `kiln` command line: run, check, fmt, import, compile, quantize, bench.
 
-User errors (KilnError) print one message without a traceback and exit 2; `--debug` shows the traceback.
-Generated text goes to stdout, everything else (timings, notes, progress) to stderr.
+The error contract: only KilnError is a user error: one message naming the file, flag or value and the fix, no
+traceback, exit 2 (argparse's own flag errors exit 2 too). Any other exception is a bug in kiln: its traceback
+is printed with one line saying so, and the exit status is 1. `--debug` re-raises everything, traceback
+included. A closed stdout (`kiln run ... | head -c 1`) ends the command quietly with 141, as SIGPIPE ends Unix
+tools. Output files and directories are checked before any work and written whole or not at all.
+Generated text goes to stdout, everything else (timings, notes, progress) to stderr; diagnostics from inside
+kiln go through the `kiln` logger, which main() routes to stderr.
 """
 
 from __future__ import annotations
@@ -9,14 +14,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from kiln.cli.common import QUANTIZE_HELP, engine_flags, serving_engine
-from kiln.errors import KilnError, SpecError
+from kiln.cli.common import (
+    QUANTIZE_HELP,
+    check_input_file,
+    check_output_dir,
+    check_output_file,
+    engine_flags,
+    seed_arg,
+    serving_engine,
+    setup_logging,
+    staged_dir,
+    write_file_atomic,
+)
+from kiln.errors import KilnError, SpecError, UsageError
 
 EXIT_USER_ERROR = 2
+EXIT_BUG = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
+REPORT_BUGS = "the kiln issue tracker"
+
 
 def _ids(text: str) -> list[int]:
     try:
@@ -77,6 +99,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from kiln.compile.quantized import save_quantized
     from kiln.quant.formats import parse_scheme
 
+    out = check_output_dir("-o", args.output)
+    check_input_file("--calibration", args.calibration)
     scheme = parse_scheme(args.quantize)
     if args.calibration:
         scheme = dataclasses.replace(scheme, calibration=args.calibration)
@@ -84,17 +108,19 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device)
     say(f"quantizing {m.model.name} to {scheme.label}" + (" (calibrating)" if scheme.method == "gptq" else ""))
     gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
-    out = save_quantized(gm, args.output, m.model)
-    if args.weights:  # the tokenizer travels with the weights, so `kiln run --weights OUT` decodes text
-        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-            if (Path(args.weights) / name).is_file():
-                shutil.copy(Path(args.weights) / name, out / name)
+    with staged_dir("-o", out) as stage:
+        save_quantized(gm, stage, m.model)
+        if args.weights:  # the tokenizer travels with the weights, so `kiln run --weights OUT` decodes text
+            for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+                if (Path(args.weights) / name).is_file():
+                    shutil.copy(Path(args.weights) / name, stage / name)
     say(f"wrote {out} in {time.perf_counter() - t0:.1f}s; run it with `kiln run --weights {out}`")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from kiln.spec.loader import load_spec
+    from kiln.spec.validate import DTYPE_BYTES, format_bytes, format_count, param_count
 
     failed = 0
     for ref in args.specs:
@@ -104,21 +130,27 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
             n = len(e.diagnostics)
             print(f"{e}\n{ref}: {n} error{'s' if n != 1 else ''}", file=sys.stderr)
+        except KilnError as e:  # unreadable, a directory, no such spec: report it and check the rest
+            failed += 1
+            print(f"kiln: error: {e}", file=sys.stderr)
         else:
-            print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers)")
+            n, dtype = param_count(loaded.model), loaded.compile.dtype
+            print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers, {format_count(n)} "
+                  f"parameters, {format_bytes(n * DTYPE_BYTES[dtype])} of weights in {dtype})")
     return EXIT_USER_ERROR if failed else 0
 
 
 def cmd_fmt(args: argparse.Namespace) -> int:
     from kiln.spec.formatter import format_spec
+    from kiln.spec.loader import read_spec_file
     from kiln.spec.parser import parse_spec
 
     status = 0
     for ref in args.specs:
         path = Path(ref)
         if not path.is_file():
-            raise KilnError(f"{ref}: no such spec file")
-        source = path.read_text()
+            raise UsageError(f"{ref}: no such spec file; check the path")
+        source = read_spec_file(path)
         text = format_spec(parse_spec(source, str(path)))
         if args.check:
             if text != source:
@@ -126,7 +158,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
                 status = 1
         elif args.write:
             if text != source:
-                path.write_text(text)
+                write_file_atomic("--write", path, text)
                 print(f"{path}: reformatted", file=sys.stderr)
         else:
             sys.stdout.write(text)
@@ -136,12 +168,13 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     from kiln.hf.config import import_spec
 
+    out = check_output_file("-o", args.output) if args.output else None
     notes: list[str] = []
     cfg, text = import_spec(args.hf_dir, args.name or "", notes)  # resolved in-process: always passes `kiln check`
     for note in notes:
         print(f"kiln: note: {note}", file=sys.stderr)
-    if args.output:
-        Path(args.output).write_text(text)
+    if out is not None:
+        write_file_atomic("-o", out, text)
         print(f"kiln: wrote {args.output} ({cfg.name}, {cfg.layers} layers)", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -157,6 +190,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from kiln.ir.text import weight_bytes
     from kiln.spec.loader import load_spec
 
+    emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
     loaded = load_spec(args.spec)
     dtype_name = args.dtype or loaded.compile.dtype
     comp = loaded.compile
@@ -171,8 +205,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     gm = graph()
     n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    if args.emit:
-        written = emit(gm, args.emit, comp)
+    if emit_dir is not None:
+        with staged_dir("--emit", emit_dir) as stage:
+            written = emit(gm, stage, comp)
         print(f"kiln: wrote {len(written)} files under {args.emit} (graphs/ after every pass, kernels/)",
               file=sys.stderr)
         gm = graph()
@@ -217,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
     r.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
-    r.add_argument("--seed", type=int, default=None, help="seed for sampling and random weights")
+    r.add_argument("--seed", type=seed_arg, default=None, help="seed for sampling and random weights")
     r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     r.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
@@ -278,8 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    setup_logging(args.debug)
     try:
         return args.func(args)
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
     except KilnError as e:
         if args.debug:
             raise
@@ -288,6 +327,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        if args.debug:
+            raise
+        traceback.print_exc()
+        print(f"kiln: this is a bug in kiln, not a problem with your input; please report it on {REPORT_BUGS} "
+              "with the command line, `kiln --version` and the traceback above", file=sys.stderr)
+        return EXIT_BUG
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush into the closed pipe stays quiet."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+        os.close(fd)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (captured in-process)
+        pass
 
 
 if __name__ == "__main__":

@@ -48,8 +48,9 @@ def _quantize(r: _Report, e: Expr) -> dict | None:
             r.error(c, f"calibration must be a file name in quotes, got {format_expr(c)}",
                     'e.g. calibration = "calib.txt" (a text file), or tokens = 512 for random tokens')
             out = None
-    vals = {k: (_int if k == "tokens" else _bool)(r, kw[k], k) for k in ("tokens", "symmetric", "lm_head",
-                                                                        "embeddings") if k in kw}
+    flags = ("tokens", "symmetric", "lm_head", "embeddings")
+    vals = {k: _int(r, kw[k], k, 1 << 24, "tokens is a calibration token count: at most 16777216")
+            if k == "tokens" else _bool(r, kw[k], k) for k in flags if k in kw}
     if out is None or None in vals.values():
         return None
     return out | vals

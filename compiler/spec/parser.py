@@ -2,12 +2,17 @@
 the `# ...` comments are collected into SpecFile.comments for the formatter.
 
 Syntax errors become a SpecError whose one Diagnostic says, in plain words, what was found and what was
-expected there (never lark's token names), with a hint.
+expected there (never lark's token names), with a hint. A leading UTF-8 byte order mark is skipped; an invisible
+or non-ASCII character is named by its code point. Expressions nested deeper than MAX_NESTING are refused with
+a position before anything recursive (the tree transformer, validation, the formatter) walks them, so no input
+reaches Python's recursion limit.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import unicodedata
 from contextvars import ContextVar
 from copy import copy
 from functools import lru_cache
@@ -42,6 +47,9 @@ _VALUE_STARTS = {"INT", "FLOAT", "STRING", "TRUE", "FALSE", "NAME", "MINUS", "LP
 _GENERIC_HINT = ("settings are `key = value`, separated by spaces or newlines; values are numbers, strings, "
                  "true/false, names, calls like f(x, key = value), and `+`")
 
+
+MAX_NESTING = 100  # calls and operators inside one another; real specs need fewer than 10
+_BOM = "\ufeff"
 
 # The comments of the parse in progress: the cached Lark's lexer callback is fixed, so it reports here.
 _comment_sink: ContextVar[list[Comment] | None] = ContextVar("kiln_spec_comments", default=None)
@@ -79,6 +87,32 @@ def _tok_span(tok: Token) -> Span:
 
 def _number(text: str) -> int | float:
     return int(text) if text.replace("_", "").isdigit() else float(text)
+
+
+def _checked_number(tok: Token, meta) -> int | float:
+    try:
+        value = _number(str(tok))
+    except ValueError:  # an integer longer than Python's int-from-string limit (4300 digits)
+        raise _CallError(_span(meta), f"number with {len(tok)} digits is too long",
+                         "no spec value needs more than a few digits; check for a pasted run of digits") from None
+    # 1e999 reads as inf, which no setting accepts and the formatter cannot write back.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _CallError(_span(meta), f"number {tok} is beyond the floating-point range (it reads as infinity)",
+                         "numbers must be finite: write a value below 1.7e308, e.g. eps = 1e-5")
+    return value
+
+
+def _too_deep(tree: Tree) -> Tree | None:
+    """The first node nested deeper than MAX_NESTING expression levels, found without recursion."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            return node
+        for child in node.children:
+            if isinstance(child, Tree):
+                stack.append((child, depth + (child.data in ("binop", "call"))))
+    return None
 
 
 @v_args(meta=True)
@@ -120,12 +154,12 @@ class _ToAst(Transformer):
         return BinOp(str(op), left, right, _span(meta))
 
     def int(self, meta, children):
-        return Num(_number(children[0]), _span(meta))
+        return Num(_checked_number(children[0], meta), _span(meta))
 
     float = int
 
     def neg_int(self, meta, children):
-        return Num(-_number(children[1]), _span(meta))
+        return Num(-_checked_number(children[1], meta), _span(meta))
 
     neg_float = neg_int
 
@@ -150,6 +184,7 @@ class _ToAst(Transformer):
 
 def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
     """Parse spec source text into a SpecFile; raises SpecError (one Diagnostic) on a syntax error."""
+    text = text.removeprefix(_BOM)  # editors on Windows write one; it is no content
     comments: list[Comment] = []
     token = _comment_sink.set(comments)
     try:
@@ -158,6 +193,12 @@ def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
         raise SpecError([_syntax_diagnostic(e, text, path)]) from None
     finally:
         _comment_sink.reset(token)
+    deep = _too_deep(tree)
+    if deep is not None:
+        line, col = deep.meta.line, deep.meta.column
+        raise SpecError([Diagnostic(path, line, col, f"expression nested more than {MAX_NESTING} levels deep",
+                                    "split it up: no spec needs this many calls or operators inside one another",
+                                    source_line(text, line))])
     try:
         model, compile_block = _ToAst().transform(tree)
     except VisitError as e:
@@ -206,7 +247,7 @@ def _syntax_diagnostic(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         line, col = e.line, e.column
         char = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
         expected = _describe(_accepts(e.state) if e.state is not None else set(e.allowed or ()))
-        found, hint = f"character `{char}`", _char_hint(char)
+        found, hint = _char_name(char), _char_hint(char)
     message = f"unexpected {found}" + (f", expected {expected}" if expected else "")
     return Diagnostic(path, line, col, message, hint, source_line(text, line))
 
@@ -249,7 +290,21 @@ def _token_hint(tok: Token, expected: str) -> str:
     return _GENERIC_HINT
 
 
+def _char_name(char: str) -> str:
+    """`x` for plain ASCII; the code point and Unicode name for anything a reader might not see or tell apart."""
+    if char.isascii() and char.isprintable():
+        return f"character `{char}`"
+    name = unicodedata.name(char, "a control character" if unicodedata.category(char) == "Cc" else "unnamed")
+    shown = f"`{char}` " if char.isprintable() and not char.isspace() else ""
+    return f"character {shown}U+{ord(char):04X} ({name})"
+
+
 def _char_hint(char: str) -> str:
+    if char and char in "\u201c\u201d\u2018\u2019":
+        return 'strings use straight double quotes: "..." (a word processor turned them into curly ones)'
+    if not (char.isascii() and char.isprintable()):
+        return ("remove it or retype the line: specs are plain ASCII outside strings and comments "
+                "(invisible characters often come from copying text out of documents or web pages)")
     if char == "'":
         return "strings use double quotes"
     if char == '"':

@@ -2,9 +2,17 @@
 
 Validation never stops at the first problem: every check records a Diagnostic at the offending node and
 carries on with a placeholder, and resolve() raises one SpecError holding them all.
+
+Sizes have upper bounds from what kiln can build (SIZE_LIMITS): head_dim from the attention kernels, the rest
+far above any released model but low enough that shapes, kernel grids and compile time stay sane. On top of
+them the whole model is refused above MAX_WEIGHT_BYTES of weights in its compile dtype: 1 TiB is more than
+any single accelerator holds (the largest has 141 GB) and more than hosts kiln runs on have as RAM, so such a
+spec could only fail later, after minutes of allocation. `kiln check` reports the size of every spec it accepts.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from kiln.errors import SpecError
 from kiln.model_config import (
@@ -21,6 +29,7 @@ from kiln.model_config import (
     RopeConfig,
     RopeScaling,
     Var,
+    param_shapes,
 )
 from kiln.model_config import Add as AddExpr
 from kiln.spec.ast import BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Setting, SpecFile
@@ -28,13 +37,29 @@ from kiln.spec.compile_keys import COMPILE_KEYS, PLANNED_COMPILE_KEYS, compile_c
 from kiln.spec.formatter import format_expr
 from kiln.spec.values import _bool, _config_call, _enum, _float, _int, _kwargs, _Report, _suggest, _unique
 
-__all__ = ["COMPILE_KEYS", "MODEL_KEYS", "PLANNED_COMPILE_KEYS", "resolve"]
+__all__ = ["COMPILE_KEYS", "MAX_WEIGHT_BYTES", "MODEL_KEYS", "PLANNED_COMPILE_KEYS", "SIZE_LIMITS", "param_count",
+           "resolve"]
 
 SIZE_KEYS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "ffn", "context")
 MODEL_KEYS = (*SIZE_KEYS, "norm", "rope", "positions", "tie_embeddings", "final_norm")
 REQUIRED = {"vocab": "32000", "dim": "4096", "layers": "32", "heads": "32", "context": "8192",
             "norm": "rms(eps = 1e-5)"}
 ACTS = GATED_ACTS + PLAIN_ACTS
+_BIG = "far above any released model; check the number"
+SIZE_LIMITS = {  # key -> (largest value, why)
+    "vocab": (1 << 24, _BIG), "dim": (1 << 17, _BIG), "layers": (1024, _BIG + " (layers also bound compile time)"),
+    "heads": (1024, _BIG), "kv_heads": (1024, _BIG), "ffn": (1 << 20, _BIG), "context": (1 << 24, _BIG),
+    "head_dim": (256, "the attention kernels take head_dim up to 256 (e.g. 64, 80, 96, 128, 256)"),
+    "window": (1 << 24, "window is at most the largest context, 16777216"),
+    "original": (1 << 24, "original is a context length: at most 16777216"),
+}
+FLOAT_LIMITS = {  # key -> (largest value, why): beyond these the fp32 arithmetic overflows or means nothing
+    "eps": (1.0, "eps keeps the norm's division finite and is tiny, e.g. eps = 1e-5"),
+    "theta": (1e12, "rope theta is a base wavelength, e.g. 10000 or 500000; larger ones overflow in fp32"),
+    "factor": (1e6, "rope scaling factors are small ratios, e.g. factor = 8"),
+}
+MAX_WEIGHT_BYTES = 1 << 40  # 1 TiB; see the module docstring
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 POSITIONS = ("rope", "learned", "none")
 LAYER_OPS = {"norm": (), "attention": ("causal", "window", "bias", "qkv_bias", "out_bias", "rope"),
              "mlp": ("act", "bias")}
@@ -46,7 +71,7 @@ def _norm(r: _Report, e: Expr) -> NormConfig | None:
     if found is None:
         return None
     func, kw = found
-    eps = _float(r, kw["eps"], "eps") if "eps" in kw else 1e-5
+    eps = _float(r, kw["eps"], "eps", *FLOAT_LIMITS["eps"]) if "eps" in kw else 1e-5
     return NormConfig(func, eps) if eps is not None else None
 
 
@@ -57,7 +82,7 @@ def _rope(r: _Report, e: Expr) -> RopeConfig | None:
     _, kw = found
     if "theta" not in kw:
         r.error(e, "rope() needs `theta = ...`", "e.g. rope = rope(theta = 10000)")
-    theta = _float(r, kw["theta"], "theta") if "theta" in kw else None
+    theta = _float(r, kw["theta"], "theta", *FLOAT_LIMITS["theta"]) if "theta" in kw else None
     scaling = None
     if "scaling" in kw:
         funcs = {"llama3": ("factor", "low", "high", "original"), "linear": ("factor",)}
@@ -69,8 +94,8 @@ def _rope(r: _Report, e: Expr) -> RopeConfig | None:
         if "factor" not in skw:
             r.error(kw["scaling"], f"{kind}() needs `factor = ...`", f"e.g. scaling = {kind}(factor = 8)")
             return None
-        vals = {k: _float(r, skw[k], k) for k in ("factor", "low", "high") if k in skw}
-        original = _int(r, skw["original"], "original") if "original" in skw else 8192
+        vals = {k: _float(r, skw[k], k, *FLOAT_LIMITS["factor"]) for k in ("factor", "low", "high") if k in skw}
+        original = _int(r, skw["original"], "original", *SIZE_LIMITS["original"]) if "original" in skw else 8192
         if None in vals.values() or original is None:
             return None
         scaling = RopeScaling(kind, vals["factor"], vals.get("low", 1.0), vals.get("high", 4.0), original)
@@ -136,7 +161,8 @@ class _Layer:
         prefix = _SITE_PREFIX[c.func]
         site = f"{prefix}{self.counts[prefix]}"
         self.counts[prefix] += 1
-        vals = {k: (_int if k == "window" else _bool)(self.r, v, k) for k, v in kw.items() if k != "act"}
+        vals = {k: _int(self.r, v, k, *SIZE_LIMITS[k]) if k == "window" else _bool(self.r, v, k)
+                for k, v in kw.items() if k != "act"}
         if c.func == "mlp":
             self.uses_mlp = True
             vals["act"] = _enum(self.r, kw["act"], "act", "activation", ACTS) if "act" in kw else None
@@ -160,7 +186,7 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
         if key not in s:
             r.error(block, f"model `{block.name}` is missing the required setting `{key}`",
                     f"add `{key} = {example}` to the model block")
-    ints = {k: _int(r, s[k].value, k) for k in SIZE_KEYS if k in s}
+    ints = {k: _int(r, s[k].value, k, *SIZE_LIMITS[k]) for k in SIZE_KEYS if k in s}
     norm = _norm(r, s["norm"].value) if "norm" in s else None
     rope = _rope(r, s["rope"].value) if "rope" in s else None
     flags = {k: _bool(r, s[k].value, k) for k in ("tie_embeddings", "final_norm") if k in s}
@@ -186,6 +212,10 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
             r.error(s["dim"], f"dim ({dim}) must equal heads ({heads}) * head_dim",
                     "set head_dim explicitly to decouple head size from dim")
         head_dim = dim // heads
+        hi, why = SIZE_LIMITS["head_dim"]
+        if head_dim > hi:
+            r.error(s["dim"], f"dim / heads = {head_dim} is the head size, above the largest kiln supports, {hi}",
+                    f"{why}: raise heads, or set head_dim explicitly")
 
     layer_blocks = [i for i in block.items if isinstance(i, LayerBlock)]
     if not layer_blocks:
@@ -214,6 +244,42 @@ def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
     r = _Report(spec)
     model = _model(r, spec.model)
     comp = compile_config(r, spec.compile)
+    if model is not None:
+        size = param_count(model) * DTYPE_BYTES[comp.dtype]
+        if size > MAX_WEIGHT_BYTES:
+            r.error(spec.model, f"model `{model.name}` has {format_count(param_count(model))} parameters, "
+                    f"{format_bytes(size)} in {comp.dtype}: above the {format_bytes(MAX_WEIGHT_BYTES)} of weights "
+                    "any one device can hold", "make it smaller (layers, dim, ffn, vocab)"
+                    + (", or set `dtype = bf16` in the compile block (half the bytes)" if comp.dtype == "fp32" else ""))
     if r.diags or model is None:
         raise SpecError(r.diags)
     return model, comp
+
+
+def param_count(model: ModelConfig) -> int:
+    """Parameters of the model, counted from one layer (the model itself may have up to 1024)."""
+    def count(cfg: ModelConfig) -> int:
+        total = 0
+        for shape in param_shapes(cfg).values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    outside = count(dataclasses.replace(model, layers=0))
+    return outside + model.layers * (count(dataclasses.replace(model, layers=1)) - outside)
+
+
+def format_count(n: int) -> str:
+    for div, unit in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def format_bytes(n: int) -> str:
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"

@@ -7,20 +7,30 @@ and every problem of a file is reported together.
 from __future__ import annotations
 
 import difflib
+import math
 
 from kiln.errors import Diagnostic
 from kiln.spec.ast import Bool, Call, Expr, Name, Num, Setting, SpecFile
 from kiln.spec.formatter import format_expr
-from kiln.spec.parser import source_line
 
 
 class _Report:
     def __init__(self, spec: SpecFile):
         self.spec, self.diags = spec, []
+        self._lines: list[str] | None = None  # the source split once: diagnostics stay linear in file size
+        self._seen: set[tuple[int, int, str]] = set()
 
     def error(self, node, message: str, hint: str = "") -> None:
         line, col = node.span.line, node.span.column
-        self.diags.append(Diagnostic(self.spec.path, line, col, message, hint, source_line(self.spec.source, line)))
+        if (line, col, message) in self._seen:  # e.g. `x * x * x`: the inner product starts where the outer does
+            return
+        self._seen.add((line, col, message))
+        self.diags.append(Diagnostic(self.spec.path, line, col, message, hint, self._source_line(line)))
+
+    def _source_line(self, line: int) -> str:
+        if self._lines is None:
+            self._lines = self.spec.source.split("\n")  # by "\n" only, as lark counts lines
+        return self._lines[line - 1].rstrip("\r") if 0 < line <= len(self._lines) else ""
 
 
 def _suggest(word: str, choices) -> str:
@@ -47,9 +57,14 @@ def _unique(r: _Report, settings, what: str, known, planned=()) -> dict[str, Set
 # ---- values ----------------------------------------------------------------------------------------------
 
 
-def _int(r: _Report, e: Expr, name: str) -> int | None:
+def _int(r: _Report, e: Expr, name: str, hi: int | None = None, why: str = "") -> int | None:
+    """A positive integer, at most `hi` (`why` says where that bound comes from)."""
     if isinstance(e, Num) and type(e.value) is int and e.value > 0:
-        return e.value
+        if hi is None or e.value <= hi:
+            return e.value
+        value = str(e.value) if e.value < 10**30 else f"a {len(str(e.value))}-digit number"
+        r.error(e, f"{name} = {value} is above the largest kiln can build, {hi}", why or f"use {name} <= {hi}")
+        return None
     if name == "window":
         hint = "window is how many recent positions each query sees, itself included; omit it for full attention"
     elif isinstance(e, Num) and type(e.value) is int:
@@ -60,9 +75,21 @@ def _int(r: _Report, e: Expr, name: str) -> int | None:
     return None
 
 
-def _float(r: _Report, e: Expr, name: str) -> float | None:
+def _float(r: _Report, e: Expr, name: str, hi: float | None = None, why: str = "") -> float | None:
+    """A positive finite number, at most `hi` (`why` says where that bound comes from)."""
     if isinstance(e, Num) and not isinstance(e.value, bool) and e.value > 0:
-        return float(e.value)
+        try:
+            value = float(e.value)
+        except OverflowError:  # an integer beyond the float range
+            value = math.inf
+        if math.isfinite(value) and (hi is None or value <= hi):
+            return value
+        if math.isfinite(value):
+            r.error(e, f"{name} = {value:g} is above the largest kiln accepts, {hi:g}", why)
+            return None
+        r.error(e, f"{name} is too large to be a finite number (above 1.7e308)",
+                f"{name} must be a finite number, e.g. {name} = 1e-5 or {name} = 10000")
+        return None
     r.error(e, f"{name} must be a positive number, got {format_expr(e)}", f"e.g. {name} = 1e-5 or {name} = 10000")
     return None
 

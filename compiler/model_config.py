@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+KV_BLOCK_MAX = 256  # tokens per KV cache block at most (a power of two; the runtime, the spec and the kernels agree)
+
 GATED_ACTS = ("swiglu", "geglu", "geglu_tanh")
 PLAIN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")
 DTYPES = ("fp32", "fp16", "bf16")

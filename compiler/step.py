@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-KV_BLOCK_MAX = 256  # tokens per KV cache block at most (a power of two; the runtime, the spec and the kernels agree)
+from kiln.model_config import KV_BLOCK_MAX  # noqa: F401  (part of the contract: the runtime checks block sizes)
 
 
 class TokenizerLike(Protocol):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.model_config import DTYPES, CompileConfig
+from kiln.model_config import DTYPES, KV_BLOCK_MAX, CompileConfig
 from kiln.spec.ast import CompileBlock, Expr, Num, Str
 from kiln.spec.formatter import format_expr
 from kiln.spec.values import _bool, _config_call, _enum, _int, _Report, _unique
-from kiln.step import KV_BLOCK_MAX
 
 COMPILE_KEYS = ("dtype", "quantize", "kv_cache", "attention")
 PLANNED_COMPILE_KEYS = ("routing", "speculation")

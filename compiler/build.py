@@ -45,7 +45,6 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def _model_from_checkpoint(weights: Path) -> tuple[ModelConfig, str]:
-
     hf = load_hf_config(weights)
     notes: list[str] = []
     cfg = config_from_hf(hf, name=weights.name, source=str(weights / "config.json"), notes=notes)

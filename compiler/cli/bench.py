@@ -20,6 +20,7 @@ from kiln.errors import KilnError, UsageError
 def cmd_bench(args: argparse.Namespace) -> int:
     import gc
 
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
     from kiln.runtime.throughput import environment, format_report, make_trace, parse_range, run_trace
 
@@ -94,11 +95,13 @@ def _write_profile(prof, path: str, top: int = 40) -> str:
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.cli.quality import DEFAULT_SCHEMES, bench_quality_main
 
     check_input_file("--eval-text", args.eval_text)
     check_input_file("--calibration", args.calibration)
     schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.quant.formats import parse_scheme
 
     for s in schemes:  # checked before the model loads, naming this flag

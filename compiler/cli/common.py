@@ -21,6 +21,7 @@ QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-
 
 def step_model(args: argparse.Namespace, m):
     """The compiled step model of a loaded model (kiln.compile.step; m.gm is rewritten in place)."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.step import compile_step
 
     # Generated kernels on CUDA; on CPU the reference ops (Triton's interpreter is for testing codegen only).
@@ -31,6 +32,7 @@ def step_model(args: argparse.Namespace, m):
 def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     """The serving engine over a loaded model (or an already compiled step model of it), from the shared
     --num-blocks / --block-size / ... flags."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.engine import Engine
 
     step = step_model(args, m) if step is None else step

@@ -20,6 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
+from kiln.cli.bench import add_bench_parser
 from kiln.cli.common import (
     QUANTIZE_HELP,
     check_input_file,
@@ -33,6 +34,11 @@ from kiln.cli.common import (
     write_file_atomic,
 )
 from kiln.errors import KilnError, SpecError, UsageError
+from kiln.hf.config import import_spec
+from kiln.spec.formatter import format_spec
+from kiln.spec.loader import load_spec, read_spec_file
+from kiln.spec.parser import parse_spec
+from kiln.spec.validate import DTYPE_BYTES, format_bytes, format_count, param_count
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
@@ -51,6 +57,7 @@ def _ids(text: str) -> list[int]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
     from kiln.runtime.sampler import SamplingParams
 
@@ -94,6 +101,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     import shutil
 
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
     from kiln.compile.pipeline import quantize_graph
     from kiln.compile.quantized import save_quantized
@@ -119,9 +127,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from kiln.spec.loader import load_spec
-    from kiln.spec.validate import DTYPE_BYTES, format_bytes, format_count, param_count
-
     failed = 0
     for ref in args.specs:
         try:
@@ -141,10 +146,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_fmt(args: argparse.Namespace) -> int:
-    from kiln.spec.formatter import format_spec
-    from kiln.spec.loader import read_spec_file
-    from kiln.spec.parser import parse_spec
-
     status = 0
     for ref in args.specs:
         path = Path(ref)
@@ -166,8 +167,6 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from kiln.hf.config import import_spec
-
     out = check_output_file("-o", args.output) if args.output else None
     notes: list[str] = []
     cfg, text = import_spec(args.hf_dir, args.name or "", notes)  # resolved in-process: always passes `kiln check`
@@ -184,17 +183,18 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     import tempfile
 
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import TORCH_DTYPES
     from kiln.compile.driver import compile_model, emit
     from kiln.ir.frontend import build_graph
     from kiln.ir.text import weight_bytes
-    from kiln.spec.loader import load_spec
 
     emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
     loaded = load_spec(args.spec)
     dtype_name = args.dtype or loaded.compile.dtype
     comp = loaded.compile
     if args.quantize:
+        # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
         from kiln.quant.formats import parse_scheme
 
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(args.quantize)})
@@ -214,6 +214,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as dump:
         compiled = compile_model(gm, comp, use_kernels=True, dump_dir=dump if args.dump_ir else None)
         if args.dump_ir:
+            # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
             from kiln.ir.text import format_graph
 
             sys.stdout.write(format_graph(graph(), title=f"{loaded.model.name}: Level-1 graph (frontend)"))
@@ -221,6 +222,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 sys.stdout.write("\n" + path.read_text())
     size = weight_bytes(compiled.gm)  # after the passes: quantized weights count at their packed size
     if "quantize" in compiled.passes:
+        # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
         from kiln.cli.quality import weight_breakdown
 
         parts = weight_breakdown(compiled.gm)
@@ -234,6 +236,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln import __version__
 
     p = argparse.ArgumentParser(prog="kiln", description="kiln: a declarative compiler for LLM inference")
@@ -303,8 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     qz.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     qz.set_defaults(func=cmd_quantize)
-
-    from kiln.cli.bench import add_bench_parser
 
     add_bench_parser(sub)
     return p

@@ -46,6 +46,7 @@ def weight_breakdown(gm: fx.GraphModule) -> dict[str, int]:
 
     The total equals kiln.ir.text.weight_bytes(gm): quantized tensors are buffers, which it counts.
     """
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.ir.text import weight_bytes
 
     out = {"quantized": 0, "scales_zeros": 0, "dense": 0}
@@ -103,6 +104,7 @@ def quality_report(
     ids: evaluation tokens [B, T] (default: `positions` seeded random ones in rows of seq_len).
     calibration_ids: tokens for GPTQ (default: each scheme's own, a text file or seeded random).
     """
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.pipeline import quantize_graph
     from kiln.ir.text import weight_bytes
     from kiln.reference import forward_logits, vocab_size
@@ -175,6 +177,7 @@ def bench_quality_main(
     """
     from dataclasses import replace
 
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
 
     loaded = load_model(spec, weights, dtype=dtype, device=device)

@@ -116,7 +116,6 @@ def _kernel_file_name(index: int, req: KernelRequest) -> str:
 
 def kernel_source(req: KernelRequest) -> str:
     """The rendered kernel with a header naming the graph nodes that launch it (op, shapes, dtypes)."""
-
     lines = [
         "# kiln emit: launched by (shapes and dtypes at the example input; the kernel is shape-generic",
         "# apart from the constexprs in the header below):",

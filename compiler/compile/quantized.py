@@ -20,9 +20,15 @@ import torch
 from torch import fx
 
 import kiln.ir.ops_quant  # noqa: F401  (the quantized ops the graph holds)
+from kiln.compile.pipeline import known_passes
 from kiln.errors import WeightError
+from kiln.hf.config import config_to_spec
+from kiln.ir.frontend import INV_FREQ, build_graph, propagate_fake, rope_inv_freq
 from kiln.model_config import ModelConfig
+from kiln.passes.quantize import rewrite
 from kiln.quant.formats import QuantizedWeight, QuantScheme, as_scheme
+from kiln.spec.formatter import format_spec
+from kiln.spec.loader import load_spec
 
 FORMAT, VERSION = "kiln-quantized", 1
 TENSORS, META, SPEC = "model.safetensors", "quantization.json", "spec.kiln"
@@ -83,8 +89,6 @@ def save_quantized(gm: fx.GraphModule, out_dir: str | os.PathLike, cfg: ModelCon
     }
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     if cfg is not None:
-        from kiln.hf.config import config_to_spec
-        from kiln.spec.formatter import format_spec
 
         (out / SPEC).write_text(format_spec(config_to_spec(cfg)))
     return out
@@ -124,10 +128,6 @@ def load_quantized(
     """The quantized graph saved in in_dir, on `device`; cfg defaults to the directory's spec.kiln."""
     from safetensors.torch import load_file
 
-    from kiln.compile.pipeline import known_passes
-    from kiln.ir.frontend import INV_FREQ, build_graph, propagate_fake, rope_inv_freq
-    from kiln.passes.quantize import rewrite
-
     src = Path(in_dir)
     if not is_quantized_checkpoint(src):
         raise WeightError(f"{src}: not a kiln quantized checkpoint (expected {META} and {TENSORS} there)")
@@ -138,7 +138,6 @@ def load_quantized(
             f"v{VERSION}; quantize the model again with this kiln version"
         )
     if cfg is None:
-        from kiln.spec.loader import load_spec
 
         cfg = load_spec(src / SPEC).model
     tensors = load_file(str(src / TENSORS), device=str(device))

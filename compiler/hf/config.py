@@ -42,6 +42,8 @@ from kiln.spec.ast import (
     Setting,
     SpecFile,
 )
+from kiln.spec.formatter import format_spec
+from kiln.spec.loader import parse_and_resolve
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "gpt2")
 # HF activation names -> kiln activation of the gated MLP (llama family) or the plain MLP (gpt2).
@@ -198,9 +200,6 @@ def _gpt2(r: Reader) -> ModelConfig:
 
 def _validated(cfg: ModelConfig, r: Reader, name: str) -> ModelConfig:
     """cfg as the spec validator resolves it: the spec `kiln import` would write must pass `kiln check`."""
-    from kiln.spec.formatter import format_spec
-    from kiln.spec.loader import parse_and_resolve
-
     try:
         resolved = parse_and_resolve(format_spec(config_to_spec(cfg)), r.source).model
     except SpecError as e:
@@ -211,8 +210,6 @@ def _validated(cfg: ModelConfig, r: Reader, name: str) -> ModelConfig:
 def import_spec(hf_dir: str | Path, name: str = "", notes: list[str] | None = None) -> tuple[ModelConfig, str]:
     """(config, spec text) that `kiln import` writes for a checkpoint; the text is resolved before it is returned,
     so a spec kiln import writes always passes `kiln check`."""
-    from kiln.spec.formatter import format_spec
-    from kiln.spec.loader import parse_and_resolve
 
     src = Path(hf_dir)
     cfg = config_from_hf(load_hf_config(src), name=name or src.resolve().name, source=str(src / "config.json"),

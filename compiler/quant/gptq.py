@@ -29,6 +29,7 @@ from kiln.quant.formats import (
     group_params,
     store,
 )
+from kiln.tokenizer import ByteTokenizer
 
 BLOCK = 128  # columns updated lazily as one block; a multiple of every int4 group, so groups never straddle
 DAMP = 0.01  # H += DAMP * mean(diag(H)) * I: keeps the Cholesky factorization well defined
@@ -42,7 +43,6 @@ def calibration_ids(scheme: QuantScheme, vocab: int, tokenizer=None) -> torch.Te
         if not path.is_file():
             raise KilnError(f"quantize: calibration file {path} does not exist; give a text file or use tokens = N")
         if tokenizer is None:
-            from kiln.tokenizer import ByteTokenizer
 
             tokenizer = ByteTokenizer(vocab)
         ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8"))[: scheme.tokens], dtype=torch.long)

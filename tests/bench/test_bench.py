@@ -1,0 +1,65 @@
+"""`kiln bench throughput` and bench/kv_cache.py on tiny settings (figures are checked for shape, never speed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from kiln.cli.main import main
+from kiln.runtime.throughput import make_trace, parse_range
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_parse_range_and_seeded_trace():
+    assert parse_range("100:1024") == (100, 1024) and parse_range("8") == (8, 8)
+    with pytest.raises(ValueError):
+        parse_range("9:3")
+    a, clipped = make_trace(20, (10, 200), (10, 200), vocab=50, context=256, seed=3)
+    b, _ = make_trace(20, (10, 200), (10, 200), vocab=50, context=256, seed=3)
+    assert a == b and clipped > 0
+    assert all(len(r.prompt_token_ids) + r.output_len <= 256 and r.output_len >= 1 for r in a)
+    assert a != make_trace(20, (10, 200), (10, 200), vocab=50, context=256, seed=4)[0]
+
+
+def test_bench_throughput_reports_both_policies(capsys):
+    code = main(["bench", "throughput", "tiny-llama", "--num-requests", "10", "--input-len", "4:40",
+                 "--output-len", "2:12", "--max-num-seqs", "4", "--device", "cpu", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    r = json.loads(out)
+    assert r["device"].startswith("cpu") and r["trace"]["num_requests"] == 10 and r["model"] == "tiny-llama"
+    for policy in ("continuous", "static"):
+        m = r[policy]
+        assert m["requests_per_s"] > 0 and m["output_tokens_per_s"] > 0
+        assert set(m["ttft_s"]) == {"mean", "p50", "p99"} and m["ttft_s"]["p50"] <= m["ttft_s"]["p99"]
+        assert m["tpot_s"]["mean"] > 0
+    # The static baseline cannot refill seats, so it needs at least as many steps for the same tokens.
+    assert r["static"]["steps"] >= r["continuous"]["steps"]
+    assert r["speedup"]["output_tokens_per_s"] > 0
+    assert "bench continuous" in err
+
+
+def test_bench_throughput_plain_table_and_bad_flags(capsys):
+    assert main(["bench", "throughput", "tiny-llama", "--num-requests", "3", "--input-len", "4:8",
+                 "--output-len", "2:3", "--device", "cpu"]) == 0
+    out = capsys.readouterr()[0]
+    assert "continuous" in out and "static" in out and "TTFT" in out
+    assert main(["bench", "throughput", "tiny-llama", "--input-len", "9:3"]) == 2
+    assert "--input-len" in capsys.readouterr()[1]
+
+
+def test_kv_cache_bench_writes_its_json(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta, as when run as a script
+    spec = importlib.util.spec_from_file_location("kv_cache_bench", ROOT / "bench" / "kv_cache.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--tokens", "12", "--prompt-len", "5", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
+    files = list(tmp_path.glob("kv_cache-tiny-llama-cpu-*.json"))
+    assert len(files) == 1
+    r = json.loads(files[0].read_text())
+    assert r["same_tokens"] and r["tokens"] == 12 and r["ratio"] > 0
+    assert {"torch", "triton", "commit", "date", "device"} <= set(r)

@@ -1,0 +1,169 @@
+"""torch.compile(model, backend="kiln") against eager: tiny HF models (fp32, random weights), generated kernels
+in Triton's interpreter on CPU; site counts, generate() with its recompilations, masks, options, entry point."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.dynamo.backend import OPTIONS, STATS, parse_options
+from kiln.errors import KilnError
+from tests.support.hf_models import build_hf_model, prompts
+
+DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}
+# Two layers each. GPT-2's projections are Conv1D (addmm on a transposed weight), which kiln does not claim;
+# its one claimed linear is the lm_head. "add" counts the residual adds that feed a norm (fused by norm_fusion).
+EXPECTED = {
+    "llama": DECODER,
+    "mistral": DECODER,
+    "qwen2": DECODER,
+    "gpt2": {"attention": 2, "layer_norm": 5, "act": 2, "linear": 1, "add": 4},
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Dynamo caches graphs per code object, so two models of one class would share them; start clean.
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("family", list(EXPECTED))
+def test_hf_logits_match_eager_with_exact_claims(family, tmp_path):
+    model, tokens = build_hf_model(family), prompts(length=10)
+    first = len(STATS.reports)
+    compiled = torch.compile(model, backend="kiln", options={"dump_dir": str(tmp_path)})
+    with torch.no_grad():
+        want, got = model(tokens).logits, compiled(tokens).logits
+    assert close(got, want), (got - want).abs().max()
+    (report,) = STATS.reports[first:]
+    assert dict(report.counts()) == EXPECTED[family]
+    assert not [r for r in report.rejections if r.pattern == "attention"]
+    assert report.regions >= 1 and "flash_attn:attention" in report.kernels
+    window = 4 if family == "mistral" else 0  # the sliding window is read off the mask and checked per call
+    assert set(report.masks.values()) == {(True, window)}
+    dumped = {p.name for p in (tmp_path / f"graph_{report.index}").iterdir()}
+    assert {"00_dynamo.py", "01_normalized.py", "02_regions.py", "region_0"} <= dumped
+
+
+def test_sdpa_attention_is_claimed():
+    model, tokens = build_hf_model("qwen2"), prompts(length=9)
+    model.set_attn_implementation("sdpa")  # is_causal=True, enable_gqa=True, no mask tensor
+    first = len(STATS.reports)
+    with torch.no_grad():
+        want, got = model(tokens).logits, torch.compile(model, backend="kiln")(tokens).logits
+    assert close(got, want)
+    (report,) = STATS.reports[first:]
+    assert report.counts()["attention"] == 2 and report.masks == {}
+
+
+def test_generate_same_tokens_bounded_recompiles():
+    model, tokens = build_hf_model("llama"), prompts(length=6)
+    with torch.no_grad():
+        want = model.generate(tokens, max_new_tokens=20, do_sample=False)
+        graphs, unique = STATS.graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model.forward = torch.compile(model.forward, backend="kiln")
+        got = model.generate(tokens, max_new_tokens=20, do_sample=False)
+    compiled = STATS.graphs - graphs
+    print(f"kiln compiled {compiled} graphs for 1 prefill + 19 decode steps")
+    assert torch.equal(got, want)
+    # prefill (static), first decode (static), then one graph with a symbolic cache length for every other step
+    assert compiled == torch._dynamo.utils.counters["stats"]["unique_graphs"] - unique <= 3
+    assert all(r.counts()["attention"] == 2 for r in STATS.reports[-compiled:])
+
+
+def test_padding_fails_the_mask_guard_and_runs_the_original_graph():
+    model, tokens = build_hf_model("llama"), prompts(length=8)
+    ones = torch.ones_like(tokens)
+    padded = ones.clone()
+    padded[0, :3] = 0  # left padding: the mask is no longer causal
+    compiled = torch.compile(model, backend="kiln")
+    with torch.no_grad():
+        assert close(compiled(tokens, attention_mask=ones).logits, model(tokens, attention_mask=ones).logits)
+        before = STATS.mask_fallbacks
+        got, want = compiled(tokens, attention_mask=padded).logits, model(tokens, attention_mask=padded).logits
+    assert STATS.mask_fallbacks == before + 1
+    assert close(got[1], want[1]) and close(got[0, 3:], want[0, 3:])
+
+
+class Unknown(torch.nn.Module):
+    """Nothing kiln knows: cumulative sums, flips, reductions, a broadcasting product."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.randn(7))
+
+    def forward(self, x):
+        y = torch.cumsum(torch.sin(x) * self.scale, dim=-1).flip(0)
+        return y - y.amax(dim=-1, keepdim=True) + x.abs().mean()
+
+
+def test_unknown_module_runs_as_torch_and_claims_nothing():
+    model, x = Unknown(), torch.randn(3, 5, 7)
+    first = len(STATS.reports)
+    got = torch.compile(model, backend="kiln")(x)
+    torch.testing.assert_close(got, model(x))
+    (report,) = STATS.reports[first:]
+    assert report.claims == [] and report.regions == 0
+    assert {"cumsum", "flip", "amax", "mean"} <= {f.op for f in report.fallbacks}
+
+
+class RmsMlp(torch.nn.Module):
+    """An HF-style RMSNorm and a SwiGLU MLP around a residual."""
+
+    def __init__(self, d: int = 16, f: int = 32):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.gate, self.up, self.down = torch.nn.Linear(d, f), torch.nn.Linear(d, f), torch.nn.Linear(f, d)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        h = self.weight * h.to(x.dtype)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def test_inductor_fallback():
+    model, x = RmsMlp(), torch.randn(2, 5, 16)
+    first = len(STATS.reports)
+    with torch.no_grad():
+        got = torch.compile(model, backend="kiln", options={"fallback": "inductor"})(x)
+    assert close(got, model(x))
+    (report,) = STATS.reports[first:]
+    assert dict(report.counts()) == {"rms_norm": 1, "linear": 3, "gated_act": 1} and report.fallback == "inductor"
+
+
+def test_unknown_options_are_an_error_naming_the_allowed_ones():
+    with pytest.raises(KilnError, match="unknown option.*'mode_x'.*allowed: " + ", ".join(OPTIONS)):
+        parse_options({"mode_x": 1})
+    with pytest.raises(KilnError, match="fallback='cuda'.*eager, inductor"):
+        parse_options({"fallback": "cuda"})
+    with pytest.raises(Exception, match="allowed: dump_dir, fallback"):
+        torch.compile(Unknown(), backend="kiln", options={"bogus": True})(torch.randn(2, 7))
+
+
+def test_entry_point_without_importing_kiln():
+    code = (
+        "import sys, torch\n"
+        "assert 'kiln' in torch._dynamo.list_backends()\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU())\n"
+        "x = torch.randn(2, 3, 8)\n"
+        "with torch.no_grad():\n"
+        "    got = torch.compile(m, backend='kiln')(x)\n"
+        "    torch.testing.assert_close(got, m(x))\n"
+        "from kiln.dynamo.backend import STATS\n"
+        "print(dict(STATS.claims))\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "'linear': 1" in out.stdout and "'act': 1" in out.stdout

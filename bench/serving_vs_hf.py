@@ -27,6 +27,7 @@ from kiln.build import load_model, resolve_device
 from kiln.compile.step import compile_step
 from kiln.errors import KilnError
 from kiln.hf.config import config_from_hf
+from kiln.ir.frontend import TORCH_DTYPES
 from kiln.model_config import ModelConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.throughput import TraceRequest, make_trace, parse_range, run_trace
@@ -35,7 +36,6 @@ from kiln.spec.loader import load_spec
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_RATIO = 3.0
 PAD = 0
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def say(msg: str) -> None:

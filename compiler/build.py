@@ -14,13 +14,11 @@ from kiln.compile.quantized import SPEC, is_quantized_checkpoint, load_quantized
 from kiln.errors import KilnError
 from kiln.hf.config import config_from_hf, load_hf_config
 from kiln.hf.weights import load_hf_weights
-from kiln.ir.frontend import build_graph
+from kiln.ir.frontend import TORCH_DTYPES, build_graph
 from kiln.model_config import DTYPES, CompileConfig, ModelConfig
 from kiln.quant.formats import parse_scheme
 from kiln.spec.loader import DEFAULT_SPEC, load_spec
 from kiln.tokenizer import load_tokenizer
-
-TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass

@@ -33,7 +33,10 @@ KV_BLOCK_MAX = 256  # tokens per KV cache block at most (a power of two; the run
 
 GATED_ACTS = ("swiglu", "geglu", "geglu_tanh")
 PLAIN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")
-DTYPES = ("fp32", "fp16", "bf16")
+DTYPES = ("fp32", "fp16", "bf16")  # the float dtypes a model computes in (the names specs and flags use)
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+KV_DTYPES = ("auto", "int8")  # the KV cache: auto = the model's dtype; int8 with per-token-and-head scales
+INT4_GROUPS = (32, 64, 128)  # int4 quantization group sizes the kernels support
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from kiln.ir.attrs import get_tensor, set_tensor
+
 
 def is_call(node: object, target: object) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target == target
@@ -13,21 +15,14 @@ def is_call(node: object, target: object) -> bool:
 def attr_tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     """The tensor a get_attr node reads."""
     assert node.op == "get_attr", node
-    obj = gm
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part)
-    return obj
+    tensor = get_tensor(gm, str(node.target))
+    assert tensor is not None, node
+    return tensor
 
 
 def set_param(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> None:
     """Register `tensor` as a frozen parameter under a dotted `name`, creating the submodules on the way."""
-    *path, leaf = name.split(".")
-    mod: torch.nn.Module = gm
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
+    set_tensor(gm, name, tensor)
 
 
 def delete_attr(gm: fx.GraphModule, name: str) -> None:

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 from kiln.errors import PassError
+from kiln.model_config import KV_DTYPES
 from kiln.passes._graph import is_call, rename
 from kiln.passes.base import Pass, PassResult
 from kiln.step import step_input_names
@@ -145,7 +146,6 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     return PassResult(gm, modified=True)
 
 
-KV_DTYPES = ("auto", "int8")
 
 
 def make_pass(kv_dtype: str = "auto") -> Pass:

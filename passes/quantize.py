@@ -21,6 +21,7 @@ from torch import fx
 
 import kiln.ir.ops_quant  # noqa: F401  (registers the quantized ops)
 from kiln.errors import KilnError, PassError
+from kiln.ir.attrs import get_tensor, set_tensor
 from kiln.passes._graph import erase_attr_if_unused, is_call, rename, unique_attr_name
 from kiln.passes.base import Pass, PassResult
 from kiln.quant.formats import QuantizedWeight, QuantScheme, as_scheme, check_shape, quantize_rtn
@@ -35,10 +36,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 def _attr(gm: fx.GraphModule, node: object) -> torch.Tensor | None:
     if not (isinstance(node, fx.Node) and node.op == "get_attr"):
         return None
-    obj = gm
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, torch.Tensor) else None
+    return get_tensor(gm, str(node.target))
 
 
 def _quantizable(gm: fx.GraphModule, weight: object) -> bool:
@@ -77,13 +75,7 @@ def _max_positions(gm: fx.GraphModule) -> int | None:
 
 
 def _set_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> None:
-    *path, leaf = name.split(".")
-    mod: torch.nn.Module = gm
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, torch.nn.Module())
-        mod = getattr(mod, part)
-    mod.register_buffer(leaf, tensor)
+    set_tensor(gm, name, tensor, param=False)
 
 
 def _register(gm: fx.GraphModule, target: str, qw: QuantizedWeight) -> dict[str, str]:

@@ -9,17 +9,10 @@ Finished members leave a static batch instead of decoding padding, so the baseli
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
-import platform
 import random
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
@@ -98,32 +91,6 @@ def run_trace(engine: Engine, trace: list[TraceRequest], *, label: str = "",
         "prefix_cache_hits": st.prefix_cache_hits,
         "batched_tokens": st.num_batched_tokens,
     }
-
-
-def environment(device: torch.device | str) -> dict:
-    """Where a benchmark ran, with the same keys as bench/bench_meta.py: device, versions, git commit, date."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
-    else:
-        name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
-    return {"device": name, "torch": torch.__version__, "triton": triton, "cuda": torch.version.cuda,
-            "commit": _git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-
-
-def _git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty else "") if head.returncode == 0 else "unknown"
 
 
 def format_report(result: dict) -> str:

@@ -22,7 +22,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
-    from kiln.runtime.throughput import environment, format_report, make_trace, parse_range, run_trace
+    from kiln.run_info import run_metadata
+    from kiln.runtime.throughput import format_report, make_trace, parse_range, run_trace
 
     try:
         input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
@@ -36,7 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                 context=m.model.context, seed=args.seed)
     if clipped:
         say(f"{clipped} of {len(trace)} requests shortened to fit the context of {m.model.context} tokens")
-    result = {"model": m.model.name, **environment(m.device),
+    result = {"model": m.model.name, **run_metadata(m.device),
               "trace": {"num_requests": len(trace), "input_len": list(input_len), "output_len": list(output_len),
                         "seed": args.seed, "clipped": clipped,
                         "prompt_tokens": sum(len(r.prompt_token_ids) for r in trace),

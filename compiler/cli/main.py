@@ -183,10 +183,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     import tempfile
 
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import TORCH_DTYPES
     from kiln.compile.driver import compile_model, emit
-    from kiln.ir.frontend import build_graph
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.ir.frontend import TORCH_DTYPES, build_graph
     from kiln.ir.text import weight_bytes
 
     emit_dir = check_output_dir("--emit", args.emit) if args.emit else None

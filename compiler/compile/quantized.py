@@ -23,6 +23,7 @@ import kiln.ir.ops_quant  # noqa: F401  (the quantized ops the graph holds)
 from kiln.compile.pipeline import known_passes
 from kiln.errors import WeightError
 from kiln.hf.config import config_to_spec
+from kiln.ir.attrs import set_tensor
 from kiln.ir.frontend import INV_FREQ, build_graph, propagate_fake, rope_inv_freq
 from kiln.model_config import ModelConfig
 from kiln.passes.quantize import rewrite
@@ -114,12 +115,7 @@ def stored_scheme(in_dir: str | os.PathLike) -> QuantScheme:
 
 
 def _place(gm: fx.GraphModule, name: str, tensor: torch.Tensor, param: bool) -> None:
-    *path, leaf = name.split(".")
-    mod = gm.get_submodule(".".join(path)) if path else gm
-    if param:
-        mod.register_parameter(leaf, torch.nn.Parameter(tensor, requires_grad=False))
-    else:
-        mod.register_buffer(leaf, tensor)
+    set_tensor(gm, name, tensor, param=param)
 
 
 def load_quantized(

@@ -17,7 +17,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
 from kiln.errors import WeightError
+from kiln.ir.attrs import set_tensor
 from kiln.model_config import (
+    DTYPES,
     Add,
     AttentionCall,
     LayerExpr,
@@ -34,6 +36,9 @@ kiln_ops = torch.ops.kiln
 GATED_KIND = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
 INV_FREQ = "rope_inv_freq"
 _DEFAULT_ROPE = RopeConfig(theta=10000.0)
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+assert tuple(TORCH_DTYPES) == DTYPES, "one entry per dtype name in kiln.model_config.DTYPES"
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -221,13 +226,7 @@ def build_graph(
     graph = _Builder(cfg).build()
     root = torch.nn.Module()
     for name in param_shapes(cfg):  # registration order = param_shapes order, so state_dict() lists it the same way
-        *path, leaf = name.split(".")
-        mod = root
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(weights[name].detach().to(device, dtype), requires_grad=False))
+        set_tensor(root, name, weights[name].detach().to(device, dtype))
     uses_rope = any(n.op == "get_attr" and n.target == INV_FREQ for n in graph.nodes)
     if uses_rope:
         root.register_buffer(INV_FREQ, rope_inv_freq(cfg).to(device), persistent=False)  # always fp32

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 from kiln.errors import KilnError
+from kiln.model_config import INT4_GROUPS
 
-INT4_GROUPS = (32, 64, 128)
 METHODS = ("rtn", "gptq")
 
 

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.model_config import DTYPES, KV_BLOCK_MAX, CompileConfig
+from kiln.model_config import DTYPES, INT4_GROUPS, KV_BLOCK_MAX, KV_DTYPES, CompileConfig
 from kiln.spec.ast import CompileBlock, Expr, Num, Str
 from kiln.spec.formatter import format_expr
 from kiln.spec.values import _bool, _config_call, _enum, _int, _Report, _unique
 
 COMPILE_KEYS = ("dtype", "quantize", "kv_cache", "attention")
 PLANNED_COMPILE_KEYS = ("routing", "speculation")
-KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
 TILE_WARPS = (1, 2, 4, 8, 16)
 _QUANT_COMMON = ("method", "calibration", "tokens", "lm_head", "embeddings")
 QUANT_FUNCS = {"int8": _QUANT_COMMON, "int4": ("group", "symmetric", *_QUANT_COMMON)}
-QUANT_GROUPS = (32, 64, 128)
 
 
 def _quantize(r: _Report, e: Expr) -> dict | None:
@@ -27,10 +25,10 @@ def _quantize(r: _Report, e: Expr) -> dict | None:
     out: dict = {"bits": 8 if func == "int8" else 4, "group": 0 if func == "int8" else 128}
     if "group" in kw:
         g = kw["group"]
-        if isinstance(g, Num) and g.value in QUANT_GROUPS:
+        if isinstance(g, Num) and g.value in INT4_GROUPS:
             out["group"] = g.value
         else:
-            r.error(g, f"group must be one of {', '.join(map(str, QUANT_GROUPS))}, got {format_expr(g)}",
+            r.error(g, f"group must be one of {', '.join(map(str, INT4_GROUPS))}, got {format_expr(g)}",
                     "weights share one scale per group of this many input features, e.g. group = 128")
             out = None
     if "method" in kw and out is not None:

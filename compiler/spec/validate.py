@@ -16,6 +16,7 @@ import dataclasses
 
 from kiln.errors import SpecError
 from kiln.model_config import (
+    DTYPE_BYTES,
     GATED_ACTS,
     PLAIN_ACTS,
     AttentionCall,
@@ -59,7 +60,6 @@ FLOAT_LIMITS = {  # key -> (largest value, why): beyond these the fp32 arithmeti
     "factor": (1e6, "rope scaling factors are small ratios, e.g. factor = 8"),
 }
 MAX_WEIGHT_BYTES = 1 << 40  # 1 TiB; see the module docstring
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 POSITIONS = ("rope", "learned", "none")
 LAYER_OPS = {"norm": (), "attention": ("causal", "window", "bias", "qkv_bias", "out_bias", "rope"),
              "mlp": ("act", "bias")}

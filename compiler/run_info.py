@@ -1,0 +1,40 @@
+"""Where a run happened, for every benchmark result kiln writes: device, versions, git commit, date."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def git_commit() -> str:
+    """The checkout's commit (with -dirty when tracked files changed), or "unknown" outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty else "") if head.returncode == 0 else "unknown"
+
+
+def run_metadata(device: torch.device | str | None = None) -> dict:
+    """device, torch, triton, cuda, commit and date (UTC) of this run."""
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    return {"device": device_name(device), "torch": torch.__version__, "triton": triton, "cuda": torch.version.cuda,
+            "commit": git_commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from kiln.errors import RequestError
+from kiln.runtime.request import check_prompt
 from kiln.runtime.sampler import SamplingParams, make_generator, sample
 
 
@@ -43,22 +43,9 @@ def forward_logits(gm: fx.GraphModule, token_ids: torch.Tensor) -> torch.Tensor:
         return gm(tokens, positions).float()
 
 
-def _check_request(prompt_ids: Sequence[int], params: SamplingParams, context: int, vocab: int) -> None:
+def _check_request(prompt_ids: Sequence[int], params: SamplingParams, context: int, vocab: int) -> list[int]:
     params.validate()
-    if len(prompt_ids) == 0:
-        raise RequestError("the prompt is empty; give at least one token")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise RequestError(
-            f"prompt token id(s) {bad[:8]} out of range for a vocabulary of {vocab}; allowed: 0 <= id < {vocab} "
-            "(was the prompt encoded with this model's tokenizer?)"
-        )
-    if len(prompt_ids) + params.max_tokens > context:
-        raise RequestError(
-            f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = "
-            f"{len(prompt_ids) + params.max_tokens} exceeds the model context of {context}; "
-            "shorten the prompt or lower max_tokens"
-        )
+    return check_prompt(prompt_ids, params.max_tokens, vocab=vocab, limit=context)
 
 
 def generate(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import operator
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -26,7 +25,7 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.request import Request, RequestOutput, RequestStatus
+from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
 from kiln.runtime.sampler import BatchSample, SamplingParams, check_stop, make_generator, sample_batch
 from kiln.runtime.scheduler import Scheduler
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike
@@ -128,24 +127,10 @@ class Engine:
         return rid
 
     def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        vocab = self.model.vocab
-        try:  # ints of any kind (numpy, 0-d tensors), but not floats
-            ids = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise RequestError(f"prompt_token_ids must be a sequence of integer token ids (a list, a 1-D numpy array "
-                               f"or 1-D integer tensor), not {_describe(prompt_token_ids)}") from None
-        if not ids:
-            raise RequestError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt_token_ids {bad[:8]} out of range; allowed: integers 0 <= id < {vocab} "
-                               "(was the prompt encoded with this model's tokenizer?)")
+        limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
+        ids = check_prompt(prompt_token_ids, params.max_tokens, vocab=self.model.vocab, limit=self.max_model_len,
+                           limit_name=limit)
         total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
-            raise RequestError(
-                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the {limit} "
-                f"of {self.max_model_len}; shorten the prompt or lower max_tokens")
         bm = self.block_manager
         if bm.blocks_for(total) > bm.num_usable_blocks:
             raise RequestError(
@@ -290,11 +275,3 @@ class Engine:
 
     def stats_dict(self) -> dict:
         return dataclasses.asdict(self.stats)
-
-
-def _describe(value: object) -> str:
-    shape = getattr(value, "shape", None)
-    dtype = getattr(value, "dtype", None)
-    if shape is not None and dtype is not None:
-        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
-    return type(value).__name__

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kiln.errors import RequestError
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.sampler import SamplingParams
 
@@ -137,3 +140,33 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # with finish_reason "error": what failed and the likely cause
+
+
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, vocab: int, limit: int,
+                 limit_name: str = "model context") -> list[int]:
+    """The prompt as a list of ints, or a RequestError naming what is wrong: not integers, empty, an id outside
+    the vocabulary, or prompt + max_tokens longer than `limit`. The engine and the reference path share it."""
+    try:  # ints of any kind (numpy, 0-d tensors), but not floats
+        ids = [operator.index(t) for t in prompt_token_ids]
+    except TypeError:
+        raise RequestError(f"prompt_token_ids must be a sequence of integer token ids (a list, a 1-D numpy array "
+                           f"or 1-D integer tensor), not {_describe(prompt_token_ids)}") from None
+    if not ids:
+        raise RequestError("the prompt is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"prompt_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
+                           f"0 <= id < {vocab} (was the prompt encoded with this model's tokenizer?)")
+    total = len(ids) + max_tokens
+    if total > limit:
+        raise RequestError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds the {limit_name} "
+                           f"of {limit}; shorten the prompt or lower max_tokens")
+    return ids
+
+
+def _describe(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    return type(value).__name__

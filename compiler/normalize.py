@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_float, guard_or_false, statically_known_true
 from torch.utils._pytree import tree_leaves
 
 import kiln.ops  # noqa: F401  (registers torch.ops.kiln.*)
@@ -109,11 +109,33 @@ def same(a: Any, b: Any) -> bool:
         return False
 
 
+def equal_guarded(a: Any, b: Any) -> bool:
+    """a == b, provably or else by a Dynamo guard when both sizes are equal in this call (then a call where they
+    differ recompiles instead of reusing the claim). For sizes that only two independent inputs share, such as
+    the past keys' and past values' lengths of a KV cache: Dynamo gives each its own symbol."""
+    if same(a, b):
+        return True
+    try:
+        return guard_or_false(a == b)
+    except Exception:
+        return False
+
+
 def same_shape(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
 
 
 def scalar(x: Any) -> float | None:
+    """x as a Python number, or None. Under dynamic=True Dynamo passes float constants (an RMSNorm's eps, an
+    attention scale) as inputs read with .item(): such a float is specialized with a guard on its value (a call
+    with another value recompiles). Symbolic ints (sizes) are never specialized."""
+    if isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item":
+        v = val(x)
+        if isinstance(v, torch.SymFloat):
+            try:
+                return float(guard_float(v))
+            except Exception:  # no hint (data-dependent): not a constant
+                return None
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -265,6 +287,8 @@ class Normalizer:
 
 
 def _pure(node: fx.Node) -> bool:
+    if node.op == "call_method" and node.target == "item":  # a float constant read by a claim (see scalar)
+        return True
     try:
         return node.op == "call_function" and node.target in _PURE_EXTRA
     except TypeError:

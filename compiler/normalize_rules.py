@@ -331,9 +331,10 @@ def _sdpa(nz: Normalizer, node: fx.Node, op: Op) -> None:
     if not isinstance(causal, bool) or not isinstance(gqa, bool):
         return nz.reject(node, "attention", "is_causal / enable_gqa are not constants")
     scale = scale if scale is not None else (1.0 / math.sqrt(tq.shape[-1]) if isinstance(tq.shape[-1], int) else None)
-    if scalar(scale) is None:
+    scale = scalar(scale)
+    if scale is None:
         return nz.reject(node, "attention", "scale is not a constant")
-    claim_attention(nz, node, q, k, v, mask, causal, float(scale), gqa)
+    claim_attention(nz, node, q, k, v, mask, causal, scale, gqa)
 
 
 def _linear(nz: Normalizer, node: fx.Node, op: Op) -> None:

@@ -7,10 +7,9 @@ the kernel by M, the number of activation rows: up to GEMV_MAX_M rows the weight
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kiln import env
 from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_same_device, check_tensor, launch
 from kiln.errors import CodegenError
 
@@ -83,7 +82,7 @@ def _launch(
         block_m = _gemm_block_m(m)
         # fp32 activations: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
         # Triton's CPU interpreter computes tl.dot on an in-kernel bf16/fp16 cast wrongly: it dots in fp32.
-        dot_fp32 = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+        dot_fp32 = x.dtype == torch.float32 or env.triton_interpret()
         consts |= {
             "INPUT_PRECISION": "ieee" if dot_fp32 else None,
             "DOT_FP32": dot_fp32,

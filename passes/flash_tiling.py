@@ -23,6 +23,10 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from kiln import env
+from kiln.codegen.cache import default_cache_dir
+from kiln.codegen.flash_attn import flash_attention
+from kiln.codegen.tiles import TileConfig, default_tile
 from kiln.passes._graph import rename
 from kiln.passes.base import Pass, PassResult
 
@@ -38,21 +42,16 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 
 def _autotune_enabled() -> bool:
-    return torch.cuda.is_available() and os.environ.get("KILN_AUTOTUNE", "1") != "0"
+    return torch.cuda.is_available() and env.autotune()
 
 
 def _autotune_file() -> Path:
-    from kiln.codegen.cache import default_cache_dir
-
     return default_cache_dir().parent / "autotune" / "flash_attention.json"
 
 
 def _autotune(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int, default):  # pragma: no cover (GPU)
     """The fastest of a few tile configs for this problem on the current GPU, cached on disk by problem key."""
     import triton.testing
-
-    from kiln.codegen.flash_attn import flash_attention
-    from kiln.codegen.tiles import TileConfig
 
     num_heads, num_kv_heads, causal, window, scale = args
     cap = torch.cuda.get_device_capability()
@@ -91,7 +90,6 @@ def _autotune(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int, defa
 def choose_tile(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int):
     """The tile config for one attention call described by fake/meta tensors q and k and (H, Hkv, causal, window,
     scale)."""
-    from kiln.codegen.tiles import default_tile
 
     default = default_tile(head_dim, q.dtype, _capability(q.device))
     if _autotune_enabled() and q.device.type == "cuda":
@@ -127,7 +125,6 @@ def make_pass(tile=None) -> Pass:
     """The pass with one fixed tile (a TileConfig or its fields as a dict) for every node; None: choose per shape."""
     if tile is None:
         return PASS
-    from kiln.codegen.tiles import TileConfig
 
     fixed = (TileConfig(**tile) if isinstance(tile, dict) else tile).validate()
     return Pass(name="flash_tiling", run=lambda gm: run(gm, fixed), doc=__doc__ or "")

@@ -193,3 +193,10 @@ def test_importing_the_compiler_does_not_import_triton():
             "print('triton' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_environment_variables_are_read_in_kiln_env_only():
+    readers = [f"{_rel(path)}:{i}" for module, path in SOURCES.items() if module != "kiln.env"
+               for i, line in enumerate(path.read_text().splitlines(), start=1)
+               if ("os.environ" in line or "getenv(" in line) and not line.lstrip().startswith("#")]
+    assert not readers, f"read environment variables through kiln.env: {readers}"

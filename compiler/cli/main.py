@@ -183,9 +183,8 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     import tempfile
 
-    from kiln.compile.driver import compile_model, emit
-
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.compile.driver import compile_model, emit
     from kiln.ir.frontend import TORCH_DTYPES, build_graph
     from kiln.ir.text import weight_bytes
 

@@ -212,6 +212,11 @@ def run_pipeline(
     debug = env.debug() if debug is None else debug
     dump_dir = dump_dir if dump_dir is not None else env.dump_dir()
     dump_path = Path(dump_dir) if dump_dir is not None else None
+    if any(n.op != "output" and "val" not in n.meta for n in gm.graph.nodes):
+        # Passes read meta["val"], refreshed below only after a pass that changed the graph; fill it for a
+        # graph built without it, or the first pass that reads it fails whenever no pass before it changed.
+        gm.recompile()
+        propagate(gm)
     if dump_path is not None:
         _dump(dump_path, 0, "input", gm)
     done: list[str] = []

@@ -14,14 +14,25 @@ Options (`options={...}`; any other key is a KilnError naming these):
   use_kernels  True / False / None (default: generated kernels when CUDA or TRITON_INTERPRET=1, else the
                kiln ops' reference implementations)
   passes       {pass name: bool} overrides of the default pipeline, as the CLI flags
+Every option is checked up front (names, types, known pass names, dump_dir writable): a KilnError naming the
+option, which Dynamo reports wrapped in BackendCompilerFailed (kiln.dynamo.explain raises the KilnError itself).
+
+Inference only: kiln kernels have no backward. The forward runs with gradients enabled, and a backward that
+reaches a kiln region raises KilnError("kiln's backend is for inference; use torch.no_grad() or another
+backend for training"). With fallback="inductor" and gradients enabled the outer graph runs eagerly (with a
+warning), since aot_autograd would have to trace the regions' backward.
 
 Dynamic shapes: kiln follows Dynamo's automatic dynamic shapes (torch.compile's default dynamic=None) and
 does not bucket. The first call compiles for its exact shapes; when a later call changes a size (the sequence
 length), Dynamo recompiles once with that dim symbolic, and that graph then serves every length. Kiln claims
 only need the head count, head_dim and feature sizes static, which they are; batch and sequence dims may be
 symbolic, and the kernels are shape-generic in them. HF generate() therefore compiles about three graphs (the
-prefill, the first decode step, then one dynamic decode graph) whatever the number of steps; pass
-dynamic=True to start symbolic, or mark dims with torch._dynamo.mark_dynamic to skip the static first graph.
+prefill, the first decode step, then one dynamic decode graph) whatever the number of steps, and one more
+when the batch size changes; pass dynamic=True to start symbolic, or mark dims with
+torch._dynamo.mark_dynamic to skip the static first graph. In a decode graph the cached keys and values are
+separate inputs with their own length (and batch) symbols: attention claims them equal behind a Dynamo guard
+(kiln.dynamo.normalize.equal_guarded), as sdpa requires them equal anyway. Under dynamic=True Dynamo also passes float
+constants (eps, the attention scale) as inputs; a claim specializes them with a guard on their value.
 Masks computed in the graph are claimed behind a run-time value check (kiln.dynamo.masks): a call with
 padding runs the original graph eagerly. Weights are frozen into the kiln regions, guarded per call.
 """
@@ -29,6 +40,7 @@ padding runs the original graph eagerly. Weights are frozen into the kiln region
 from __future__ import annotations
 
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,9 +50,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from kiln import env
+from kiln.compile.pipeline import known_passes
 from kiln.dynamo.masks import MaskOracle
-from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, normalize, site_of
-from kiln.dynamo.regions import extract_regions
+from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, site_of
+from kiln.dynamo.regions import INFERENCE_ONLY, extract_regions
+from kiln.dynamo.rules import normalize
 from kiln.errors import KilnError
 
 FALLBACKS = ("eager", "inductor")
@@ -58,9 +73,46 @@ class Options:
     passes: dict[str, bool] | None = None
 
 
+def _passes_option(passes: Any) -> dict[str, bool] | None:
+    if passes is None:
+        return None
+
+    known = sorted(known_passes())
+    if not isinstance(passes, dict) or not all(isinstance(v, bool) for v in passes.values()):
+        raise KilnError(
+            f"option passes={passes!r} for backend 'kiln'; expected a dict of pass name -> True / False, "
+            f"e.g. {{'flash_tiling': False}}; known passes: {', '.join(known)}"
+        )
+    unknown = sorted(str(n) for n in passes if n not in known)
+    if unknown:
+        raise KilnError(f"option passes names unknown pass(es) {', '.join(unknown)}; known passes: {', '.join(known)}")
+    return dict(passes)
+
+
+def _dump_option(dump: Any) -> str | None:
+    if not dump:
+        return None
+    if not isinstance(dump, (str, os.PathLike)):
+        raise KilnError(f"option dump_dir={dump!r} for backend 'kiln'; expected a directory path (str or Path)")
+    path = Path(dump)
+    try:  # fail now, naming the option, rather than with an OSError deep inside the first compile
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".kiln-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise KilnError(
+            f"option dump_dir={str(dump)!r} (or KILN_DUMP_DIR) is not a writable directory ({e.strerror or e}); "
+            "pass a directory kiln may create and write, or leave dump_dir out"
+        ) from None
+    return str(path)
+
+
 def parse_options(options: dict[str, Any] | None) -> Options:
+    if options is not None and not isinstance(options, dict):
+        raise KilnError(f"options={options!r} for backend 'kiln'; expected a dict with keys among {', '.join(OPTIONS)}")
     options = dict(options or {})
-    unknown = sorted(set(options) - set(OPTIONS))
+    unknown = sorted(set(options) - set(OPTIONS), key=str)
     if unknown:
         raise KilnError(
             f"unknown option(s) {', '.join(map(repr, unknown))} for backend 'kiln'; allowed: {', '.join(OPTIONS)}"
@@ -71,8 +123,8 @@ def parse_options(options: dict[str, Any] | None) -> Options:
     use_kernels = options.get("use_kernels")
     if use_kernels not in (None, True, False):
         raise KilnError(f"option use_kernels={use_kernels!r}; expected True, False or None")
-    dump = options.get("dump_dir") or os.environ.get("KILN_DUMP_DIR") or None
-    return Options(fallback, str(dump) if dump else None, use_kernels, options.get("passes"))
+    dump = _dump_option(options.get("dump_dir") or env.dump_dir())
+    return Options(fallback, dump, use_kernels, _passes_option(options.get("passes")))
 
 
 @dataclass
@@ -187,7 +239,15 @@ def kiln_backend(
     for listener in _listeners:
         listener.append(report)
     torch._dynamo.utils.counters["kiln"]["graphs"] += 1
-    if opts.fallback == "inductor":
+    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+    if opts.fallback == "inductor" and regions and grad:
+        # aot_autograd would trace the regions' backward, which kiln does not have, and fail this forward;
+        # run the outer graph eagerly so the forward works and only a backward raises the inference-only error.
+        warnings.warn(
+            f"kiln: graph {index} runs without inductor: gradients are enabled; {INFERENCE_ONLY}", stacklevel=2
+        )
+        compiled = gm.forward
+    elif opts.fallback == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         compiled = compile_fx(gm, list(example_inputs))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.dynamo.normalize import Normalizer, St, canon, kiln_ops, same, same_shape, tensor
+from kiln.dynamo.normalize import Normalizer, St, canon, equal_guarded, kiln_ops, resolve, same, same_shape, tensor
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256  # the flash kernel's limit
@@ -102,7 +102,7 @@ def claim_rope(nz: Normalizer, node: fx.Node, q: fx.Node, cos: St, sin: St) -> N
     flat = nz.flat(q, form, node)
     pos = cos.x
     if not same(tpos.shape[0], b):  # position ids shared by the batch: [1, T] -> [B, T] (a view)
-        key = ("expand_positions", pos, b)
+        key = ("expand_positions", pos, str(b))  # str: a symbolic batch size (SymInt) is not hashable
         if key not in nz.memo:  # one node per positions tensor, so rope_fusion sees q and k share it
             nb = b if isinstance(b, int) else nz.emit(node, torch.ops.aten.sym_size.int, (flat, 0))
             nz.memo[key] = nz.emit(node, "expand", (pos, nb, -1), method=True)
@@ -114,9 +114,7 @@ def _kv(nz: Normalizer, n: fx.Node) -> tuple[fx.Node, int]:
     """(the [B, Hkv, S, D] tensor, repeat factor) of an attention key/value input (repeat_kv undone)."""
     s = nz.st.get(n)
     if s is not None and s.kind == "rep":
-        from kiln.dynamo.rules import _res
-
-        return _res(nz, s.x), s.p["rep"]
+        return resolve(nz, s.x), s.p["rep"]
     return n, 1
 
 
@@ -154,8 +152,11 @@ def claim_attention(
         return nz.reject(node, "attention", f"head count / head_dim not static or head_dim {d} > {_MAX_HEAD_DIM}")
     if tv.shape[1] != hkv or krep != vrep or tk.shape[3] != d or tv.shape[3] != d:
         return nz.reject(node, "attention", "k and v differ in heads, repeat or head_dim from q")
-    if not (same(tk.shape[0], b) and same(tv.shape[0], b) and same(tv.shape[2], slen)):
-        return nz.reject(node, "attention", "q, k, v batch / key lengths are not provably equal")
+    # Guarded, not only provable: in a decode graph the cached keys and values are separate inputs with their
+    # own length symbols (and batch symbols once the batch size changed), equal in every call sdpa accepts.
+    if not (equal_guarded(tk.shape[0], b) and equal_guarded(tv.shape[0], b) and equal_guarded(tv.shape[2], slen)):
+        shapes = f"q {tuple(tq.shape)}, k {tuple(tk.shape)}, v {tuple(tv.shape)}"
+        return nz.reject(node, "attention", f"q, k, v batch / key lengths differ ({shapes}; a broadcast?)")
     if hkv * krep != h and not (enable_gqa and krep == 1 and h % hkv == 0):
         return nz.reject(node, "attention", f"{h} query heads do not match {hkv} kv heads x {krep}")
     if tq.dtype not in _FLOATS or not (tq.dtype == tk.dtype == tv.dtype):

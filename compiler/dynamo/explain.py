@@ -1,11 +1,15 @@
 """`kiln.explain(model, *example_inputs)`: what backend="kiln" claims in a model, and what runs as torch and why.
 
     print(kiln.explain(model, input_ids))
+    print(kiln.explain(model, input_ids, generate=8))   # every graph of an HF generate(): prefill and decode
 
-Runs the model once under torch.compile with the kiln backend (no_grad) and collects, per Dynamo graph, each
-claimed site (kiln op, module path, parameters), each pattern that matched but was refused (with the reason:
-a dtype that torch would promote, a mask that is not causal, a head_dim the kernel does not take, ...), and
-the torch calls that fell back to eager / inductor, grouped by op with a few example sites.
+Runs the model once (or, with generate=N, `model.generate(..., max_new_tokens=N)` with model.forward compiled,
+so the decode graphs with their variable key length show too) under torch.compile with the kiln backend
+(no_grad) and collects, per Dynamo graph, each claimed site (kiln op, module path, parameters), each pattern
+that matched but was refused (with the reason: a dtype that torch would promote, a mask that is not causal,
+a head_dim the kernel does not take, ...), and the torch calls that fell back to eager / inductor, grouped by op
+with a few example sites. The header sums claims and refusals over all graphs and says whether generated kernels
+or kiln's reference ops run the claims.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import Any
 
 import torch
 
-from kiln.dynamo.backend import GraphReport, _listeners, kiln_backend
+from kiln.dynamo.backend import GraphReport, _listeners, kiln_backend, parse_options
+from kiln.errors import KilnError
 
 
 @dataclass
@@ -35,9 +40,25 @@ class ExplainReport:
     def claimed(self) -> bool:
         return any(g.claims for g in self.graphs)
 
+    def refusals(self) -> Counter:
+        """Patterns matched but refused over all graphs, by pattern name."""
+        return Counter(r.pattern for g in self.graphs for r in g.rejections)
+
+    def _kernels(self) -> str:
+        kernels = sorted({k for g in self.graphs for k in g.kernels})
+        if kernels:
+            return f"{len(kernels)} generated"
+        if self.claimed:  # claimed ops, but lowered to their torch reference implementations
+            return "none (claimed ops run as kiln reference ops: no CUDA, TRITON_INTERPRET unset or use_kernels=False)"
+        return "none"
+
     def __str__(self) -> str:
         counts = ", ".join(f"{op} {n}" for op, n in sorted(self.counts().items())) or "nothing"
-        lines = [f"kiln explain: {len(self.graphs)} graph(s); kiln kernels claimed: {counts}"]
+        refused = ", ".join(f"{p} {n}" for p, n in sorted(self.refusals().items())) or "nothing"
+        lines = [
+            f"kiln explain: {len(self.graphs)} graph(s); kiln ops claimed: {counts}; refused: {refused}; "
+            f"kernels: {self._kernels()}"
+        ]
         for g in self.graphs:
             lines.append(
                 f"graph {g.index}: {len(g.claims)} claim(s) in {g.regions} region(s); "
@@ -55,17 +76,38 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def explain(model: torch.nn.Module | Any, *example_inputs: Any, **options: Any) -> ExplainReport:
+def explain(
+    model: torch.nn.Module | Any, *example_inputs: Any, generate: int | None = None, **options: Any
+) -> ExplainReport:
     """Compile `model` with backend="kiln" (options as in torch.compile(..., options=...)), run it once on
-    example_inputs without gradients, and report what kiln claimed."""
+    example_inputs without gradients, and report what kiln claimed in every graph Dynamo compiled.
+
+    generate=N: instead compile model.forward and run a greedy `model.generate(*example_inputs,
+    max_new_tokens=N)` (an HF model), so the report covers the prefill and the decode-step graphs.
+    """
+    parse_options(options or None)  # a bad option is a KilnError here, not a backend failure inside Dynamo
+    if generate is not None and (not isinstance(generate, int) or generate < 1 or not hasattr(model, "generate")):
+        raise KilnError(f"explain(generate={generate!r}) needs a positive int and a model with .generate (HF)")
     reports: list[GraphReport] = []
     _listeners.append(reports)
     try:
         # A fresh backend object: Dynamo recompiles instead of reusing graphs compiled without this report.
         backend = functools.partial(kiln_backend, options=options or None)
-        compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
-            compiled(*example_inputs)
+            if generate is None:
+                torch.compile(model, backend=backend)(*example_inputs)
+            else:
+                forward = model.forward
+                model.forward = torch.compile(forward, backend=backend)
+                try:
+                    model.generate(*example_inputs, max_new_tokens=generate, do_sample=False)
+                finally:
+                    model.forward = forward
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, KilnError):
+            raise inner from None
+        raise
     finally:
         _listeners.remove(reports)
     return ExplainReport(reports)

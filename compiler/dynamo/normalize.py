@@ -9,7 +9,7 @@ model would need different patterns on CPU and CUDA. The cost of the torch level
 functions and operators for one op; `.to` / `.float` / `.type` for one cast): `canon` maps each to one name.
 
 How it matches: one forward walk over the nodes keeps a small abstract state per node ("this is x cast to
-fp32", "this is the flat tensor src viewed as [B, H, T, D]", "this is q * cos", ...; see normalize_rules.py).
+fp32", "this is the flat tensor src viewed as [B, H, T, D]", "this is q * cos", ...; see kiln.dynamo.rules).
 When a state completes a pattern (RMSNorm, LayerNorm, rotate-half RoPE, attention via sdpa or
 matmul/softmax/matmul with repeat_kv / expand+reshape GQA, SiLU*mul, GELU incl. the tanh formula, linear)
 and its shapes and dtypes fit the kernel, a kiln op is inserted and the torch node's uses are rewired to it
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_float, guard_or_false, statically_known_true
 from torch.utils._pytree import tree_leaves
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
@@ -109,11 +109,33 @@ def same(a: Any, b: Any) -> bool:
         return False
 
 
+def equal_guarded(a: Any, b: Any) -> bool:
+    """a == b, provably or else by a Dynamo guard when both sizes are equal in this call (then a call where they
+    differ recompiles instead of reusing the claim). For sizes that only two independent inputs share, such as
+    the past keys' and past values' lengths of a KV cache: Dynamo gives each its own symbol."""
+    if same(a, b):
+        return True
+    try:
+        return guard_or_false(a == b)
+    except Exception:
+        return False
+
+
 def same_shape(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
 
 
 def scalar(x: Any) -> float | None:
+    """x as a Python number, or None. Under dynamic=True Dynamo passes float constants (an RMSNorm's eps, an
+    attention scale) as inputs read with .item(): such a float is specialized with a guard on its value (a call
+    with another value recompiles). Symbolic ints (sizes) are never specialized."""
+    if isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item":
+        v = val(x)
+        if isinstance(v, torch.SymFloat):
+            try:
+                return float(guard_float(v))
+            except Exception:  # no hint (data-dependent): not a constant
+                return None
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -156,8 +178,15 @@ class Rejection:
 MaskSpec = Callable[[fx.Node], "tuple[bool, int] | str"]
 
 
+def resolve(nz: Normalizer, n: object) -> object:
+    """n with `same` states followed back to the node that really holds the value."""
+    while isinstance(n, fx.Node) and (s := nz.st.get(n)) is not None and s.kind == "same":
+        n = s.x
+    return n
+
+
 class Normalizer:
-    """Rewrites gm (in place) with the rules of normalize_rules; see the module docstring."""
+    """Rewrites gm (in place) with the rules it is run with (kiln.dynamo.rules); see the module docstring."""
 
     def __init__(self, gm: fx.GraphModule, mask_spec: MaskSpec | None = None):
         self.gm, self.graph = gm, gm.graph
@@ -169,12 +198,11 @@ class Normalizer:
         self.created: set[fx.Node] = set()
         self.memo: dict[tuple, fx.Node] = {}
 
-    def run(self) -> Normalizer:
-        from kiln.dynamo.rules import RULES
-
+    def run(self, rules: Mapping[str, Callable]) -> Normalizer:
+        """Apply `rules` (op name -> rule; kiln.dynamo.rules.RULES) to every node, in graph order."""
         for node in list(self.graph.nodes):
             op = canon(node)
-            rule = RULES.get(op.name) if op is not None else None
+            rule = rules.get(op.name) if op is not None else None
             if rule is not None and node.users:
                 rule(self, node, op)
         self.dce()
@@ -265,12 +293,9 @@ class Normalizer:
 
 
 def _pure(node: fx.Node) -> bool:
+    if node.op == "call_method" and node.target == "item":  # a float constant read by a claim (see scalar)
+        return True
     try:
         return node.op == "call_function" and node.target in _PURE_EXTRA
     except TypeError:
         return False
-
-
-def normalize(gm: fx.GraphModule, mask_spec: MaskSpec | None = None) -> Normalizer:
-    """Rewrite gm in place; the returned Normalizer holds the claims, rejections and claimed masks."""
-    return Normalizer(gm, mask_spec).run()

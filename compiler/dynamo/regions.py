@@ -16,6 +16,7 @@ in place, that call runs the region's Level-1 graph on the tensors passed instea
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,7 +31,10 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.library import custom_op
 
+from kiln.compile.driver import compile_model
+from kiln.compile.pipeline import propagate
 from kiln.dynamo.normalize import is_kiln, val
+from kiln.errors import KilnError
 from kiln.passes._graph import set_param
 
 _PREFIX = "kiln_region_"
@@ -46,6 +50,17 @@ def region_op(inputs: list[torch.Tensor], region: int) -> list[torch.Tensor]:
 @region_op.register_fake
 def _(inputs, region):
     return _REGIONS[region].fake(inputs)
+
+
+INFERENCE_ONLY = "kiln's backend is for inference; use torch.no_grad() or another backend for training"
+
+
+def _no_backward(ctx, grads):
+    # Kiln kernels have no backward: say so, instead of torch's "no autograd formula" for the custom op.
+    raise KilnError(f"{INFERENCE_ONLY} (a gradient reached a kiln region)")
+
+
+region_op.register_autograd(_no_backward)
 
 
 @dataclass
@@ -131,8 +146,11 @@ def _fast_graph(ref: fx.GraphModule, frozen: dict[int, tuple[torch.Tensor, int]]
             gm.graph.output(fx.node.map_arg(n.args[0], env.__getitem__))
         elif n.op != "placeholder":
             env[n] = gm.graph.node_copy(n, env.__getitem__)
+            env[n].meta.pop("val", None)  # Dynamo's symbolic values; refilled from the concrete inputs below
     gm.recompile()
-    return gm
+    # Passes read meta["val"] on every node and the pipeline only refreshes it after a pass that changed the
+    # graph: a region no pass touches (q projection, rope, attention) must arrive with it already filled.
+    return propagate(gm)
 
 
 def _build(
@@ -143,7 +161,6 @@ def _build(
     dump_dir: Path | None,
     overrides: dict[str, bool] | None,
 ) -> tuple[Callable, list[str], list[str]]:
-    from kiln.compile.driver import compile_model
 
     gm = _fast_graph(ref, frozen, names)
     compiled = compile_model(gm, None, use_kernels=use_kernels, dump_dir=dump_dir, overrides=overrides)
@@ -160,6 +177,13 @@ def extract_regions(
     overrides: dict[str, bool] | None = None,
 ) -> list[Region]:
     """Replace every group of kiln ops in gm by a kiln_dynamo::region call (in place); returns the regions."""
+    for n in gm.graph.nodes:
+        # Indexing a kiln op's output (HF's hidden[:, -k:] before the lm_head) as a method call, the same
+        # computation: the partitioner treats a node read only by operator.getitem as a tuple and pulls the
+        # getitem into its producer's partition, and a getitem that also reads a SymInt (-k under dynamic shapes)
+        # is pulled back and forth between the two forever.
+        if n.op == "call_function" and n.target is operator.getitem and is_kiln(n.args[0]):
+            n.op, n.target = "call_method", "__getitem__"
     parts = CapabilityBasedPartitioner(gm, _KilnOps(), allows_single_node_partition=True).propose_partitions()
     if not parts:
         return []

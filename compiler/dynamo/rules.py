@@ -19,7 +19,28 @@ import math
 import torch
 from torch import fx
 
-from kiln.dynamo.normalize import Normalizer, Op, St, is_kiln, kiln_ops, same, same_shape, scalar, tensor
+from kiln.dynamo.claims import (
+    claim_act,
+    claim_attention,
+    claim_gated,
+    claim_layer_norm,
+    claim_linear,
+    claim_rms,
+    claim_rope,
+)
+from kiln.dynamo.normalize import (
+    MaskSpec,
+    Normalizer,
+    Op,
+    St,
+    is_kiln,
+    kiln_ops,
+    resolve,
+    same,
+    same_shape,
+    scalar,
+    tensor,
+)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _ACTS = {"silu": "silu", "relu": "relu"}
@@ -27,13 +48,6 @@ _ACTS = {"silu": "silu", "relu": "relu"}
 
 def _dim(d: object, ndim: int) -> int | None:
     return d % ndim if isinstance(d, int) and ndim > 0 else None
-
-
-def _res(nz: Normalizer, n: object) -> object:
-    """n with `same` states followed back to the node that really holds the value."""
-    while isinstance(n, fx.Node) and (s := nz.st.get(n)) is not None and s.kind == "same":
-        n = s.x
-    return n
 
 
 def _st(nz: Normalizer, n: object, *kinds: str) -> St | None:
@@ -50,9 +64,9 @@ def _f32_of(nz: Normalizer, n: object) -> fx.Node | None:
     """The tensor whose fp32 version n is (n itself when it already is fp32)."""
     s = _st(nz, n, "f32")
     if s is not None:
-        return _res(nz, s.x)
+        return resolve(nz, s.x)
     t = tensor(n)
-    return _res(nz, n) if t is not None and t.dtype == torch.float32 else None
+    return resolve(nz, n) if t is not None and t.dtype == torch.float32 else None
 
 
 def _float_tensor(n: object) -> bool:
@@ -79,7 +93,7 @@ def _reshape(nz: Normalizer, node: fx.Node, op: Op) -> None:
     elif xin.dim() == 3 and out.dim() == 4 and same_shape(out.shape[:2], xin.shape[:2]):
         h, d = out.shape[2], out.shape[3]
         if isinstance(h, int) and isinstance(d, int) and same(h * d, xin.shape[2]):
-            nz.st[node] = St("heads", _res(nz, x), {"form": "bthd", "H": h, "D": d})
+            nz.st[node] = St("heads", resolve(nz, x), {"form": "bthd", "H": h, "D": d})
 
 
 def _transpose(nz: Normalizer, node: fx.Node, op: Op) -> None:
@@ -91,7 +105,7 @@ def _transpose(nz: Normalizer, node: fx.Node, op: Op) -> None:
     if dims == [1, 2] and s is not None:
         nz.st[node] = St("heads", s.x, {**s.p, "form": "bhtd" if s.p["form"] == "bthd" else "bthd"})
     elif dims == [2, 3]:
-        nz.st[node] = St("kT", _res(nz, x))
+        nz.st[node] = St("kT", resolve(nz, x))
 
 
 def _contiguous(nz: Normalizer, node: fx.Node, op: Op) -> None:
@@ -120,7 +134,7 @@ def _cast(nz: Normalizer, node: fx.Node, op: Op) -> None:
     elif s is not None and s.kind == "probs":
         nz.st[node] = s  # softmax probabilities back in q's dtype: kiln keeps them in fp32 inside the kernel
     elif s is None and out.dtype == torch.float32 and t.dtype in _FLOATS:
-        nz.st[node] = St("f32", _res(nz, x))
+        nz.st[node] = St("f32", resolve(nz, x))
 
 
 def _getitem(nz: Normalizer, node: fx.Node, op: Op) -> None:
@@ -133,16 +147,16 @@ def _getitem(nz: Normalizer, node: fx.Node, op: Op) -> None:
         idx = idx[:k] + (slice(None),) * fill + idx[k + 1 :]
     full = slice(None)
     if t.dim() == 4 and idx == (full, full, None, full, full):
-        nz.st[node] = St("unsq2", _res(nz, x))
+        nz.st[node] = St("unsq2", resolve(nz, x))
     elif t.dim() == 2 and idx == (full, full, None) and not t.dtype.is_floating_point:
-        nz.st[node] = St("posu", _res(nz, x))
+        nz.st[node] = St("posu", resolve(nz, x))
     elif len(idx) == t.dim() == 4 and all(i == full for i in idx[:3]) and isinstance(idx[3], slice):
         d, sl = t.shape[3], idx[3]
         if isinstance(d, int) and d % 2 == 0 and sl.step in (None, 1):
             if sl.start in (None, 0) and sl.stop == d // 2:
-                nz.st[node] = St("half0", _res(nz, x))
+                nz.st[node] = St("half0", resolve(nz, x))
             elif sl.start == d // 2 and sl.stop in (None, d):
-                nz.st[node] = St("half1", _res(nz, x))
+                nz.st[node] = St("half1", resolve(nz, x))
 
 
 def _unsqueeze(nz: Normalizer, node: fx.Node, op: Op) -> None:
@@ -154,7 +168,7 @@ def _unsqueeze(nz: Normalizer, node: fx.Node, op: Op) -> None:
     if s is not None and t.dim() == 3 and s.p.get("axis") is None and d in (1, 2):
         nz.st[node] = St(s.kind, s.x, {**s.p, "axis": d})
     elif t.dim() == 2 and d == 2 and not t.dtype.is_floating_point:
-        nz.st[node] = St("posu", _res(nz, x))
+        nz.st[node] = St("posu", resolve(nz, x))
 
 
 def _expand(nz: Normalizer, node: fx.Node, op: Op) -> None:
@@ -179,7 +193,7 @@ def _cat(nz: Normalizer, node: fx.Node, op: Op) -> None:
         return
     a, b = parts
     fa, ng, h0 = _st(nz, a, "freqs"), _st(nz, a, "neghalf"), _st(nz, b, "half0")
-    if fa is not None and _res(nz, a) is _res(nz, b):
+    if fa is not None and resolve(nz, a) is resolve(nz, b):
         nz.st[node] = St("emb", fa.x, fa.p)
     elif ng is not None and h0 is not None and ng.x is h0.x:
         nz.st[node] = St("rot", ng.x)
@@ -215,7 +229,7 @@ def _pow(nz: Normalizer, node: fx.Node, op: Op) -> None:
     if e == 2 and base is not None:
         nz.st[node] = St("sq", base)
     elif e == 3 and _float_tensor(x):
-        nz.st[node] = St("cube", _res(nz, x))
+        nz.st[node] = St("cube", resolve(nz, x))
 
 
 def _mean(nz: Normalizer, node: fx.Node, op: Op) -> None:
@@ -239,8 +253,6 @@ def _div(nz: Normalizer, node: fx.Node, op: Op) -> None:
 
 
 def _add(nz: Normalizer, node: fx.Node, op: Op) -> None:
-    from kiln.dynamo.claims import claim_rope
-
     a, b = op.args[0], op.arg(1, "other")
     if op.kwargs.get("alpha", 1) != 1:
         return
@@ -254,7 +266,7 @@ def _add(nz: Normalizer, node: fx.Node, op: Op) -> None:
             claim_rope(nz, node, s.x, s.p["tab"], r.p["tab"])
         elif s.kind == "scores" and s.p["mask"] is None and _float_tensor(y):
             nz.st[node] = St("scores", s.x, {**s.p, "mask": y})
-        elif s.kind == "ccube" and _res(nz, y) is s.x:
+        elif s.kind == "ccube" and resolve(nz, y) is s.x:
             nz.st[node] = St("inner", s.x)
         elif s.kind == "tanh" and c == 1.0:
             nz.st[node] = St("oneplus", s.x)
@@ -264,8 +276,6 @@ def _add(nz: Normalizer, node: fx.Node, op: Op) -> None:
 
 
 def _mul(nz: Normalizer, node: fx.Node, op: Op) -> None:
-    from kiln.dynamo.claims import claim_act, claim_gated, claim_rms
-
     a, b = op.args[0], op.arg(1, "other")
     out = tensor(node)
     for x, y in ((a, b), (b, a)):
@@ -274,9 +284,9 @@ def _mul(nz: Normalizer, node: fx.Node, op: Op) -> None:
         if c == 1.0 and tx is not None and out is not None and tx.dtype == out.dtype:
             _pass(nz, node, x)
         elif is_kiln(x, kiln_ops.act.default) and tensor(y) is not None:
-            claim_gated(nz, node, x, _res(nz, y))
+            claim_gated(nz, node, x, resolve(nz, y))
         elif c == 0.5 and _float_tensor(x) and s is None:
-            nz.st[node] = St("halfx", _res(nz, x))
+            nz.st[node] = St("halfx", resolve(nz, x))
         elif s is None:
             continue
         elif s.kind == "inv_rms" and _f32_of(nz, y) is s.x:
@@ -288,9 +298,9 @@ def _mul(nz: Normalizer, node: fx.Node, op: Op) -> None:
         elif s.kind == "scores" and c is not None and s.p["mask"] is None:
             nz.st[node] = St("scores", s.x, {**s.p, "scale": s.p["scale"] * c})
         elif s.kind == "posf" and (ti := tensor(y)) is not None and ti.dim() == 1 and ti.dtype == torch.float32:
-            nz.st[node] = St("freqs", s.x, {"inv": _res(nz, y)})
+            nz.st[node] = St("freqs", s.x, {"inv": resolve(nz, y)})
         elif s.kind == "cos" and s.p.get("axis") and tensor(y) is not None and tensor(y).dim() == 4:
-            nz.st[node] = St("qcos", _res(nz, y), {"tab": s})
+            nz.st[node] = St("qcos", resolve(nz, y), {"tab": s})
         elif s.kind == "sin" and s.p.get("axis") and (r := _st(nz, y, "rot")) is not None:
             nz.st[node] = St("rotsin", r.x, {"tab": s})
         elif s.kind == "cube" and c is not None and abs(c - 0.044715) < 1e-9:
@@ -305,22 +315,18 @@ def _mul(nz: Normalizer, node: fx.Node, op: Op) -> None:
 
 
 def _matmul(nz: Normalizer, node: fx.Node, op: Op) -> None:
-    from kiln.dynamo.claims import claim_attention
-
     a, b = op.args[0], op.arg(1, "other")
     kt, probs = _st(nz, b, "kT"), _st(nz, a, "probs")
     ta = tensor(a)
     if kt is not None and ta is not None and ta.dim() == 4:
-        nz.st[node] = St("scores", _res(nz, a), {"k": kt.x, "scale": 1.0, "mask": None})
+        nz.st[node] = St("scores", resolve(nz, a), {"k": kt.x, "scale": 1.0, "mask": None})
     elif probs is not None and tensor(b) is not None and tensor(b).dim() == 4:
         p = probs.p
-        claim_attention(nz, node, probs.x, p["k"], _res(nz, b), p["mask"], False, p["scale"], False)
+        claim_attention(nz, node, probs.x, p["k"], resolve(nz, b), p["mask"], False, p["scale"], False)
 
 
 def _sdpa(nz: Normalizer, node: fx.Node, op: Op) -> None:
-    from kiln.dynamo.claims import claim_attention
-
-    q, k, v = (_res(nz, a) for a in op.args[:3])
+    q, k, v = (resolve(nz, a) for a in op.args[:3])
     mask, dropout, causal = op.arg(3, "attn_mask"), op.arg(4, "dropout_p", 0.0), op.arg(5, "is_causal", False)
     scale, gqa = op.arg(6, "scale"), op.kwargs.get("enable_gqa", False)
     tq = tensor(q)
@@ -331,32 +337,27 @@ def _sdpa(nz: Normalizer, node: fx.Node, op: Op) -> None:
     if not isinstance(causal, bool) or not isinstance(gqa, bool):
         return nz.reject(node, "attention", "is_causal / enable_gqa are not constants")
     scale = scale if scale is not None else (1.0 / math.sqrt(tq.shape[-1]) if isinstance(tq.shape[-1], int) else None)
-    if scalar(scale) is None:
+    scale = scalar(scale)
+    if scale is None:
         return nz.reject(node, "attention", "scale is not a constant")
-    claim_attention(nz, node, q, k, v, mask, causal, float(scale), gqa)
+    claim_attention(nz, node, q, k, v, mask, causal, scale, gqa)
 
 
 def _linear(nz: Normalizer, node: fx.Node, op: Op) -> None:
-    from kiln.dynamo.claims import claim_linear
-
-    claim_linear(nz, node, _res(nz, op.args[0]), op.arg(1, "weight"), op.arg(2, "bias"))
+    claim_linear(nz, node, resolve(nz, op.args[0]), op.arg(1, "weight"), op.arg(2, "bias"))
 
 
 def _act(nz: Normalizer, node: fx.Node, op: Op) -> None:
-    from kiln.dynamo.claims import claim_act
-
     kind = _ACTS.get(op.name)
     if op.name == "gelu":
         kind = {"none": "gelu", "tanh": "gelu_tanh"}.get(op.arg(1, "approximate", "none"))
     if kind is not None and not op.kwargs.get("inplace", False):
-        claim_act(nz, node, _res(nz, op.args[0]), kind)
+        claim_act(nz, node, resolve(nz, op.args[0]), kind)
 
 
 def _layer_norm(nz: Normalizer, node: fx.Node, op: Op) -> None:
-    from kiln.dynamo.claims import claim_layer_norm
-
     args = (op.arg(1, "normalized_shape"), op.arg(2, "weight"), op.arg(3, "bias"), op.arg(4, "eps", 1e-5))
-    claim_layer_norm(nz, node, _res(nz, op.args[0]), *args)
+    claim_layer_norm(nz, node, resolve(nz, op.args[0]), *args)
 
 
 RULES = {
@@ -366,3 +367,8 @@ RULES = {
     "add": _add, "mul": _mul, "matmul": _matmul, "sdpa": _sdpa, "linear": _linear, "silu": _act, "relu": _act,
     "gelu": _act, "layer_norm": _layer_norm,
 }  # fmt: skip
+
+
+def normalize(gm: fx.GraphModule, mask_spec: MaskSpec | None = None) -> Normalizer:
+    """Rewrite gm in place with RULES; the returned Normalizer holds the claims, rejections and claimed masks."""
+    return Normalizer(gm, mask_spec).run(RULES)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kiln
+from kiln.errors import KilnError
 from tests.dynamo.test_dynamo_backend import Unknown
 from tests.support.hf_models import build_hf_model, prompts
 
@@ -22,7 +23,7 @@ def test_explain_gpt2_lists_claims_refusals_and_fallbacks():
     assert isinstance(report, kiln.ExplainReport) and len(report.graphs) == 1
     assert dict(report.counts()) == {"attention": 2, "layer_norm": 5, "act": 2, "linear": 1, "add": 4}
     text = str(report)
-    assert "kiln kernels claimed: act 2, add 4, attention 2, layer_norm 5, linear 1" in text
+    assert "kiln ops claimed: act 2, add 4, attention 2, layer_norm 5, linear 1; refused: nothing; kernels: " in text
     assert "claimed   attention  transformer.h.0.attn" in text and "causal=True window=0" in text
     assert "claimed   act        transformer.h.1.mlp" in text and "gelu_tanh" in text
     assert "mask      %mask claimed as causal=True window=0, checked every call" in text
@@ -32,9 +33,34 @@ def test_explain_gpt2_lists_claims_refusals_and_fallbacks():
 def test_explain_unknown_module_claims_nothing():
     report = kiln.explain(Unknown(), torch.randn(2, 3, 7), fallback="eager")
     assert not report.claimed and report.counts() == {}
-    assert "kiln kernels claimed: nothing" in str(report) and "fallback  cumsum x1" in str(report)
+    text = str(report)
+    assert "kiln ops claimed: nothing; refused: nothing; kernels: none" in text and "fallback  cumsum x1" in text
 
 
 def test_explain_rejects_unknown_options():
-    with pytest.raises(Exception, match="allowed: dump_dir, fallback, passes, use_kernels"):
+    with pytest.raises(KilnError, match="allowed: dump_dir, fallback, passes, use_kernels"):
         kiln.explain(Unknown(), torch.randn(2, 3, 7), fallbak="eager")
+    with pytest.raises(KilnError, match="option passes='all'"):
+        kiln.explain(Unknown(), torch.randn(2, 3, 7), passes="all")
+    with pytest.raises(KilnError, match="generate=0"):
+        kiln.explain(build_hf_model("llama"), prompts(length=3), generate=0)
+
+
+def test_explain_header_says_reference_ops_when_no_kernels_run():
+    report = kiln.explain(build_hf_model("gpt2"), prompts(length=5), use_kernels=False)
+    header, first = str(report).splitlines()[:2]
+    assert "kiln ops claimed: act 2, add 4, attention 2" in header
+    assert "kernels: none (claimed ops run as kiln reference ops" in header and "kernels: none;" in first
+
+
+def test_explain_generate_covers_every_decode_graph(monkeypatch):
+    monkeypatch.setenv("KILN_DEBUG", "0")
+    model = build_hf_model("llama")
+    model.set_attn_implementation("sdpa")
+    forward = model.forward
+    report = kiln.explain(model, prompts(length=4), generate=3, use_kernels=False)
+    assert model.forward == forward  # restored
+    # prefill, the first decode step, then the decode graph with a symbolic key length: all claim attention
+    assert len(report.graphs) == 3 and all(g.counts()["attention"] == 2 for g in report.graphs)
+    assert report.refusals() == {} and "refused: nothing" in str(report)
+    assert str(report).count("claimed   attention  model.layers.0.self_attn") == 3

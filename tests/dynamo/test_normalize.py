@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.dynamo.masks import MaskOracle, infer_spec
-from kiln.dynamo.normalize import normalize
+from kiln.dynamo.rules import normalize
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,119 @@
+"""backend="kiln" on the paths real use takes, with KILN_DEBUG off: debug re-propagates shapes after every pass
+and so hid a region that reached flash_tiling without meta["val"]. HF generate() with sdpa and eager attention,
+batch size changes (1 -> 3 -> 2) under automatic, dynamic=True and static shapes, decode attention over a
+variable key length, backward (inference only) and the backend's option errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.compile.pipeline
+from kiln.dynamo.backend import STATS, parse_options
+from kiln.errors import KilnError
+from tests.support.hf_models import build_hf_model, prompts
+
+NEW_TOKENS = 3
+DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}
+
+
+@pytest.fixture(autouse=True)
+def no_debug(monkeypatch):
+    monkeypatch.setenv("KILN_DEBUG", "0")
+    assert not kiln.compile.pipeline.debug_enabled()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class ProjectedAttention(torch.nn.Module):
+    """q projected in the graph, k and v from outside: a region (linear, attention) that no pass before
+    flash_tiling changes."""
+
+    def __init__(self, heads: int = 2, head_dim: int = 8):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q = torch.nn.Linear(heads * head_dim, heads * head_dim, bias=False)
+
+    def forward(self, x, k, v):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return out.transpose(1, 2).reshape(b, t, -1)
+
+
+def test_untouched_region_reaches_flash_tiling_with_shapes():
+    model, x = ProjectedAttention(), torch.randn(2, 3, 16)
+    k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    first = len(STATS.reports)
+    with torch.no_grad():
+        got = torch.compile(model, backend="kiln")(x, k, v)
+    torch.testing.assert_close(got, model(x, k, v), atol=1e-5, rtol=1e-4)
+    (report,) = STATS.reports[first:]
+    assert report.counts()["attention"] == 1 and "flash_attn:attention" in report.kernels
+
+
+def _generate(model, tokens):
+    return model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    ("family", "attn", "dynamic"),
+    [("llama", "sdpa", None), ("qwen2", "sdpa", True), ("mistral", "eager", None), ("llama", "eager", False)],
+)
+def test_generate_batch_changes_equal_eager(family, attn, dynamic):
+    model = build_hf_model(family)
+    model.set_attn_implementation(attn)
+    eager, compiled = model.forward, torch.compile(model.forward, backend="kiln", dynamic=dynamic)
+    first = len(STATS.reports)
+    for batch in (1, 3, 2):
+        tokens = prompts(batch=batch, length=4, seed=batch)
+        with torch.no_grad():
+            model.forward = eager
+            want = _generate(model, tokens)
+            model.forward = compiled
+            got = _generate(model, tokens)
+        assert torch.equal(got, want), (family, attn, dynamic, batch)
+    # Every graph (prefill, decode steps over a variable key length, batch-symbolic recompiles) claims the whole
+    # decoder; under dynamic=True too, where Dynamo passes eps and the attention scale as .item() inputs.
+    reports = STATS.reports[first:]
+    assert reports and all(dict(r.counts()) == DECODER for r in reports), [dict(r.counts()) for r in reports]
+    assert not [r for g in reports for r in g.rejections]
+
+
+def test_backward_is_a_kiln_error_naming_inference():
+    model, tokens = build_hf_model("llama"), prompts(batch=1, length=4)
+    out = torch.compile(model, backend="kiln")(tokens).logits  # the forward works with gradients on
+    with pytest.raises(KilnError, match="kiln's backend is for inference; use torch.no_grad"):
+        out.sum().backward()
+
+
+def test_backward_with_inductor_fallback_runs_forward_then_refuses():
+    model, x = ProjectedAttention(), torch.randn(1, 3, 16)
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    with pytest.warns(UserWarning, match="runs without inductor: gradients are enabled"):
+        out = torch.compile(model, backend="kiln", options={"fallback": "inductor"})(x, k, v)
+    torch.testing.assert_close(out, model(x, k, v), atol=1e-5, rtol=1e-4)
+    with pytest.raises(KilnError, match="for inference"):
+        out.sum().backward()
+
+
+def test_passes_option_is_validated():
+    for bad in ("all", ["flash_tiling"], {"flash_tiling": "yes"}):
+        with pytest.raises(KilnError, match="option passes=.*expected a dict of pass name -> True / False"):
+            parse_options({"passes": bad})
+    with pytest.raises(KilnError, match="unknown pass.*flashy.*known passes: .*flash_tiling"):
+        parse_options({"passes": {"flashy": False}})
+    assert parse_options({"passes": {"flash_tiling": False}}).passes == {"flash_tiling": False}
+
+
+def test_dump_dir_option_is_validated(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(KilnError, match="option dump_dir=.*a_file.*not a writable directory"):
+        parse_options({"dump_dir": str(blocker / "sub")})
+    with pytest.raises(KilnError, match="option dump_dir=3.*expected a directory path"):
+        parse_options({"dump_dir": 3})
+    with pytest.raises(KilnError, match="options=.*expected a dict"):
+        parse_options("fallback=eager")  # type: ignore[arg-type]
+    assert parse_options({"dump_dir": tmp_path / "d"}).dump_dir == str(tmp_path / "d")

@@ -2,6 +2,6 @@
 
 import sys
 
-from kiln.cli.main import main
+from kiln.cli.commands import main
 
 sys.exit(main())

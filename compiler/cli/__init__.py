@@ -1,5 +1,5 @@
 """The `kiln` command."""
 
-from kiln.cli.main import main
+from kiln.cli.commands import main
 
 __all__ = ["main"]

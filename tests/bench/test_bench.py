@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.cli.main import main
+from kiln.cli.commands import main
 from kiln.runtime.throughput import make_trace, parse_range
 
 ROOT = Path(__file__).resolve().parents[2]

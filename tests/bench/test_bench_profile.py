@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kiln.cli.main import main
+from kiln.cli.commands import main
 
 
 def test_bench_throughput_profile_writes_a_summary(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The `kiln` command line, run in-process through kiln.cli.main (and once as the installed console script)."""
+"""The `kiln` command line, run in-process through kiln.cli.commands (and once as the installed console script)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.cli.main import main
+from kiln.cli.commands import main
 from kiln.spec.loader import bundled_specs
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kiln.cli.main import main
+from kiln.cli.commands import main
 from tests.support.hf_models import FAMILIES, prompts, save_hf_model
 
 NEW_TOKENS = 12

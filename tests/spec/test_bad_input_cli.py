@@ -1,7 +1,7 @@
 """Hostile input through `kiln` (issue 16): every bad spec, flag or path is one message and exit 2, never a
 traceback, and leaves nothing half-written; an internal failure is reported as a bug, not as a user error.
 
-The table runs each row through kiln.cli.main in-process. `{tmp}` in an argument is the test's tmp_path, where
+The table runs each row through kiln.cli.commands in-process. `{tmp}` in an argument is the test's tmp_path, where
 the row's files are written first; after a failing row the files under it must be exactly those files.
 """
 
@@ -246,7 +246,7 @@ def test_an_internal_error_is_a_bug_not_exit_2(monkeypatch, capsys):
     def broken(ref):
         raise ZeroDivisionError("boom inside kiln")
 
-    monkeypatch.setattr("kiln.spec.loader.load_spec", broken)
+    monkeypatch.setattr("kiln.cli.commands.load_spec", broken)
     code, _, err = run_main(["check", "tiny-llama"], capsys)
     assert code == 1 and code != 2
     assert "Traceback" in err and "ZeroDivisionError: boom inside kiln" in err

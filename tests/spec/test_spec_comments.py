@@ -7,7 +7,7 @@ from importlib.resources import files
 
 import pytest
 
-from kiln.cli.main import main
+from kiln.cli.commands import main
 from kiln.spec.ast import Comment, ModelBlock, Num, Setting, SpecFile
 from kiln.spec.formatter import format_spec
 from kiln.spec.loader import bundled_specs

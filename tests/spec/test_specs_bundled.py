@@ -98,7 +98,7 @@ def test_tiny_specs_are_small_and_cover_each_family():
 def test_every_bundled_spec_checks_and_builds_on_fake_tensors(name):
     import torch
 
-    from kiln.cli.main import main
+    from kiln.cli.commands import main
     from kiln.ir.frontend import build_graph
 
     assert main(["check", name]) == 0

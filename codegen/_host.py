@@ -16,6 +16,37 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # While set (see `recording`), launches report their kernel request here instead of loading and running it.
 _recorder: Callable[..., None] | None = None
+# While a lowered graph node's wrapper runs, its BoundKernels (see below).
+_site: BoundKernels | None = None
+
+
+class BoundKernels:
+    """A lowered graph node's kernel call, bound once at lowering (kiln.compile.lowering.lower).
+
+    Each kernel instance the node launches is loaded on its first launch and kept here, so later launches go
+    straight to the jitted function: no kernel-cache lookup, no environment read and (unless KILN_DEBUG was set
+    when the graph was lowered) no tensor checks, which the graph's fake propagation already did.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, checked: bool):
+        self.fn, self.checked = fn, checked
+        self.kernels: dict[tuple, Any] = {}
+        self.__name__, self.__qualname__, self.__module__ = fn.__name__, fn.__qualname__, fn.__module__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        global _site
+        prev, _site = _site, self
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            _site = prev
+
+    def __repr__(self) -> str:
+        return f"<bound {self.__name__}: {len(self.kernels)} kernel(s)>"
+
+
+def _trusted() -> bool:
+    return _site is not None and not _site.checked
 
 
 @contextmanager
@@ -47,6 +78,14 @@ def check_tensor(
     unit_last_stride: bool = True,
 ) -> torch.Tensor:
     """Raise CodegenError naming `name` unless t is a tensor of the right rank and dtype on a usable device."""
+    if _trusted():
+        return t
+    return _check_tensor_full(t, name, ndim, dtypes, unit_last_stride)
+
+
+def _check_tensor_full(
+    t: Any, name: str, ndim: int | None, dtypes: Sequence[torch.dtype], unit_last_stride: bool
+) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise CodegenError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -64,6 +103,8 @@ def check_tensor(
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:
+    if _trusted():
+        return
     named = {k: v for k, v in tensors.items() if v is not None}
     devices = {str(v.device) for v in named.values()}
     if len(devices) > 1:
@@ -75,6 +116,8 @@ def check_out(out: torch.Tensor | None, like: torch.Tensor, name: str = "out") -
     """A contiguous output with like's shape, dtype and device: the given one (checked) or a new one."""
     if out is None:
         return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if _trusted():
+        return out
     check_tensor(out, name, dtypes=(like.dtype,))
     if out.shape != like.shape or out.device != like.device or not out.is_contiguous():
         raise CodegenError(
@@ -97,15 +140,25 @@ def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
 def launch(
     template: str, op: str, grid: tuple[int, ...], args: Sequence[Any], consts: dict[str, Any], options: dict[str, int]
 ) -> None:
-    """Load the kernel `template`_kernel for these constexprs (cached) and launch it on `grid`.
+    """Load the kernel `template`_kernel for these constexprs and launch it on `grid` (bound: see BoundKernels).
 
     consts are the kernel's tl.constexpr arguments; BLOCK_* ones count as the tile in the header, the others
     as params. options are launch options (num_warps, num_stages).
     """
-    tile = {k: v for k, v in consts.items() if k.startswith("BLOCK_")} | options
-    flags = {k: v for k, v in consts.items() if not k.startswith("BLOCK_")}
     if _recorder is not None:
-        _recorder(template, f"{template}_kernel", op=op, tile=tile, params=flags)
+        _recorder(template, f"{template}_kernel", op=op, **_request(consts, options))
         return
-    kernel = load_kernel(template, f"{template}_kernel", op=op, tile=tile, params=flags)
+    site = _site
+    if site is None:  # a direct call of a wrapper (not from a lowered graph): through the kernel cache
+        kernel = load_kernel(template, f"{template}_kernel", op=op, **_request(consts, options))
+    else:  # bound: the node's own table, keyed by this instance's constexprs
+        key = (template, *consts.values(), *options.values())
+        kernel = site.kernels.get(key)
+        if kernel is None:
+            kernel = site.kernels[key] = load_kernel(template, f"{template}_kernel", op=op, **_request(consts, options))
     kernel[grid](*args, **consts, **options)
+
+
+def _request(consts: dict[str, Any], options: dict[str, int]) -> dict[str, dict[str, Any]]:
+    tile = {k: v for k, v in consts.items() if k.startswith("BLOCK_")} | options
+    return {"tile": tile, "params": {k: v for k, v in consts.items() if not k.startswith("BLOCK_")}}

@@ -25,8 +25,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
+from kiln import env
 from kiln.codegen import act, flash_attn, norm, paged, quant, rope, tiles
-from kiln.codegen._host import recording
+from kiln.codegen._host import BoundKernels, recording
 from kiln.errors import CodegenError
 from kiln.quant.formats import dequantize_parts
 
@@ -132,7 +133,9 @@ KERNEL_TABLE: dict[Any, Callable] = {
 
 
 def lower(gm: fx.GraphModule) -> fx.GraphModule:
-    """Replace every kiln op by its kernel call (in place); a kiln op without a lowering is a CodegenError."""
+    """Replace every kiln op by its kernel call (in place), each bound to its own kernels (codegen's BoundKernels:
+    tensor checks only under KILN_DEBUG, read now); a kiln op without a lowering is a CodegenError."""
+    checked = env.debug()
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -144,7 +147,7 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
                 f"no kernel lowering for {node.target} (node %{node.name}); add it to lowering.KERNEL_TABLE"
             )
         node.meta["kiln_op"] = str(node.target)
-        node.target = fn
+        node.target = BoundKernels(fn, checked=checked)
     gm.recompile()
     return gm
 

@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from kiln import env
-from kiln.codegen.render import _SUFFIX, TEMPLATE_DIR, render, template_names
+from kiln.codegen.render import _SUFFIX, render, template_names, template_sources
 from kiln.errors import CodegenError
 
 # Bump when templates or the cache layout change in a way the source hash would not catch.
@@ -53,15 +53,15 @@ def triton_version() -> str:
 
 
 def kernel_key(template: str, name: str, params: dict[str, Any], triton_ver: str | None = None) -> str:
-    """Key of a kernel request: sha256 over codegen version, triton version, template text, name and params."""
+    """Key of a kernel request: sha256 over codegen version, triton version, the text of the template and of every
+    file it includes, name and params."""
     ver = triton_version() if triton_ver is None else triton_ver
-    family = template.removesuffix(_SUFFIX)
     try:
-        text = (TEMPLATE_DIR / f"{family}{_SUFFIX}").read_text()
+        texts = template_sources(template)
     except OSError:
         raise CodegenError(f"unknown kernel template {template!r}; templates: {', '.join(template_names())}") from None
     h = hashlib.sha256()
-    for part in (CODEGEN_VERSION, ver, text, name, repr(_freeze(params))):
+    for part in (CODEGEN_VERSION, ver, *texts, name, repr(_freeze(params))):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]

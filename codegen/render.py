@@ -29,8 +29,23 @@ _env = jinja2.Environment(
 
 
 def template_names() -> list[str]:
-    """The kernel families there are templates for, e.g. ["act", "flash_attn", "norm", "rope"]."""
-    return sorted(p.name.removesuffix(_SUFFIX) for p in TEMPLATE_DIR.glob(f"*{_SUFFIX}"))
+    """The kernel families there are templates for, e.g. ["act", "flash_attn", "norm", "rope"]. Files whose name
+    starts with "_" are shared device code that family templates include, not families."""
+    return sorted(p.name.removesuffix(_SUFFIX) for p in TEMPLATE_DIR.glob(f"*{_SUFFIX}") if not p.name.startswith("_"))
+
+
+def template_sources(family: str) -> list[str]:
+    """The texts that go into a family's kernels: its template, then every file it includes (transitively)."""
+    seen: list[str] = []
+    todo = [f"{family.removesuffix(_SUFFIX)}{_SUFFIX}"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.append(name)
+        source = (TEMPLATE_DIR / name).read_text()
+        todo += [node.template.value for node in _env.parse(source).find_all(jinja2.nodes.Include)]
+    return [(TEMPLATE_DIR / n).read_text() for n in seen]
 
 
 def _format_items(items: dict[str, Any] | None) -> str:

@@ -149,9 +149,25 @@ def test_key_depends_on_request_template_and_triton_version(tmp_path, monkeypatc
     assert key != cache_mod.kernel_key("act", "act_kernel", {**params, "params": {"ACT": "relu"}}, "3.6.0")
     # Editing the template text changes the key too.
     edited = tmp_path / "act.py.j2"
-    edited.write_text((cache_mod.TEMPLATE_DIR / "act.py.j2").read_text() + "\n# edited\n")
-    monkeypatch.setattr(cache_mod, "TEMPLATE_DIR", tmp_path)
+    edited.write_text((render_mod.TEMPLATE_DIR / "act.py.j2").read_text() + "\n# edited\n")
+    monkeypatch.setattr(render_mod, "TEMPLATE_DIR", tmp_path)
     assert key != cache_mod.kernel_key("act", "act_kernel", params, "3.6.0")
+
+
+def test_key_hashes_the_files_a_template_includes(tmp_path, monkeypatch):
+    import shutil
+
+    import kiln.codegen.cache as cache_mod
+
+    flash, norm = RENDER_CASES["flash_attn"], RENDER_CASES["norm"]
+    before = (cache_mod.kernel_key("flash_attn", "k", flash, "3.6.0"), cache_mod.kernel_key("norm", "k", norm, "3.6.0"))
+    for f in render_mod.TEMPLATE_DIR.glob("*.j2"):
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "_attention.py.j2").write_text((tmp_path / "_attention.py.j2").read_text() + "\n# edited\n")
+    monkeypatch.setattr(render_mod, "TEMPLATE_DIR", tmp_path)
+    after = (cache_mod.kernel_key("flash_attn", "k", flash, "3.6.0"), cache_mod.kernel_key("norm", "k", norm, "3.6.0"))
+    assert after[0] != before[0], "flash_attn includes _attention.py.j2: editing it must change the key"
+    assert after[1] == before[1], "norm includes nothing"
 
 
 def test_default_cache_honours_kiln_cache_dir_and_counts(tmp_path, monkeypatch):

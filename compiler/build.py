@@ -65,6 +65,11 @@ def load_model(
     from kiln.tokenizer import load_tokenizer
 
     dev = resolve_device(device)
+    from kiln.gguf_load import bundled_weights, is_gguf, load_gguf_model
+
+    weights = weights if weights is not None else bundled_weights(spec)  # a bundled spec may name a packaged GGUF
+    if is_gguf(weights):
+        return load_gguf_model(spec, weights, dtype=dtype, dev=dev, seed=seed, quantize=quantize)
     weights_dir = Path(weights) if weights is not None else None
     if weights_dir is not None:
         from kiln.quant_io import is_quantized_checkpoint

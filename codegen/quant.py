@@ -72,7 +72,8 @@ def _launch(
         raise CodegenError(f"unknown quantized-linear kernel {kernel!r}; expected quant_gemv or quant_gemm")
     z = zeros if zeros is not None else scales
     b = bias if bias is not None else scales
-    consts = {"BITS": bits, "GROUP": max(group, 1), "HAS_ZEROS": zeros is not None, "HAS_BIAS": bias is not None}
+    consts = {"BITS": bits, "GROUP": max(group, 1), "HAS_ZEROS": zeros is not None, "HAS_BIAS": bias is not None,
+              "ZERO_IS_MIN": zeros is not None and zeros.is_floating_point()}
     strides = (x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), o2.stride(0))
     op = f"linear_w{bits}"
     if kernel == "quant_gemv":
@@ -125,7 +126,8 @@ def linear_w4(
     out: torch.Tensor | None = None,
     kernel: str | None = None,
 ) -> torch.Tensor:
-    """kiln::linear_w4: group-wise int4 (uint8 [N, K / 2], two codes per byte); zeros None = symmetric."""
+    """kiln::linear_w4: group-wise int4 (uint8 [N, K / 2], two codes per byte); zeros None = symmetric, uint8 =
+    zero points, fp32 = per-group minimums (w = q * s + m)."""
     check_tensor(qweight, "qweight", ndim=2, dtypes=(torch.uint8,))
     check_tensor(scales, "scales", ndim=2, dtypes=(torch.float32,))
     n, k = qweight.shape[0], qweight.shape[1] * 2
@@ -136,7 +138,7 @@ def linear_w4(
             f"got scales {tuple(scales.shape)}"
         )
     if zeros is not None:
-        check_tensor(zeros, "zeros", ndim=2, dtypes=(torch.uint8,))
+        check_tensor(zeros, "zeros", ndim=2, dtypes=(torch.uint8, torch.float32))
         if zeros.shape != scales.shape:
             raise CodegenError(f"zeros shape {tuple(zeros.shape)} differs from scales shape {tuple(scales.shape)}")
     return _launch(x, qweight, scales, zeros, bias, 4, group, k, out, kernel)

@@ -110,8 +110,8 @@ def hf_config(reader: Any, path: str | os.PathLike) -> dict:
         "head_dim": int(head_dim or dim // heads),
         "intermediate_size": int(need("feed_forward_length")),
         "max_position_embeddings": int(field(reader, f"{arch}.context_length", 4096)),
-        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
@@ -139,6 +139,13 @@ def config_from_gguf(reader: Any, path: str | os.PathLike, name: str = "") -> Mo
         raise
     except KilnError as e:
         raise GGUFError(f"{path}: {e}") from None
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-05, not 9.99999974e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
 
 
 def _slug(text: str) -> str:

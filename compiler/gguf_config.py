@@ -7,6 +7,7 @@ truncated, wrong magic, a tensor type the reader does not know) is one GGUFError
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,22 @@ class GGUFError(KilnError):
 
 
 def open_gguf(path: str | os.PathLike) -> Any:
-    """A gguf.GGUFReader over `path` (memory-mapped; nothing is dequantized yet), or GGUFError."""
-    from gguf import GGUFReader
+    """A gguf.GGUFReader over `path` (memory-mapped; nothing is dequantized yet), or GGUFError.
 
+    Readers are cached per (path, size, mtime): parsing the metadata of a 49k-token vocabulary takes seconds.
+    """
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"{path}: no such GGUF file; check the path given to --weights")
+    st = path.stat()
+    return _open(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open(name: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    path = Path(name)
     with path.open("rb") as f:
         head = f.read(4)
     if head != MAGIC:

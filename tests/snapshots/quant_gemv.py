@@ -16,6 +16,8 @@ def quant_gemv_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
+    ZERO_IS_MIN: tl.constexpr,
+    GROUP_SCALES8: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -35,6 +37,8 @@ def quant_gemv_kernel(
         if BITS == 8:
             # Per-channel scale: applied once after the K loop.
             w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0).to(tl.float32)
+            if GROUP_SCALES8:  # a scale per group of GROUP along K (GGUF's Q8_0)
+                w = w * tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_k[None, :] // GROUP, mask=mask, other=0.0)
         else:
             # Two codes per byte along K (low nibble = even k); each byte is read for both of its codes.
             packed = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] // 2, mask=mask, other=0)
@@ -45,9 +49,12 @@ def quant_gemv_kernel(
                 z = tl.load(z_ptr + offs_n[:, None] * stride_zn + offs_g, mask=mask, other=0).to(tl.float32)
             else:
                 z = 8.0
-            w = (q - z) * s
+            if ZERO_IS_MIN:
+                w = q * s + z  # a float minimum per group (GGUF's Q4_1 kept as stored)
+            else:
+                w = (q - z) * s
         acc += tl.sum(w * x[None, :], axis=1)
-    if BITS == 8:
+    if BITS == 8 and not GROUP_SCALES8:
         acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)

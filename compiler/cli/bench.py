@@ -22,6 +22,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.run_info import run_metadata
     from kiln.runtime.throughput import format_report, make_trace, parse_range, run_trace
 
@@ -153,3 +155,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     qb.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     qb.add_argument("--json", action="store_true", help="print the report as JSON")
     qb.set_defaults(func=cmd_bench_quality)
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.cli.perplexity import add_parser as add_perplexity_parser
+
+    add_perplexity_parser(bsub)

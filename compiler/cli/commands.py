@@ -33,6 +33,7 @@ from kiln.cli.common import (
     staged_dir,
     write_file_atomic,
 )
+from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError, SpecError, UsageError
 from kiln.hf.config import import_spec
 from kiln.spec.formatter import format_spec
@@ -59,6 +60,8 @@ def _ids(text: str) -> list[int]:
 def cmd_run(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.sampler import SamplingParams
 
     params = SamplingParams(
@@ -68,7 +71,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,
                    quantize=args.quantize)
-    prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(args.prompt)
+    prompt = args.prompt
+    if args.chat and args.prompt_ids is None:
+
+        prompt = chat_prompt(m.tokenizer, prompt)
+    prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(prompt)
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
     engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
@@ -103,6 +110,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.pipeline import quantize_graph
     from kiln.compile.quantized import save_quantized
     from kiln.quant.formats import parse_scheme
@@ -167,6 +176,11 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    src = Path(args.hf_dir)
+    if src.suffix == ".gguf":
+        from kiln.cli.gguf import cmd_import_gguf  # lazy: reading a GGUF loads torch and numpy
+
+        return cmd_import_gguf(args)
     out = check_output_file("-o", args.output) if args.output else None
     notes: list[str] = []
     cfg, text = import_spec(args.hf_dir, args.name or "", notes)  # resolved in-process: always passes `kiln check`
@@ -185,6 +199,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.driver import compile_model, emit
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.ir.frontend import TORCH_DTYPES, build_graph
     from kiln.ir.text import weight_bytes
 
@@ -246,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="compile a spec and generate text", description="Compile a spec and generate.")
     r.add_argument("spec", nargs="?", help="a .kiln file or bundled spec name (default: from --weights, else "
                    "the bundled tiny-llama with seeded random weights)")
-    r.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (config.json + *.safetensors)")
+    r.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (config.json + *.safetensors) "
+                   "or a .gguf file")
+    r.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (one user turn)")
     g = r.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", metavar="TEXT", help="prompt text (tokenized with the checkpoint's tokenizer)")
     g.add_argument("--prompt-ids", metavar="1,2,3", type=_ids, help="prompt as comma-separated token ids")
@@ -274,9 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--check", action="store_true", help="exit 1 if a file is not in canonical form")
     f.set_defaults(func=cmd_fmt)
 
-    i = sub.add_parser("import", help="write a spec for a Hugging Face checkpoint",
-                       description="Read a HF checkpoint's config.json and write the matching .kiln spec.")
-    i.add_argument("hf_dir", metavar="HF_DIR")
+    i = sub.add_parser("import", help="write a spec for a Hugging Face checkpoint or a GGUF file",
+                       description="Read a HF checkpoint's config.json (or a GGUF file's metadata) and write the "
+                       "matching .kiln spec.")
+    i.add_argument("hf_dir", metavar="HF_DIR|FILE.gguf")
     i.add_argument("-o", "--output", metavar="FILE.kiln", help="output file (default: stdout)")
     i.add_argument("--name", help="model name in the spec (default: the directory name)")
     i.set_defaults(func=cmd_import)

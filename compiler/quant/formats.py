@@ -1,10 +1,12 @@
 """Weight quantization math: schemes, quantize / dequantize, int4 packing.
 
 Stored forms (what the quantized-linear ops and kernels read):
-- int8 (W8A16): qweight int8 [N, K] symmetric per output channel, w = q * scales[n]; scales fp32 [N].
+- int8 (W8A16): qweight int8 [N, K] symmetric per output channel, w = q * scales[n]; scales fp32 [N]. With 2-D
+  scales fp32 [N, K / G] the scale is per group of G along K (GGUF's Q8_0, G = 32, kept as stored).
 - int4: qweight uint8 [N, K / 2], two codes per byte along K (low nibble = even k); scales fp32 [N, K / G];
   w = (q - z) * scales[n, k // G] with z = zeros[n, k // G] (uint8 [N, K / G]) when asymmetric, and z = 8 when
-  symmetric (codes are the signed value + 8, so no zeros tensor is stored).
+  symmetric (codes are the signed value + 8, so no zeros tensor is stored). A float `zeros` (fp32 [N, K / G]) is
+  instead a per-group minimum: w = q * scales[n, k // G] + zeros[n, k // G] (GGUF's Q4_1, kept as stored).
 Scales stay fp32 whatever the model dtype: a bf16 scale would add a per-row error as large as int8's own.
 
 One fake-quant rule (`fake_quant`) serves round-to-nearest and GPTQ, so both produce the same stored form.
@@ -201,12 +203,17 @@ def dequantize_parts(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group: int
 ) -> torch.Tensor:
     """fp32 weights from the stored tensors; works on any leading rows (gathered embedding rows included)."""
-    if bits == 8:
-        return qweight.float() * scales.float()[..., None]
     lead = qweight.shape[:-1]
+    if bits == 8:
+        if scales.dim() == qweight.dim():  # per-group scales [..., K / G] (GGUF's Q8_0 kept as stored)
+            g = qweight.shape[-1] // scales.shape[-1]
+            return (qweight.float().reshape(*lead, scales.shape[-1], g) * scales.float()[..., None]).reshape(*lead, -1)
+        return qweight.float() * scales.float()[..., None]
     codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(*lead, -1).float()
-    z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)
     codes = codes.reshape(*lead, scales.shape[-1], group)
+    if zeros is not None and zeros.is_floating_point():  # a float minimum per group (GGUF Q4_1): w = q * s + m
+        return (codes * scales.float()[..., None] + zeros.float()[..., None]).reshape(*lead, -1)
+    z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)
     return ((codes - z[..., None]) * scales.float()[..., None]).reshape(*lead, -1)
 
 

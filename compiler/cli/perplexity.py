@@ -1,0 +1,139 @@
+"""`kiln bench perplexity`: perplexity of a model on real text, for several weight formats of the same weights.
+
+The text is tokenized once and cut into consecutive windows of `window` tokens; every token of a window but
+the first is scored given the ones before it in that window (llama.cpp's perplexity tool scores only the
+second half of each window; scoring all but the first gives a slightly higher, equally comparable figure).
+Variants: fp32 / bf16 / fp16 (the dense model in that dtype), `gguf` (a GGUF's Q4_0 / Q4_1 / Q8_0 linears kept
+as stored), or any kiln scheme (int8, int4-rtn-g32, int4-gptq-g128, ...) applied by the quantize pass; GPTQ
+calibrates on `calibration` text when given (keep it apart from the evaluated text), else seeded random tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import fx
+
+from kiln.errors import KilnError
+from kiln.gguf.files import bundled_weights
+
+DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4-rtn-g32", "int4-rtn-g128", "int4-gptq-g32", "int4-gptq-g128")
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, int]:
+    """(sum of negative log-likelihoods in nats, tokens scored) over consecutive windows of `ids`."""
+    device = next(iter(gm.parameters())).device if any(True for _ in gm.parameters()) else torch.device("cpu")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for lo in range(0, len(ids) - 1, window):
+            chunk = torch.tensor([ids[lo:lo + window]], device=device)
+            if chunk.shape[1] < 2:
+                break
+            logits = gm(chunk, torch.arange(chunk.shape[1], device=device)[None]).float()
+            logp = torch.log_softmax(logits[0, :-1], dim=-1)
+            total -= logp.gather(1, chunk[0, 1:, None]).sum().item()
+            count += chunk.shape[1] - 1
+    return total, count
+
+
+def _variant_model(spec, weights, variant: str, device: str, calibration: str | None = None):
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.build import load_model
+    from kiln.passes.quantize import quantize_graph
+    from kiln.quant.formats import parse_scheme
+
+    gguf = weights is not None and str(weights).endswith(".gguf")
+    if variant in _DTYPES:
+        return load_model(spec, weights, dtype=variant, device=device, quantize="none" if gguf else None)
+    if variant == "gguf":
+        if not gguf:
+            raise KilnError(f"variant gguf keeps a GGUF's own quantized tensors; --weights {weights} is not a .gguf")
+        return load_model(spec, weights, dtype="fp32", device=device, quantize="gguf")
+    scheme = parse_scheme(variant, **({"calibration": str(calibration)} if calibration else {}))
+    m = load_model(spec, weights, dtype="fp32", device=device, quantize="none" if gguf else None)
+    m.gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
+    return m
+
+
+def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str], window: int = 512,
+                   max_tokens: int | None = None, device: str = "auto", calibration: str | None = None,
+                   progress=None) -> dict:
+    """Perplexity of every variant on the text; the result dict that `kiln bench perplexity` prints / writes."""
+
+    weights = weights if weights is not None else bundled_weights(spec)
+    path = Path(text_path)
+    if not path.is_file():
+        raise KilnError(f"--text {path}: no such file; give a UTF-8 text file (e.g. bench/data/*.txt)")
+    if window < 2:
+        raise KilnError(f"--window {window}: give at least 2 tokens")
+    text = path.read_text(encoding="utf-8")
+    result: dict = {"spec": str(spec), "weights": str(weights), "text": str(path), "text_bytes": len(text.encode()),
+                    "window": window, "calibration": str(calibration) if calibration else "seeded random tokens",
+                    "variants": {}}
+    ids: list[int] | None = None
+    for variant in variants:
+        t0 = time.perf_counter()
+        m = _variant_model(spec, weights, variant, device, calibration)
+        if ids is None:
+            ids = m.tokenizer.encode(text)[: max_tokens or None]
+            result["tokens"] = len(ids)
+        nll, n = window_nll(m.gm, ids, window)
+        ppl = math.exp(nll / n)
+        result["variants"][variant] = {"perplexity": ppl, "nll_per_token": nll / n, "scored_tokens": n,
+                                       "seconds": time.perf_counter() - t0}
+        result["model"], result["device"] = m.model.name, str(m.device)
+        if progress:
+            progress(f"{variant}: perplexity {ppl:.4f} over {n} tokens ({time.perf_counter() - t0:.0f}s)")
+        del m
+    base = result["variants"].get("fp32")
+    if base:
+        for v in result["variants"].values():
+            v["vs_fp32"] = v["perplexity"] / base["perplexity"] - 1
+    return result
+
+
+def format_perplexity(result: dict) -> str:
+    lines = [f"{result['model']} on {result['text']} ({result['tokens']} tokens, windows of {result['window']}, "
+             f"{result['device']})", f"{'variant':<16} {'perplexity':>11} {'vs fp32':>9}"]
+    for name, v in result["variants"].items():
+        rel = f"{v['vs_fp32'] * 100:+.2f}%" if "vs_fp32" in v else "-"
+        lines.append(f"{name:<16} {v['perplexity']:>11.4f} {rel:>9}")
+    return "\n".join(lines)
+
+
+def bench_perplexity_main(args) -> int:
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.build import say
+
+    variants = [v for v in (args.variants or ",".join(DEFAULT_VARIANTS)).split(",") if v]
+    result = run_perplexity(args.spec, args.weights, args.text, variants=variants, window=args.window,
+                            max_tokens=args.max_tokens, device=args.device, calibration=args.calibration,
+                            progress=say)
+    print(json.dumps(result, indent=2) if args.json else format_perplexity(result))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+        say(f"wrote {args.output}")
+    return 0
+
+
+def add_parser(bsub) -> None:
+    p = bsub.add_parser("perplexity", help="perplexity on real text for several weight formats",
+                        description="Perplexity of a model on a text file, for the dense model in fp32 / bf16, "
+                        "kiln's quantization schemes and a GGUF's own quantized tensors (variant gguf).")
+    p.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    p.add_argument("--weights", metavar="W", help="a Hugging Face checkpoint dir or a .gguf file")
+    p.add_argument("--text", metavar="FILE", required=True, help="UTF-8 text to score (e.g. bench/data/*.txt)")
+    p.add_argument("--variants", metavar="A,B", help=f"default: {','.join(DEFAULT_VARIANTS)} (add gguf for a GGUF)")
+    p.add_argument("--window", type=int, default=512, help="tokens per scored window (default 512)")
+    p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    p.add_argument("--calibration", metavar="FILE", help="GPTQ calibration text (default: seeded random tokens)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("-o", "--output", metavar="FILE.json", help="also write the result JSON here")
+    p.set_defaults(func=bench_perplexity_main)

@@ -1,0 +1,163 @@
+"""GGUF files (llama.cpp's format) read through the `gguf` package: open and check a file, metadata -> ModelConfig.
+
+The metadata is translated into the config.json keys kiln's HF importer reads, so one code path
+(hf_import.config_from_hf) decides what kiln can express. Every problem with the file itself (missing,
+truncated, wrong magic, a tensor type the reader does not know) is one GGUFError naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+from kiln.hf.config import config_from_hf
+from kiln.model_config import ModelConfig
+
+MAGIC = b"GGUF"
+# GGUF architecture -> the HF model_type kiln's importer knows (its hyperparameter keys are prefixed by the arch).
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_FIX = "re-download or re-convert it with llama.cpp's convert_hf_to_gguf.py"
+
+
+class GGUFError(KilnError):
+    """A GGUF file kiln cannot read or cannot map onto a kiln model."""
+
+
+def open_gguf(path: str | os.PathLike) -> Any:
+    """A gguf.GGUFReader over `path` (memory-mapped; nothing is dequantized yet), or GGUFError.
+
+    Readers are cached per (path, size, mtime): parsing the metadata of a 49k-token vocabulary takes seconds.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such GGUF file; check the path given to --weights")
+    st = path.stat()
+    return _open(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open(name: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    path = Path(name)
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head != MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (starts with {head!r}, expected {MAGIC!r}); "
+                        "--weights takes a .gguf file or a Hugging Face checkpoint directory")
+    try:
+        reader = GGUFReader(path, "r")
+    except ValueError as e:  # the reader's error for an unknown tensor type or a bad header value
+        text = str(e)
+        if "is not a valid GGMLQuantizationType" in text:
+            raise GGUFError(f"{path}: a tensor has an unknown GGML type ({text}); convert the file with a llama.cpp "
+                            "of the same age as the installed `gguf` package, or upgrade it (pip install -U gguf)"
+                            ) from None
+        raise GGUFError(f"{path}: cannot read the GGUF header ({text}); the file is damaged: {_FIX}") from None
+    except (IndexError, OSError, KeyError, TypeError, OverflowError, MemoryError) as e:
+        raise GGUFError(f"{path}: the file is truncated or damaged ({type(e).__name__}: {e}); {_FIX}") from None
+    _check_extent(path, reader)
+    return reader
+
+
+def _check_extent(path: Path, reader: Any) -> None:
+    """A file cut inside its tensor data still parses (numpy memmaps lazily): check every tensor fits."""
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise GGUFError(f"{path}: truncated: tensor {t.name} needs bytes up to {t.data_offset + t.n_bytes} but "
+                            f"the file has {size}; {_FIX}")
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python value (str, int, float, bool or list), or `default` when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def architecture(reader: Any, path: str | os.PathLike) -> str:
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported; kiln loads "
+                        f"{', '.join(ARCHITECTURES)} (convert a supported model, or write a spec and use HF weights)")
+    return arch
+
+
+def hf_config(reader: Any, path: str | os.PathLike) -> dict:
+    """The config.json a Hugging Face checkpoint of this model would have (the keys kiln's importer reads)."""
+    arch = architecture(reader, path)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(f"{path}: the file carries rope_freqs (llama3-style rope scaling baked into a tensor), which "
+                        "kiln cannot read back yet; use the model's HF checkpoint with --weights DIR")
+
+    def need(key: str) -> Any:
+        value = field(reader, f"{arch}.{key}")
+        if value is None:
+            raise GGUFError(f"{path}: metadata {arch}.{key} is missing; {_FIX}")
+        return value
+
+    heads = int(need("attention.head_count"))
+    dim = int(need("embedding_length"))
+    tokens = field(reader, "tokenizer.ggml.tokens")
+    vocab = field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens is not None else None)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if vocab is None and embd is not None:
+        vocab = int(embd.shape[-1])
+    if vocab is None:
+        raise GGUFError(f"{path}: neither {arch}.vocab_size nor a token list says the vocabulary size; {_FIX}")
+    head_dim = field(reader, f"{arch}.attention.key_length") or field(reader, f"{arch}.rope.dimension_count")
+    hf: dict[str, Any] = {
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": dim,
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv") or heads),
+        "head_dim": int(head_dim or dim // heads),
+        "intermediate_size": int(need("feed_forward_length")),
+        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 4096)),
+        "rms_norm_eps": _f32(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
+    }
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        factor = field(reader, f"{arch}.rope.scaling.factor")
+        hf["rope_scaling"] = {"rope_type": kind, "factor": factor}
+    window = field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        hf["sliding_window"] = int(window)
+        hf["use_sliding_window"] = True
+    return hf
+
+
+def config_from_gguf(reader: Any, path: str | os.PathLike, name: str = "") -> ModelConfig:
+    """The ModelConfig of a GGUF model; `name` defaults to the file's general.name, else its stem."""
+
+    hf = hf_config(reader, path)
+    name = name or _slug(str(field(reader, "general.name") or Path(path).stem))
+    try:
+        return config_from_hf(hf, name=name)
+    except GGUFError:
+        raise
+    except KilnError as e:
+        raise GGUFError(f"{path}: {e}") from None
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-05, not 9.99999974e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def _slug(text: str) -> str:
+    return "-".join(text.lower().replace("_", " ").split()) or "gguf-model"

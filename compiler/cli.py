@@ -270,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kiln.cli_bench import add_bench_parser
 
     add_bench_parser(sub)
+
+    from kiln.cli_serve import add_serve_parser
+
+    add_serve_parser(sub)
     return p
 
 

@@ -100,3 +100,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     qb.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     qb.add_argument("--json", action="store_true", help="print the report as JSON")
     qb.set_defaults(func=cmd_bench_quality)
+
+    from kiln.cli_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(bsub)

@@ -31,7 +31,8 @@ class Result:
 
 async def _one(client, url: str, model: str, r: TraceRequest, headers: dict) -> Result:
     body = {"model": model, "prompt": r.prompt_token_ids, "max_tokens": r.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}  # one chunk per token, even when its text is held back (partial UTF-8)
     res = Result(ok=False, prompt_len=len(r.prompt_token_ids))
     start = last = time.perf_counter()
     try:
@@ -48,10 +49,11 @@ async def _one(client, url: str, model: str, r: TraceRequest, headers: dict) -> 
                 if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
+                k = max(len(chunk["choices"][0].get("token_ids") or ()), 1)
                 if res.ttft == 0.0:
                     res.ttft = now - start
-                else:
-                    res.itl.append(now - last)
+                else:  # a chunk of k tokens: k gaps of equal share
+                    res.itl += [(now - last) / k] * k
                 last = now
     except Exception as e:  # a failed request is counted, not fatal
         res.error = f"{type(e).__name__}: {e}"

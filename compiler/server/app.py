@@ -124,6 +124,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if req.model is not None and req.model != config.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {config.model_name!r} "
                            "(GET /v1/models)", param="model", code="model_not_found")
+        if not loop.alive:
+            raise APIError(503, "the engine loop has stopped (see the server log); restart `kiln serve`",
+                           code="engine_stopped")
         jobs = []  # (request id, prompt ids, params)
         base = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         for p, ids in enumerate(prompts):

@@ -55,6 +55,7 @@ CASES = [
     ("image content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, AUTH, 400, "only text parts", "messages"),
     ("unknown route", "/v1/embeddings", {}, AUTH, 404, "no route POST /v1/embeddings", None),
+    ("too many choices", "/v1/completions", {**OK, "prompt": ["a"] * 20, "n": 16}, AUTH, 400, "over the queue", "n"),
 ]
 
 
@@ -143,3 +144,27 @@ def test_a_full_queue_answers_503_with_retry_after(llm):
             assert r.status_code == 503 and r.headers["Retry-After"] == "1"
             assert "queue holds 1" in r.json()["error"]["message"] and r.json()["error"]["code"] == "queue_full"
             assert c.post("/v1/completions", json=OK).status_code == 200  # served once the queue drains
+
+
+def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(llm):
+    from kiln.runtime.engine import Engine
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    class FailOnce(Engine):
+        armed = True
+
+        def step(self):
+            if self.armed and self.requests:
+                self.armed = False
+                raise RuntimeError("simulated device fault")
+            return super().step()
+
+    eng = FailOnce(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=128)
+    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as url:
+        r = httpx.post(f"{url}/v1/completions", json=OK, timeout=60)
+        assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "engine_failure"
+        assert httpx.post(f"{url}/v1/completions", json=OK, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert not eng.block_manager.tables

@@ -134,6 +134,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             max_tokens = req.max_tokens or (default_max if default_max is not None else max(room, 1))
             for i in range(req.n):
                 jobs.append((f"{base}-{p * req.n + i}", ids, req.sampling_params(max_tokens, i)))
+        if len(jobs) > config.max_waiting:
+            raise APIError(400, f"{len(jobs)} completions (prompts x n) in one request, over the queue's "
+                           f"{config.max_waiting} (--max-waiting); send fewer prompts or a smaller n", param="n")
         st = loop.snapshot
         if st.num_waiting + loop.pending_adds + len(jobs) > config.max_waiting:
             raise APIError(503, f"server busy: {st.num_waiting + loop.pending_adds} requests waiting, the queue "

@@ -239,10 +239,15 @@ def _param_of(message: str) -> str | None:
     return None
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def validation_error(e: ValidationError) -> APIError:
     """Pydantic's first error as a 400 naming the field (dotted path) and what was wrong."""
     err = e.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or "body"
+    # Drop the union members pydantic puts in the path ("prompt.str", "prompt.list[int]"): name the field.
+    field = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in _TYPE_NAMES or "[" in str(p)))
+    field = field or "body"
     if err["type"] == "extra_forbidden":
         return APIError(400, f"unknown field {field!r}; remove it (see the OpenAI API reference for the fields)",
                         param=field, code="unknown_field")

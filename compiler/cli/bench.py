@@ -14,6 +14,7 @@ from kiln.cli.common import (
     serving_engine,
     step_model,
 )
+from kiln.cli.serve import add_bench_serve_parser
 from kiln.errors import KilnError, UsageError
 
 
@@ -25,6 +26,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.run_info import run_metadata
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.throughput import format_report, make_trace, parse_range, run_trace
 
     try:
@@ -160,3 +163,5 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from kiln.cli.perplexity import add_parser as add_perplexity_parser
 
     add_perplexity_parser(bsub)
+
+    add_bench_serve_parser(bsub)

@@ -34,6 +34,7 @@ from kiln.cli.common import (
     write_file_atomic,
 )
 from kiln.cli.gguf import chat_prompt
+from kiln.cli.serve import add_serve_parser
 from kiln.errors import KilnError, SpecError, UsageError
 from kiln.hf.config import import_spec
 from kiln.spec.formatter import format_spec
@@ -113,6 +114,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.pipeline import quantize_graph
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.quantized import save_quantized
     from kiln.quant.formats import parse_scheme
 
@@ -202,6 +205,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.ir.frontend import TORCH_DTYPES, build_graph
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.ir.text import weight_bytes
 
     emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
@@ -326,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.set_defaults(func=cmd_quantize)
 
     add_bench_parser(sub)
+
+    add_serve_parser(sub)
     return p
 
 

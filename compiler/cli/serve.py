@@ -1,0 +1,139 @@
+"""`kiln serve` (an OpenAI-compatible HTTP server) and `kiln bench serve` (a load generator against one)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+
+from kiln.cli.common import QUANTIZE_HELP, engine_flags, serving_engine, step_model
+from kiln.errors import KilnError
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.build import load_model, say
+    from kiln.server import ServerConfig, build_app
+    from kiln.server.chat import load_chat_template
+
+    if not 0 <= args.port <= 65535:
+        raise KilnError(f"--port {args.port}: give a TCP port from 0 to 65535")
+    if not _is_loopback(args.host) and not args.api_key:
+        say(f"warning: serving on {args.host} (reachable from other machines) without --api-key")
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
+                   quantize=args.quantize)
+    engine = serving_engine(args, m, step_model(args, m), max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    name = args.served_model_name or m.model.name
+    cfg = ServerConfig(model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                       max_prompt_tokens=args.max_prompt_tokens, max_waiting=args.max_waiting,
+                       chat_template=load_chat_template(args.weights))
+    app = build_app(engine, cfg)
+    say(f"serving {name} on http://{args.host}:{args.port}/v1 ({m.device}, "
+        f"{engine.block_manager.num_usable_blocks} KV blocks, chat template: {cfg.chat_template.origin})")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    import httpx
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.build import say
+    from kiln.run_info import run_metadata
+    from kiln.runtime.throughput import make_trace, parse_range
+    from kiln.server.bench import format_serving_report, run_serving_bench
+
+    try:
+        input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
+    except ValueError as e:
+        raise KilnError(f"--input-len / --output-len: {e}") from None
+    if args.num_requests < 1 or args.request_rate <= 0 or (args.max_concurrency or 1) < 1:
+        raise KilnError("--num-requests, --request-rate and --max-concurrency must be positive")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    base = args.base_url.rstrip("/")
+    try:
+        card = httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]
+        health = httpx.get(f"{base}/health", timeout=30).json()
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise KilnError(f"cannot reach a kiln server at {base} ({e}); start one with `kiln serve SPEC` "
+                        "or pass --base-url") from None
+    trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=card["vocab_size"],
+                                context=card["max_model_len"], seed=args.seed)
+    say(f"bench serve: {len(trace)} requests to {base} ({card['id']}), rate {args.request_rate}/s, "
+        f"max concurrency {args.max_concurrency or 'unbounded'}")
+    res = asyncio.run(run_serving_bench(base, trace, model=card["id"], request_rate=args.request_rate,
+                                        max_concurrency=args.max_concurrency, seed=args.seed,
+                                        api_key=args.api_key))
+    result = {"model": card["id"], **run_metadata(health.get("device", "cpu")), "base_url": base,
+              "trace": {"num_requests": len(trace), "input_len": list(input_len), "output_len": list(output_len),
+                        "seed": args.seed, "clipped": clipped, "request_rate": str(args.request_rate),
+                        "max_concurrency": args.max_concurrency}, **res}
+    if args.out_dir:
+        slug = "".join(c if c.isalnum() else "-" for c in result["device"].lower()).strip("-")[:40]
+        path = Path(args.out_dir) / f"serve-{card['id']}-{slug}-{result['date'][:10]}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        say(f"wrote {path}")
+    print(json.dumps(result, indent=2) if args.json else format_serving_report(res))
+    return 0 if res["failed"] == 0 else 1
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a model over HTTP: /v1/completions, /v1/chat/completions (streaming "
+                       "with SSE), /v1/models, /health and /metrics (Prometheus).")
+    s.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    s.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", metavar="NAME", help="the model id clients use (default: the spec's name)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most (default 64)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
+    s.add_argument("--max-model-len", type=int, help="prompt + output tokens at most (default: the context)")
+    s.add_argument("--max-prompt-tokens", type=int, help="prompt tokens at most (default: --max-model-len)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size limit (1 MiB)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests at most; more get 503 with Retry-After (default 256)")
+    s.add_argument("--seed", type=int, default=0, help="seed of random weights (default 0)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    s.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    s.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    engine_flags(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def add_bench_serve_parser(bsub: argparse._SubParsersAction) -> None:
+    b = bsub.add_parser("serve", help="load-test a running `kiln serve`: throughput, TTFT, TPOT, ITL",
+                        description="Replay a seeded trace of streamed completions against a running server at "
+                        "a request rate (Poisson) or a fixed concurrency; report throughput and TTFT / TPOT / "
+                        "inter-token latency (mean, p50, p99) and write JSON under --out-dir.")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    b.add_argument("--api-key", metavar="KEY", help="the server's --api-key")
+    b.add_argument("--num-requests", type=int, default=64, help="requests in the trace (default 64)")
+    b.add_argument("--input-len", default="16:128", metavar="LO:HI", help="prompt lengths, uniform (16:128)")
+    b.add_argument("--output-len", default="16:128", metavar="LO:HI", help="output lengths, uniform (16:128)")
+    b.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    b.add_argument("--max-concurrency", type=int, help="requests in flight at most (default unbounded)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the trace and the arrivals (default 0)")
+    b.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for nowhere)")
+    b.add_argument("--json", action="store_true", help="print the full result as JSON")
+    b.set_defaults(func=cmd_bench_serve)
+

@@ -1,0 +1,13 @@
+"""`kiln serve`: an OpenAI-compatible HTTP server over one engine loop.
+
+    from kiln.server import ServerConfig, build_app
+    app = build_app(llm_engine, ServerConfig(model_name="tiny-llama"))   # an ASGI app for uvicorn
+
+Modules: protocol (request / response models, the error shape), engine_loop (the thread that drives
+Engine.step and routes outputs to per-request asyncio queues), chat (chat templates), metrics (Prometheus),
+app (the FastAPI routes and limits).
+"""
+
+from kiln.server.app import ServerConfig, build_app
+
+__all__ = ["ServerConfig", "build_app"]

@@ -1,0 +1,256 @@
+"""The FastAPI app: OpenAI routes over one EngineLoop, with auth, limits and OpenAI-shaped errors.
+
+Bodies are read and parsed here (not by FastAPI) so that an oversized body, bad JSON and wrong types all
+come back as {"error": {...}} naming the limit or the field, with the same status codes OpenAI uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kiln.errors import RequestError
+from kiln.runtime.engine import Engine
+from kiln.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from kiln.server.engine_loop import EngineLoop
+from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
+from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from kiln.server.streaming import Choices, completion_body, sse_stream
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None  # None: the engine's max_model_len
+    max_waiting: int = 256  # requests queued (not yet running) before new ones get 503 + Retry-After
+    default_max_tokens: int = 16  # completions without max_tokens (chat defaults to the rest of the context)
+    chat_template: ChatTemplate | None = None
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics(config.model_name)
+    loop = EngineLoop(engine, metrics)
+    chat = config.chat_template or ChatTemplate(DEFAULT_CHAT_TEMPLATE)
+    max_prompt = config.max_prompt_tokens or engine.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine_loop, app.state.metrics = loop, metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(request: Request, e: ValidationError) -> JSONResponse:
+        err = validation_error(e)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, e) -> JSONResponse:
+        return JSONResponse(error_body(f"no route {request.method} {request.url.path}; the API is under /v1",
+                                       "not_found_error"), status_code=404)
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, e) -> JSONResponse:
+        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}",
+                                       "invalid_request_error"), status_code=405)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+                return JSONResponse(error_body("invalid or missing API key; send the header 'Authorization: "
+                                               "Bearer <key>' with the key the server was started with",
+                                               "authentication_error", code="invalid_api_key"), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.alive:
+            return JSONResponse(error_body("the engine loop is not running", "internal_error"), status_code=503)
+        return JSONResponse({"status": "ok", "model": config.model_name, "device": str(engine.model.device)})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kiln", "max_model_len": engine.max_model_len,
+                                            "vocab_size": engine.model.vocab}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = CompletionRequest.model_validate(await _json(request, config.max_body_bytes))
+        req.check()
+        prompts = [_tokens(engine, p, max_prompt) for p in req.prompts()]
+        return await _generate(request, req, prompts, "text_completion", config.default_max_tokens)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = ChatCompletionRequest.model_validate(await _json(request, config.max_body_bytes))
+        req.check()
+        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        try:
+            text = chat.render(msgs)
+        except Exception as e:  # the template's raise_exception, or a message it cannot take
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        if req.max_completion_tokens is not None and req.max_tokens is None:
+            req.max_tokens = req.max_completion_tokens
+        return await _generate(request, req, [_tokens(engine, text, max_prompt)], "chat.completion", None)
+
+    async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None):
+        if req.model is not None and req.model != config.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {config.model_name!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+        if not loop.alive:
+            raise APIError(503, "the engine loop has stopped (see the server log); restart `kiln serve`",
+                           code="engine_stopped")
+        jobs = []  # (request id, prompt ids, params)
+        base = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        for p, ids in enumerate(prompts):
+            room = engine.max_model_len - len(ids)
+            max_tokens = req.max_tokens or (default_max if default_max is not None else max(room, 1))
+            for i in range(req.n):
+                jobs.append((f"{base}-{p * req.n + i}", ids, req.sampling_params(max_tokens, i)))
+        if len(jobs) > config.max_waiting:
+            raise APIError(400, f"{len(jobs)} completions (prompts x n) in one request, over the queue's "
+                           f"{config.max_waiting} (--max-waiting); send fewer prompts or a smaller n", param="n")
+        st = loop.snapshot
+        if st.num_waiting + loop.pending_adds + len(jobs) > config.max_waiting:
+            raise APIError(503, f"server busy: {st.num_waiting + loop.pending_adds} requests waiting, the queue "
+                           f"holds {config.max_waiting} (--max-waiting); retry after a second",
+                           code="queue_full", headers={"Retry-After": "1"})
+        sink: asyncio.Queue = asyncio.Queue()
+        rids = [j[0] for j in jobs]
+        added: list[str] = []
+        try:
+            for rid, ids, params in jobs:
+                await loop.add(rid, ids, params, sink)
+                added.append(rid)
+        except RequestError as e:
+            loop.abort(added)
+            raise APIError(400, str(e), param=_param_of(str(e))) from None
+        except BaseException:
+            loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
+            raise
+        choices = Choices(base, kind, config.model_name, rids, sum(len(p) for p in prompts),
+                           req.return_token_ids)
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _AbortingStream(sse_stream(sink, choices, usage), lambda: loop.abort(rids),
+                                   media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            await _collect(request, sink, choices)
+        finally:
+            loop.abort(rids)  # a no-op once they finished; frees their KV blocks when the client left early
+        return JSONResponse(completion_body(choices))
+
+    return app
+
+
+async def _collect(request: Request, sink: asyncio.Queue, choices: Choices) -> None:
+    while not choices.done:
+        try:
+            item = await asyncio.wait_for(sink.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return
+            continue
+        choices.update(item)
+
+
+class _AbortingStream(StreamingResponse):
+    """A streaming response that aborts its requests however it ends (done, client gone, cancelled)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _json(request: Request, limit: int) -> object:
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise APIError(400, f"request body of {size} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(400, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)",
+                           code="request_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object",
+                       code="invalid_json") from None
+
+
+def _tokens(engine: Engine, prompt: str | list[int], limit: int) -> list[int]:
+    if isinstance(prompt, str):
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send prompt as token ids", param="prompt")
+        try:
+            ids = engine.tokenizer.encode(prompt)
+        except Exception as e:
+            raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise APIError(400, "the prompt is empty; give at least one token", param="prompt")
+    if len(ids) > limit:
+        raise APIError(400, f"the prompt has {len(ids)} tokens, over the limit of {limit} (the model's context or "
+                       "--max-prompt-tokens); shorten it", param="prompt", code="context_length_exceeded")
+    return ids
+
+
+def _param_of(message: str) -> str | None:
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
+                 "prompt"):
+        if name in message:
+            return name
+    return None
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """Pydantic's first error as a 400 naming the field (dotted path) and what was wrong."""
+    err = e.errors()[0]
+    # Drop the union members pydantic puts in the path ("prompt.str", "prompt.list[int]"): name the field.
+    field = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in _TYPE_NAMES or "[" in str(p)))
+    field = field or "body"
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unknown field {field!r}; remove it (see the OpenAI API reference for the fields)",
+                        param=field, code="unknown_field")
+    return APIError(400, f"field {field!r}: {err['msg']} (got {err.get('input')!r})"[:500], param=field,
+                    code="invalid_type" if "type" in err["type"] else "invalid_value")
+

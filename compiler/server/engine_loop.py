@@ -1,0 +1,196 @@
+"""One thread drives Engine.step() for every connection; outputs go to per-request asyncio queues.
+
+The Engine is not thread-safe, so only this thread touches it: the event loop posts adds and aborts to a
+command queue, which the thread applies between steps (an abort therefore frees its KV blocks before the next
+step). Each step's outputs are handed to the event loop in one call_soon_threadsafe, then routed by request
+id. After every batch of commands and every step the thread publishes a stats snapshot, which admission
+control and /metrics read without touching the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kiln.errors import KilnError
+from kiln.runtime.engine import Engine, EngineStats
+from kiln.runtime.request import RequestOutput
+from kiln.runtime.sampler import SamplingParams
+from kiln.server.metrics import ServerMetrics
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    sink: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class EngineFailure(KilnError):
+    """The engine raised inside a step; every request in flight at that moment is failed with this."""
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._last_token: dict[str, float] = {}
+        self.pending_adds = 0  # event-loop side: adds posted but not yet applied
+        self.snapshot: EngineStats = engine.stats
+        self.num_steps = 0
+
+    # ---- event-loop side ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)  # wake the thread
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  sink: asyncio.Queue) -> None:
+        """Queue one request; raises the engine's RequestError (a bad prompt) once the thread has tried it."""
+        fut = asyncio.get_running_loop().create_future()
+        self.pending_adds += 1
+        try:
+            self._commands.put(_Add(request_id, prompt, params, fut, sink))
+            await fut
+        finally:
+            self.pending_adds -= 1
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._commands.put(_Abort(rid))
+
+    # ---- engine thread ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            # Block for work only when the engine is idle; otherwise just drain what has arrived.
+            self._apply(block=not self.engine.has_unfinished())
+            if self._stop.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # fail the requests in flight, keep serving new ones
+                traceback.print_exc()
+                self._fail_all(EngineFailure(f"the engine failed during a step ({type(e).__name__}: {e}); "
+                                             "the request was aborted, retry it"))
+                continue
+            self.num_steps += 1
+            self._publish()
+            sampled = sum(1 for o in outs if o.outputs[0].delta_token_ids)  # finished ones left `running` already
+            self.metrics.step(max(sampled, self.snapshot.num_running))
+            self._route(outs)
+
+    def _apply(self, block: bool) -> None:
+        cmds = []
+        try:
+            cmds.append(self._commands.get(timeout=0.5) if block else self._commands.get_nowait())
+            while True:
+                cmds.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        done = []
+        for cmd in cmds:
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id)
+                except Exception as e:  # a bad request is refused alone
+                    done.append((cmd.future, e))
+                    continue
+                self._sinks[cmd.request_id] = cmd.sink
+                done.append((cmd.future, None))
+            elif isinstance(cmd, _Abort):
+                if self.engine.abort(cmd.request_id, notify=False):
+                    self.metrics.aborted.inc()
+                self._sinks.pop(cmd.request_id, None)
+                self._last_token.pop(cmd.request_id, None)
+        if cmds:
+            self._publish()  # before the futures resolve, so admission control sees these requests
+        if done:
+            self._loop.call_soon_threadsafe(_resolve, done)
+
+    def _publish(self) -> None:
+        self.snapshot = st = self.engine.stats
+        self.metrics.engine_stats(st)
+
+    def _route(self, outs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        batch = []
+        for out in outs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            comp = out.outputs[0]
+            k = len(comp.delta_token_ids)
+            if k:
+                self.metrics.generated.inc(k)
+                last = self._last_token.get(out.request_id)
+                if last is None:
+                    self.metrics.prompt.inc(len(out.prompt_token_ids))
+                    if out.metrics.first_token_time is not None:
+                        self.metrics.ttft.observe(out.metrics.first_token_time - out.metrics.arrival_time)
+                else:
+                    for _ in range(k):
+                        self.metrics.itl.observe((now - last) / k)
+                self._last_token[out.request_id] = now
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+                self._last_token.pop(out.request_id, None)
+                self.metrics.finished(comp.finish_reason or "stop")
+            batch.append((sink, out))
+        if batch:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+    def _fail_all(self, err: Exception) -> None:
+        batch = []
+        for rid, sink in list(self._sinks.items()):
+            self.engine.abort(rid, notify=False)
+            batch.append((sink, err))
+        self._sinks.clear()
+        self._last_token.clear()
+        self._publish()
+        if batch:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _resolve(done: list) -> None:
+    for fut, err in done:
+        if fut.done():  # the caller went away while waiting
+            continue
+        if err is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(err)
+
+
+def _deliver(batch: list) -> None:
+    for sink, item in batch:
+        sink.put_nowait(item)

@@ -1,0 +1,136 @@
+"""OpenAI request models (pydantic, unknown fields refused) and the error JSON shape.
+
+Fields map onto kiln's SamplingParams; ones the engine cannot honour (logprobs: the engine returns no
+log-probabilities yet) are refused with a 400 naming the field rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln.errors import KilnError
+from kiln.runtime.sampler import SamplingParams
+
+
+class APIError(KilnError):
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+          500: "internal_error", 503: "overloaded_error"}
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # -1 means off, as in vLLM
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False  # kiln / vLLM extension: each choice also carries its token ids
+    user: str | None = None
+    # OpenAI fields accepted only at their neutral values (anything else is a 400 naming the field).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
+        if self.presence_penalty or self.frequency_penalty:
+            name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            raise APIError(400, f"{name} is not supported by kiln; leave it at 0 (repetition_penalty is)",
+                           param=name)
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        # n > 1 with a seed: choice i uses seed + i, so the choices differ and the request stays reproducible.
+        seed = None if self.seed is None else self.seed + choice
+        return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
+                              min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
+                              seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos)
+
+    def refuse_logprobs(self, value: Any, name: str) -> None:
+        if value:
+            raise APIError(400, f"{name} is not supported: the kiln engine does not return log-probabilities yet; "
+                           f"omit {name}", param=name)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self.refuse_logprobs(self.logprobs, "logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported; omit echo", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported; omit suffix", param="suffix")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt or a batch: text, token ids, a list of texts or a list of token-id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty; give text or at least one token id", param="prompt")
+        return list(p)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, f"message content part of type {part.get('type')!r} is not supported; "
+                               "only text parts are", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def check(self) -> None:
+        self.refuse_logprobs(self.logprobs, "logprobs")
+        self.refuse_logprobs(self.top_logprobs, "top_logprobs")

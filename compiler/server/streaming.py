@@ -1,0 +1,99 @@
+"""Turning engine outputs into OpenAI responses: whole bodies, and server-sent event streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from kiln.runtime.request import RequestOutput
+from kiln.server.protocol import APIError
+
+
+class Choices:
+    """The choices of one HTTP request (n per prompt), filled from the engine outputs of their request ids."""
+
+    def __init__(self, base_id: str, kind: str, model: str, request_ids: list[str], prompt_tokens: int,
+                 return_token_ids: bool = False):
+        self.id, self.kind, self.model = base_id, kind, model
+        self.created = int(time.time())
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self.prompt_tokens = prompt_tokens  # each prompt once, however many choices share it
+        self.text = [""] * len(request_ids)
+        self.num_tokens = [0] * len(request_ids)
+        self.finish = [None] * len(request_ids)
+        self.started = [False] * len(request_ids)
+        self.token_ids: list[list[int]] = [[] for _ in request_ids]
+        self.return_token_ids = return_token_ids
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def update(self, item: RequestOutput | Exception) -> tuple[int, str, list[int], str | None]:
+        """Apply one output; (choice index, new text, new token ids, finish reason or None). An engine failure
+        raises."""
+        if isinstance(item, Exception):
+            raise APIError(500, str(item), code="engine_failure")
+        i = self.index[item.request_id]
+        comp = item.outputs[0]
+        self.text[i] += comp.delta_text
+        self.token_ids[i] = comp.token_ids
+        self.num_tokens[i] = len(comp.token_ids)
+        if item.finished:
+            self.finish[i] = "length" if comp.finish_reason == "length" else "stop"
+        return i, comp.delta_text, comp.delta_token_ids, self.finish[i]
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(self.num_tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def completion_body(c: Choices) -> dict:
+    if c.kind == "chat.completion":
+        choices: list[dict] = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                                "finish_reason": f} for i, (t, f) in enumerate(zip(c.text, c.finish, strict=True))]
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                   for i, (t, f) in enumerate(zip(c.text, c.finish, strict=True))]
+    if c.return_token_ids:
+        for choice, ids in zip(choices, c.token_ids, strict=True):
+            choice["token_ids"] = ids
+    return {"id": c.id, "object": c.kind, "created": c.created, "model": c.model, "choices": choices,
+            "usage": c.usage()}
+
+
+async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> AsyncIterator[str]:
+    """One event per choice per step, then (when asked) a usage chunk with no choices, then [DONE]."""
+    chat = c.kind == "chat.completion"
+    while not c.done:
+        try:
+            i, delta, ids, finish = c.update(await sink.get())
+        except APIError as e:  # the engine failed mid-stream: say so in the stream, as OpenAI does
+            yield f"data: {json.dumps(e.body())}\n\n"
+            break
+        if not delta and finish is None and (c.started[i] or not chat) and not (c.return_token_ids and ids):
+            continue  # text held back (a partial UTF-8 character or a possible stop string): nothing to send
+        if chat:
+            d = {"content": delta}
+            if not c.started[i]:
+                d = {"role": "assistant", **d}
+                c.started[i] = True
+            choice = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": finish}
+        if c.return_token_ids:
+            choice["token_ids"] = ids
+        yield c.chunk([choice], None)
+    if include_usage and c.done:
+        yield c.chunk([], c.usage())
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,176 @@
+"""Bad requests to `kiln serve`: each gets OpenAI's error shape, a status code and a message naming the problem,
+and none of them disturbs a request being served meanwhile."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+KEY = "sk-table"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+OK = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+# (name, path, body (a dict, or raw bytes), headers, status, a piece of the message, param)
+CASES = [
+    ("no key", "/v1/completions", OK, {}, 401, "invalid or missing API key", None),
+    ("wrong key", "/v1/completions", OK, {"Authorization": "Bearer sk-nope"}, 401, "Bearer <key>", None),
+    ("key without Bearer", "/v1/models", None, {"Authorization": KEY}, 401, "API key", None),
+    ("unknown model", "/v1/completions", {**OK, "model": "gpt-4"}, AUTH, 404, "'gpt-4' does not exist", "model"),
+    ("bad JSON", "/v1/completions", b'{"prompt": "Hi",', AUTH, 400, "not valid JSON", None),
+    ("not UTF-8", "/v1/completions", b"\xff\xfe{}", AUTH, 400, "not valid JSON", None),
+    ("body not an object", "/v1/completions", b"[1, 2]", AUTH, 400, "valid dictionary", "body"),
+    ("oversized body", "/v1/completions", {**OK, "prompt": "x" * 5000}, AUTH, 400, "limit of 4096 bytes", None),
+    ("negative max_tokens", "/v1/completions", {**OK, "max_tokens": -5}, AUTH, 400, "greater than or equal to 1",
+     "max_tokens"),
+    ("max_tokens a word", "/v1/completions", {**OK, "max_tokens": "ten"}, AUTH, 400, "valid integer", "max_tokens"),
+    ("negative temperature", "/v1/completions", {**OK, "temperature": -1}, AUTH, 400, "greater than or equal to 0",
+     "temperature"),
+    ("top_p zero", "/v1/completions", {**OK, "top_p": 0}, AUTH, 400, "greater than 0", "top_p"),
+    ("seed a float", "/v1/completions", {**OK, "seed": 1.5}, AUTH, 400, "valid integer", "seed"),
+    ("stream a list", "/v1/completions", {**OK, "stream": [1]}, AUTH, 400, "valid boolean", "stream"),
+    ("unknown field", "/v1/completions", {**OK, "foo": 1}, AUTH, 400, "unknown field 'foo'", "foo"),
+    ("missing prompt", "/v1/completions", {"model": "tiny-llama"}, AUTH, 400, "Field required", "prompt"),
+    ("prompt a number", "/v1/completions", {**OK, "prompt": 5}, AUTH, 400, "field 'prompt'", "prompt"),
+    ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, AUTH, 400, "prompt is empty", "prompt"),
+    ("prompt over the limit", "/v1/completions", {**OK, "prompt": "y" * 100}, AUTH, 400, "over the limit of 64",
+     "prompt"),
+    ("prompt + max_tokens over the context", "/v1/completions", {**OK, "prompt": "z" * 60, "max_tokens": 250}, AUTH,
+     400, "exceeds the model context of 256", "max_tokens"),
+    ("token id out of vocab", "/v1/completions", {**OK, "prompt": [1, 999]}, AUTH, 400, "out of range", "prompt"),
+    ("n zero", "/v1/completions", {**OK, "n": 0}, AUTH, 400, "greater than or equal to 1", "n"),
+    ("empty stop string", "/v1/completions", {**OK, "stop": [""]}, AUTH, 400, "stop strings must be non-empty", "stop"),
+    ("logprobs", "/v1/completions", {**OK, "logprobs": 1}, AUTH, 400, "log-probabilities", "logprobs"),
+    ("presence_penalty", "/v1/completions", {**OK, "presence_penalty": 0.5}, AUTH, 400, "not supported",
+     "presence_penalty"),
+    ("no messages", "/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "at least 1 item", "messages"),
+    ("bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, AUTH, 400,
+     "'system', 'user'", "messages.0.role"),
+    ("top_logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, AUTH, 400, "log-probabilities",
+     "top_logprobs"),
+    ("image content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, AUTH, 400, "only text parts", "messages"),
+    ("unknown route", "/v1/embeddings", {}, AUTH, 404, "no route POST /v1/embeddings", None),
+    ("too many choices", "/v1/completions", {**OK, "prompt": ["a"] * 20, "n": 16}, AUTH, 400, "over the queue", "n"),
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kiln import LLM
+
+    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
+
+
+def engine(llm, **kw):
+    from kiln.runtime.engine import Engine
+
+    return Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=128, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    cfg = ServerConfig(model_name="tiny-llama", api_key=KEY, max_body_bytes=4096, max_prompt_tokens=64)
+    with serve_in_thread(engine(llm), cfg) as url:
+        yield url
+
+
+def post(url: str, path: str, body, headers: dict) -> httpx.Response:
+    if body is None:
+        return httpx.get(url + path, headers=headers, timeout=60)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + path, content=raw, headers={"Content-Type": "application/json", **headers}, timeout=60)
+
+
+def test_the_table_has_at_least_20_cases():
+    assert len(CASES) >= 20 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_bad_requests_get_status_and_message_while_a_stream_is_unaffected(server):
+    body = {"model": "tiny-llama", "prompt": "steady", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    streamed: list[int] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed.extend(json.loads(line[6:])["choices"][0]["token_ids"])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    failures = []
+    for name, path, req, headers, status, msg, param in CASES:
+        r = post(server, path, req, headers)
+        err = r.json().get("error", {})
+        ok = (r.status_code == status and msg in err.get("message", "") and set(err) >= {"type", "param", "code"}
+              and (param is None or err["param"] == param))
+        if not ok:
+            failures.append(f"{name}: {r.status_code} {r.text[:300]}")
+    t.join(timeout=120)
+    assert not failures, "\n".join(failures)
+    whole = post(server, "/v1/completions", body, AUTH)
+    assert whole.status_code == 200 and streamed == whole.json()["choices"][0]["token_ids"]
+    assert len(streamed) == 60
+    m = httpx.get(f"{server}/metrics", timeout=30).text
+    assert 'kiln_kv_blocks_used{model_name="tiny-llama"} 0.0' in m
+
+
+def test_health_and_metrics_need_no_key(server):
+    assert httpx.get(f"{server}/health", timeout=30).json()["status"] == "ok"
+    assert "kiln_time_to_first_token_seconds" in httpx.get(f"{server}/metrics", timeout=30).text
+
+
+def test_a_full_queue_answers_503_with_retry_after(llm):
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    long = {"model": "tiny-llama", "prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with serve_in_thread(engine(llm, max_num_seqs=1), ServerConfig(model_name="tiny-llama", max_waiting=1)) as url:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json=long) as a:
+                next(a.iter_lines())  # A runs
+                with c.stream("POST", "/v1/completions", json=long) as b:  # B waits: the queue is full
+                    assert b.status_code == 200
+                    r = c.post("/v1/completions", json=OK)
+            assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+            assert "queue holds 1" in r.json()["error"]["message"] and r.json()["error"]["code"] == "queue_full"
+            # Closing A and B aborts them on the engine thread; a client honouring Retry-After gets served.
+            for _ in range(100):
+                if (r := c.post("/v1/completions", json=OK)).status_code != 503:
+                    break
+                time.sleep(0.1)
+            assert r.status_code == 200
+
+
+def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(llm):
+    from kiln.runtime.engine import Engine
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    class FailOnce(Engine):
+        armed = True
+
+        def step(self):
+            if self.armed and self.requests:
+                self.armed = False
+                raise RuntimeError("simulated device fault")
+            return super().step()
+
+    eng = FailOnce(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=128)
+    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as url:
+        r = httpx.post(f"{url}/v1/completions", json=OK, timeout=60)
+        assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "engine_failure"
+        assert httpx.post(f"{url}/v1/completions", json=OK, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert not eng.block_manager.tables

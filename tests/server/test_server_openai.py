@@ -1,0 +1,124 @@
+"""`kiln serve` through the official openai client: completions, chat, streaming, n > 1, stop strings, seeds."""
+
+from __future__ import annotations
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kiln import LLM
+
+    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama", api_key="sk-test")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="sk-test", timeout=60, max_retries=0)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny-llama"]
+
+
+def test_completion_matches_the_engine_greedy_output(client, llm):
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampler import SamplingParams
+
+    r = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    ref = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
+    ref.add_request("Hello", SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    want = ref.run()[0].outputs[0]
+    choice = r.choices[0]
+    assert choice.token_ids == want.token_ids and choice.text == want.text and choice.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 7, 12)
+    assert r.object == "text_completion" and r.model == "tiny-llama"
+
+
+def test_completion_from_token_ids(client):
+    r = client.completions.create(model="tiny-llama", prompt=[72, 105, 33], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 4
+
+
+def test_chat_uses_the_template_and_answers_as_assistant(client, llm):
+    from kiln.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    r = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=5, temperature=0)
+    prompt = ChatTemplate(DEFAULT_CHAT_TEMPLATE).render(msgs)
+    assert prompt == "<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n"
+    assert r.usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 5
+    assert r.object == "chat.completion"
+
+
+def test_streaming_completion_concatenates_to_the_whole_text(client):
+    kw = dict(model="tiny-llama", prompt="Once upon", max_tokens=12, temperature=0)
+    whole = client.completions.create(**kw, extra_body={"return_token_ids": True})
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in body) == whole.choices[0].text
+    assert [t for c in body for t in c.choices[0].token_ids] == whole.choices[0].token_ids
+    assert body[-1].choices[0].finish_reason == "length" and len(body) > 1
+
+
+def test_streaming_chat_starts_with_the_role_and_ends_with_a_reason(client):
+    stream = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hey"}],
+                                            max_tokens=6, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.usage is None for c in chunks)
+
+
+def test_n_choices_with_a_seed_are_distinct_and_reproducible(client):
+    kw = dict(model="tiny-llama", prompt="abc", max_tokens=10, temperature=1.0, n=3, seed=7,
+              extra_body={"return_token_ids": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    ids = [c.token_ids for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2] and len(set(map(tuple, ids))) == 3
+    assert ids == [c.token_ids for c in b.choices]
+    assert a.usage.prompt_tokens == 3 and a.usage.completion_tokens == 30
+
+
+def test_same_seed_same_text_other_seed_other_text(client):
+    def run(seed: int) -> str:
+        r = client.completions.create(model="tiny-llama", prompt="The", max_tokens=16, temperature=1.0, seed=seed,
+                                      extra_body={"return_token_ids": True})
+        return r.choices[0].token_ids
+
+    assert run(3) == run(3) and run(3) != run(4)
+
+
+def test_stop_string_ends_generation_and_is_trimmed(client):
+    base = client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=24, temperature=0)
+    text = base.choices[0].text
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    r = client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.index(stop)]
+
+
+def test_logprobs_are_refused_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2, logprobs=2)
+    assert e.value.body["param"] == "logprobs" and "log-probabilities" in e.value.body["message"]
+
+
+def test_wrong_key_is_401(server):
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()

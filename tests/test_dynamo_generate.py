@@ -53,6 +53,18 @@ def test_untouched_region_reaches_flash_tiling_with_shapes():
     assert report.counts()["attention"] == 1 and "flash_attn:attention" in report.kernels
 
 
+def test_run_pipeline_fills_missing_shapes_before_the_first_pass():
+    def attend(q, k, v):  # q computed in the graph: flash_tiling reads the shape of a non-input node
+        return torch.ops.kiln.attention.default(torch.ops.kiln.add.default(q, q), k, v, 2, 1, True, 0, 0.25)
+
+    gm = torch.fx.symbolic_trace(attend)
+    for n, shape in zip(gm.graph.nodes, ((1, 3, 16), (1, 5, 8), (1, 5, 8)), strict=False):
+        n.meta["val"] = torch.empty(shape)  # inputs only, as a graph built by hand would have them
+    gm = kiln.pipeline.run_pipeline(gm, [kiln.pipeline.known_passes()["flash_tiling"]], debug=False)
+    flash = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
+    assert flash.target == torch.ops.kiln.flash_attention.default and flash.meta["val"].shape == (1, 3, 16)
+
+
 def _generate(model, tokens):
     return model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)
 

@@ -53,6 +53,37 @@ def test_untouched_region_reaches_flash_tiling_with_shapes():
     assert report.counts()["attention"] == 1 and "flash_attn:attention" in report.kernels
 
 
+def test_separate_key_and_value_lengths_are_claimed_equal_behind_a_guard():
+    # k's and v's lengths (and batches) marked dynamic get their own symbols, as in a KV cache's decode graph
+    model = ProjectedAttention()
+    compiled = torch.compile(model, backend="kiln")
+    first = len(STATS.reports)
+    for b, s in ((2, 5), (3, 7), (4, 6)):
+        x, k, v = torch.randn(b, 1, 16), torch.randn(b, 2, s, 8), torch.randn(b, 2, s, 8)
+        for t in (x, k, v):
+            torch._dynamo.mark_dynamic(t, 0)
+        for t in (k, v):
+            torch._dynamo.mark_dynamic(t, 2)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, k, v), model(x, k, v), atol=1e-5, rtol=1e-4)
+    # One graph serves every call: the guards kiln adds (v's length == k's, equal batches) hold whenever sdpa
+    # accepts the inputs.
+    (report,) = STATS.reports[first:]
+    assert report.counts()["attention"] == 1 and report.rejections == []
+
+
+def test_run_pipeline_fills_missing_shapes_before_the_first_pass():
+    def attend(q, k, v):  # q computed in the graph: flash_tiling reads the shape of a non-input node
+        return torch.ops.kiln.attention.default(torch.ops.kiln.add.default(q, q), k, v, 2, 1, True, 0, 0.25)
+
+    gm = torch.fx.symbolic_trace(attend)
+    for n, shape in zip(gm.graph.nodes, ((1, 3, 16), (1, 5, 8), (1, 5, 8)), strict=False):
+        n.meta["val"] = torch.empty(shape)  # inputs only, as a graph built by hand would have them
+    gm = kiln.pipeline.run_pipeline(gm, [kiln.pipeline.known_passes()["flash_tiling"]], debug=False)
+    flash = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
+    assert flash.target == torch.ops.kiln.flash_attention.default and flash.meta["val"].shape == (1, 3, 16)
+
+
 def _generate(model, tokens):
     return model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False)
 

@@ -79,7 +79,7 @@ def test_run_pipeline_fills_missing_shapes_before_the_first_pass():
     gm = torch.fx.symbolic_trace(attend)
     for n, shape in zip(gm.graph.nodes, ((1, 3, 16), (1, 5, 8), (1, 5, 8)), strict=False):
         n.meta["val"] = torch.empty(shape)  # inputs only, as a graph built by hand would have them
-    gm = kiln.pipeline.run_pipeline(gm, [kiln.pipeline.known_passes()["flash_tiling"]], debug=False)
+    gm = kiln.compile.pipeline.run_pipeline(gm, [kiln.compile.pipeline.known_passes()["flash_tiling"]], debug=False)
     flash = [n for n in gm.graph.nodes if n.op == "call_function"][-1]
     assert flash.target == torch.ops.kiln.flash_attention.default and flash.meta["val"].shape == (1, 3, 16)
 

@@ -44,7 +44,7 @@ def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, 
 def _variant_model(spec, weights, variant: str, device: str, calibration: str | None = None):
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model
-    from kiln.passes.quantize import quantize_graph
+    from kiln.compile.pipeline import quantize_graph
     from kiln.quant.formats import parse_scheme
 
     gguf = weights is not None and str(weights).endswith(".gguf")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kiln.compile.pipeline
+import kiln.env
 from kiln.dynamo.backend import STATS, parse_options
 from kiln.errors import KilnError
 from tests.support.hf_models import build_hf_model, prompts
@@ -20,7 +21,7 @@ DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 1
 @pytest.fixture(autouse=True)
 def no_debug(monkeypatch):
     monkeypatch.setenv("KILN_DEBUG", "0")
-    assert not kiln.compile.pipeline.debug_enabled()
+    assert not kiln.env.debug()
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

@@ -40,7 +40,10 @@ class TokenLogprobs:
             text = self.token(tok)
             out["tokens"].append(text)
             out["token_logprobs"].append(_finite(lp[tok]))
-            out["top_logprobs"].append({self.token(t): _finite(v) for t, v in lp.items()})
+            top: dict[str, float] = {}
+            for t, v in lp.items():  # keyed by text: of tokens that decode alike, the most likely one's value
+                top.setdefault(self.token(t), _finite(v))
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self.text_offset)
             self.text_offset += len(text)
         return out

@@ -180,8 +180,7 @@ class Engine:
                 logits, [r.params for r in reqs], [r.generator for r in reqs],
                 [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
         except Exception as e:  # not one row's fault (sample_batch isolates rows): the batch is lost, not the engine
-            result = BatchSample([0] * len(reqs), [f"sampling the batch failed ({type(e).__name__}: {e})"] * len(reqs),
-                                 [None] * len(reqs))
+            result = BatchSample([0] * len(reqs), [f"sampling the batch failed ({type(e).__name__}: {e})"] * len(reqs))
         now = time.perf_counter()
         for s, tok, err, lp in zip(sampled, result.tokens, result.errors, result.logprobs, strict=True):
             req = s.request

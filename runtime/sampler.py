@@ -298,6 +298,10 @@ class BatchSample:
     errors: list[str | None]
     logprobs: list[dict[int, float] | None] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        if not self.logprobs:  # built without logprobs: no row asked
+            self.logprobs = [None] * len(self.tokens)
+
 
 NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; likely causes: non-finite weights in the "
                     "checkpoint, or an extreme spec or config value (a norm eps, rope theta, a scale); run "
@@ -378,7 +382,7 @@ def _with_logprobs(rows: torch.Tensor, toks: torch.Tensor, finite: torch.Tensor,
     logprobs: list[dict[int, float] | None] = [None] * n
     for j, i in enumerate(asked):
         want = params[i].logprobs
-        d = {int(ids[j * k + r]): vals[j * k + r] for r in range(want)}
+        d = {int(ids[j * k + r]): vals[j * k + r] for r in range(min(want, k))}
         d.setdefault(tokens[i], sampled_lp[j])
         logprobs[i] = d
     return tokens, ok_flags, logprobs

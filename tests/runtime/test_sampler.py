@@ -252,3 +252,12 @@ def test_logprobs_do_not_change_the_tokens():
 def test_logprobs_out_of_range_are_refused_naming_the_field(value):
     with pytest.raises(RequestError, match=r"logprobs = .* 0 \.\. 20"):
         SamplingParams(logprobs=value).validate()
+
+
+def test_logprobs_on_a_vocab_smaller_than_k_list_every_token():
+    logits = _logits(n=2, vocab=5)
+    out = sample_batch(logits, [SamplingParams(temperature=0, logprobs=20)] * 2, [None, None], [(), ()])
+    ref = logits.log_softmax(-1)
+    for row, lp in enumerate(out.logprobs):
+        assert sorted(lp) == list(range(5)) and next(iter(lp)) == out.tokens[row]
+        assert [lp[t] for t in range(5)] == pytest.approx(ref[row].tolist(), abs=1e-6)

@@ -182,12 +182,12 @@ class Engine:
         except Exception as e:  # not one row's fault (sample_batch isolates rows): the batch is lost, not the engine
             result = BatchSample([0] * len(reqs), [f"sampling the batch failed ({type(e).__name__}: {e})"] * len(reqs))
         now = time.perf_counter()
-        for s, tok, err in zip(sampled, result.tokens, result.errors, strict=True):
+        for s, tok, err, lp in zip(sampled, result.tokens, result.errors, result.logprobs, strict=True):
             req = s.request
             if err is None:
                 try:
                     self._commit(req, s.start)  # only now: K/V next to non-finite logits is not offered for reuse
-                    self._append(req, tok, now)
+                    self._append(req, tok, now, lp)
                     outputs.append(req.make_output())
                     continue
                 except Exception as e:  # a detokenizer or stop-string failure ends this request only
@@ -204,6 +204,7 @@ class Engine:
         req.num_computed_tokens = start
         rolled_back = len(req.output_token_ids) - req._sent_tokens  # tokens no output carried yet
         del req.output_token_ids[req._sent_tokens :]
+        del req.output_logprobs[req._sent_tokens :]
         self.num_generated_tokens -= rolled_back
         self.requests.pop(req.request_id, None)
         if not req.status.done:
@@ -221,8 +222,10 @@ class Engine:
             req.finish_reason = req.finish_reason or "error"
             return req.make_output(text_failed=True)
 
-    def _append(self, req: Request, tok: int, now: float) -> None:
+    def _append(self, req: Request, tok: int, now: float, logprobs: dict[int, float] | None = None) -> None:
         req.output_token_ids.append(tok)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
         self.num_generated_tokens += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now

@@ -63,6 +63,8 @@ class Request:
     generator: torch.Generator | None = None
     arrival_order: int = 0  # ties on arrival_time are broken by this; lower is higher priority
     output_token_ids: list[int] = field(default_factory=list)
+    # with params.logprobs set: one {token_id: logprob} per output token (see sampler.sample_batch)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -102,6 +104,7 @@ class Request:
         """
         failed = text_failed or self.finish_reason == "error"
         text = self._text if failed else self.detokenizer.visible_text(final=self.status.done)
+        asked = self.params.logprobs is not None
         out = CompletionOutput(
             index=0,
             token_ids=list(self.output_token_ids),
@@ -110,6 +113,8 @@ class Request:
             stop_reason=self.stop_reason,
             delta_token_ids=self.output_token_ids[self._sent_tokens :],
             delta_text=text[self._sent_text :],
+            logprobs=list(self.output_logprobs) if asked else None,
+            delta_logprobs=self.output_logprobs[self._sent_tokens :] if asked else None,
         )
         self._sent_tokens, self._sent_text, self._text = len(self.output_token_ids), len(text), text
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out], self.status.done,
@@ -125,6 +130,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     delta_token_ids: list[int] = field(default_factory=list)  # new since the previous output of this request
     delta_text: str = ""
+    # None unless the request asked for logprobs; then one {token_id: logprob} per token of token_ids (the sampled
+    # token always present, with the top-k ranked first), from the model's raw log_softmax (before temperature)
+    logprobs: list[dict[int, float]] | None = None
+    delta_logprobs: list[dict[int, float]] | None = None  # those of delta_token_ids
 
     @property
     def finished(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,6 +22,7 @@ from kiln.errors import RequestError
 
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy (as in vLLM): the draw would be argmax anyway
 SEED_MAX = 2**64 - 1  # torch generators take 64-bit seeds
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (as vLLM's default max_logprobs)
 _LOGIT_LIMIT = 1e30  # penalised logits are clamped to +-this: finite, and far beyond any real logit gap
 
 
@@ -41,6 +42,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the text contains one (trimmed from the text)
+    # None: off; 0: the sampled token's log-probability; k: also the k most likely tokens' (see sample_batch)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string / token id, lists, arrays and numpy scalars for convenience; keep the stored
@@ -53,7 +56,7 @@ class SamplingParams:
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed", "logprobs"):
             value = getattr(self, name)
             if not isinstance(value, (bool, int, float, str)) and value is not None and hasattr(value, "item"):
                 try:  # numpy scalars and 0-d tensors
@@ -121,6 +124,13 @@ class SamplingParams:
                 "a tuple of non-empty strings",
             ),
             ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
+            (
+                "logprobs",
+                self.logprobs,
+                self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                f"None (off), or an integer 0 .. {MAX_LOGPROBS}: how many top log-probabilities besides the "
+                "sampled token's",
+            ),
         )
         for name, value, ok, allowed in checks:
             if not ok:
@@ -278,10 +288,19 @@ def sample(
 
 @dataclass
 class BatchSample:
-    """The outcome of sample_batch: a token per row, and per row None or why it could not be sampled."""
+    """The outcome of sample_batch: a token per row, and per row None or why it could not be sampled.
+
+    logprobs: per row None (not asked) or {token_id: logprob}: the top-k by rank, then the sampled token when it
+    is not among them (so it is always present).
+    """
 
     tokens: list[int]
     errors: list[str | None]
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.logprobs:  # built without logprobs: no row asked
+            self.logprobs = [None] * len(self.tokens)
 
 
 NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; likely causes: non-finite weights in the "
@@ -302,12 +321,16 @@ def sample_batch(
     its finite flag stay on the device until one host copy at the end (the tokens are needed there anyway). A
     row whose logits are not finite, or whose sampling raises, gets an error instead of a token; the others are
     unaffected.
+
+    Rows whose params ask for logprobs also get log-probabilities, reported as vLLM v1 does: from the raw model
+    distribution, log_softmax of the logits before penalties, temperature and top-k/p filtering. They are
+    computed batched for just those rows and ride in the same host copy, so other rows pay nothing.
     """
     rows = logits.float()
     n = rows.shape[0]
     errors: list[str | None] = [None] * n
     if n == 0:
-        return BatchSample([], errors)
+        return BatchSample([], errors, [])
     # -inf entries are legitimate (masked tokens); NaN, +inf or a row of nothing but -inf are not.
     finite = ~(rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1))
     rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
@@ -324,9 +347,43 @@ def sample_batch(
                 errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
                 parts.append(argmax[i : i + 1])
         toks = torch.cat(parts)
-    host = torch.stack([toks, finite.long()]).tolist()  # the step's one device -> host copy
-    for i, ok in enumerate(host[1]):
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not asked:
+        host = torch.stack([toks, finite.long()]).tolist()  # the step's one device -> host copy
+        tokens, ok_flags, logprobs = host[0], host[1], [None] * n
+    else:
+        tokens, ok_flags, logprobs = _with_logprobs(rows, toks, finite, params, asked)
+    for i, ok in enumerate(ok_flags):
         if not ok and errors[i] is None:
             errors[i] = NONFINITE_LOGITS
-    return BatchSample(host[0], errors)
+    return BatchSample(tokens, errors, logprobs)
+
+
+def _with_logprobs(rows: torch.Tensor, toks: torch.Tensor, finite: torch.Tensor, params: Sequence[SamplingParams],
+                   asked: list[int]) -> tuple[list[int], list[int], list[dict[int, float] | None]]:
+    """Tokens, finite flags and the asked rows' logprobs in one float64 device -> host copy (token ids < 2**53
+    are exact in float64)."""
+    n, m = rows.shape[0], len(asked)
+    k = min(max(params[i].logprobs for i in asked), rows.shape[-1])  # one topk for all asked rows
+    idx = torch.tensor(asked, dtype=torch.long) if m < n else None
+    sub_rows = rows if idx is None else rows.index_select(0, _to_device(idx, rows.device))
+    sub_toks = toks if idx is None else toks.index_select(0, _to_device(idx, rows.device))
+    logp = sub_rows.log_softmax(dim=-1)
+    parts = [toks.double(), finite.double(), logp.gather(-1, sub_toks[:, None]).squeeze(-1).double()]
+    if k > 0:
+        top = logp.topk(k, dim=-1)
+        parts += [top.values.double().flatten(), top.indices.double().flatten()]
+    host = torch.cat(parts).tolist()  # the step's one device -> host copy
+    tokens = [int(t) for t in host[:n]]
+    ok_flags = [int(f) for f in host[n : 2 * n]]
+    sampled_lp = host[2 * n : 2 * n + m]
+    vals = host[2 * n + m : 2 * n + m + m * k]
+    ids = host[2 * n + m + m * k :]
+    logprobs: list[dict[int, float] | None] = [None] * n
+    for j, i in enumerate(asked):
+        want = params[i].logprobs
+        d = {int(ids[j * k + r]): vals[j * k + r] for r in range(min(want, k))}
+        d.setdefault(tokens[i], sampled_lp[j])
+        logprobs[i] = d
+    return tokens, ok_flags, logprobs
 

@@ -156,7 +156,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
         choices = Choices(base, kind, config.model_name, rids, sum(len(p) for p in prompts),
-                           req.return_token_ids)
+                          req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return _AbortingStream(sse_stream(sink, choices, usage), lambda: loop.abort(rids),
@@ -233,7 +233,7 @@ def _tokens(engine: Engine, prompt: str | list[int], limit: int) -> list[int]:
 
 def _param_of(message: str) -> str | None:
     for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-                 "prompt"):
+                 "logprobs", "prompt"):
         if name in message:
             return name
     return None

@@ -1,7 +1,8 @@
 """OpenAI request models (pydantic, unknown fields refused) and the error JSON shape.
 
-Fields map onto kiln's SamplingParams; ones the engine cannot honour (logprobs: the engine returns no
-log-probabilities yet) are refused with a 400 naming the field rather than silently ignored.
+Fields map onto kiln's SamplingParams; ones the engine cannot honour (echo, suffix, presence and frequency
+penalties) are refused with a 400 naming the field rather than silently ignored. logprobs (completions: 0 .. 20
+top alternatives) and logprobs + top_logprobs (chat) map onto SamplingParams.logprobs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kiln.errors import KilnError
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampler import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(KilnError):
@@ -76,12 +77,19 @@ class _Sampling(BaseModel):
         seed = None if self.seed is None else self.seed + choice
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
-                              seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos)
+                              seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
+                              logprobs=self.engine_logprobs())
 
-    def refuse_logprobs(self, value: Any, name: str) -> None:
-        if value:
-            raise APIError(400, f"{name} is not supported: the kiln engine does not return log-probabilities yet; "
-                           f"omit {name}", param=name)
+    def engine_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or how many top alternatives each token reports."""
+        return None
+
+    @staticmethod
+    def check_logprobs(value: int | None, name: str) -> None:
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise APIError(400, f"{name} = {value} is out of range; allowed: an integer 0 .. {MAX_LOGPROBS} (how "
+                           "many most likely tokens to report beside the sampled one)", param=name,
+                           code="invalid_value")
 
 
 class CompletionRequest(_Sampling):
@@ -91,7 +99,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def check(self) -> None:
-        self.refuse_logprobs(self.logprobs, "logprobs")
+        self.check_logprobs(self.logprobs, "logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported; omit echo", param="echo")
         if self.suffix:
@@ -105,6 +113,9 @@ class CompletionRequest(_Sampling):
         if not p:
             raise APIError(400, "prompt is empty; give text or at least one token id", param="prompt")
         return list(p)
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -132,5 +143,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def check(self) -> None:
-        self.refuse_logprobs(self.logprobs, "logprobs")
-        self.refuse_logprobs(self.top_logprobs, "top_logprobs")
+        self.check_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",
+                           param="top_logprobs")
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

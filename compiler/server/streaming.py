@@ -8,14 +8,17 @@ import time
 from collections.abc import AsyncIterator
 
 from kiln.runtime.request import RequestOutput
+from kiln.server.logprobs import TokenLogprobs
 from kiln.server.protocol import APIError
+from kiln.step import TokenizerLike
 
 
 class Choices:
     """The choices of one HTTP request (n per prompt), filled from the engine outputs of their request ids."""
 
     def __init__(self, base_id: str, kind: str, model: str, request_ids: list[str], prompt_tokens: int,
-                 return_token_ids: bool = False):
+                 return_token_ids: bool = False, *, logprobs: int | None = None,
+                 tokenizer: TokenizerLike | None = None):
         self.id, self.kind, self.model = base_id, kind, model
         self.created = int(time.time())
         self.index = {rid: i for i, rid in enumerate(request_ids)}
@@ -26,14 +29,16 @@ class Choices:
         self.started = [False] * len(request_ids)
         self.token_ids: list[list[int]] = [[] for _ in request_ids]
         self.return_token_ids = return_token_ids
+        # logprobs None: not asked; else how many top alternatives each token shows
+        self.logprobs = None if logprobs is None else [TokenLogprobs(tokenizer, logprobs) for _ in request_ids]
 
     @property
     def done(self) -> bool:
         return all(f is not None for f in self.finish)
 
-    def update(self, item: RequestOutput | Exception) -> tuple[int, str, list[int], str | None]:
-        """Apply one output; (choice index, new text, new token ids, finish reason or None). An engine failure
-        raises."""
+    def update(self, item: RequestOutput | Exception) -> tuple[int, str, list[int], str | None, list | None]:
+        """Apply one output; (choice index, new text, new token ids, finish reason or None, the new tokens'
+        (token id, {token id: logprob}) or None when not asked). An engine failure raises."""
         if isinstance(item, Exception):
             raise APIError(500, str(item), code="engine_failure")
         i = self.index[item.request_id]
@@ -43,7 +48,19 @@ class Choices:
         self.num_tokens[i] = len(comp.token_ids)
         if item.finished:
             self.finish[i] = "length" if comp.finish_reason == "length" else "stop"
-        return i, comp.delta_text, comp.delta_token_ids, self.finish[i]
+        new = None
+        if self.logprobs is not None and comp.delta_logprobs:
+            new = self.logprobs[i].add(comp.delta_token_ids, comp.delta_logprobs)
+        return i, comp.delta_text, comp.delta_token_ids, self.finish[i], new
+
+    def format_logprobs(self, i: int, entries: list) -> dict:
+        """`entries` of choice i in this API's shape (completions: text offsets continue from the last call)."""
+        lp = self.logprobs[i]
+        return lp.chat(entries) if self.kind == "chat.completion" else lp.completion(entries)
+
+    def whole_logprobs(self, i: int) -> dict | None:
+        """Choice i's logprobs over all its tokens (non-streaming bodies), or None when not asked."""
+        return None if self.logprobs is None else self.format_logprobs(i, self.logprobs[i].entries)
 
     def usage(self) -> dict[str, int]:
         completion = sum(self.num_tokens)
@@ -60,10 +77,11 @@ class Choices:
 
 def completion_body(c: Choices) -> dict:
     if c.kind == "chat.completion":
-        choices: list[dict] = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                                "finish_reason": f} for i, (t, f) in enumerate(zip(c.text, c.finish, strict=True))]
+        choices: list[dict] = [{"index": i, "message": {"role": "assistant", "content": t},
+                                "logprobs": c.whole_logprobs(i), "finish_reason": f}
+                               for i, (t, f) in enumerate(zip(c.text, c.finish, strict=True))]
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+        choices = [{"index": i, "text": t, "logprobs": c.whole_logprobs(i), "finish_reason": f}
                    for i, (t, f) in enumerate(zip(c.text, c.finish, strict=True))]
     if c.return_token_ids:
         for choice, ids in zip(choices, c.token_ids, strict=True):
@@ -77,20 +95,22 @@ async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> As
     chat = c.kind == "chat.completion"
     while not c.done:
         try:
-            i, delta, ids, finish = c.update(await sink.get())
+            i, delta, ids, finish, new = c.update(await sink.get())
         except APIError as e:  # the engine failed mid-stream: say so in the stream, as OpenAI does
             yield f"data: {json.dumps(e.body())}\n\n"
             break
-        if not delta and finish is None and (c.started[i] or not chat) and not (c.return_token_ids and ids):
+        if not delta and finish is None and (c.started[i] or not chat) and not (c.return_token_ids and ids) \
+                and not new:
             continue  # text held back (a partial UTF-8 character or a possible stop string): nothing to send
+        lp = c.format_logprobs(i, new) if new else None
         if chat:
             d = {"content": delta}
             if not c.started[i]:
                 d = {"role": "assistant", **d}
                 c.started[i] = True
-            choice = {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": finish}
         if c.return_token_ids:
             choice["token_ids"] = ids
         yield c.chunk([choice], None)

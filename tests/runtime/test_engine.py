@@ -142,3 +142,36 @@ def test_cuda_graph_decodes_match_the_reference(trace):
     want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=256).token_ids for p, n in trace[:6]]
     got, _ = run_all(engine, trace[:6])
     assert got == want
+
+
+def test_logprobs_for_one_request_leave_its_batch_mate_unchanged(tiny, monkeypatch):
+    import kiln.runtime.sampler as sampler
+
+    _, _, step = tiny
+    calls = []
+    real = sampler._with_logprobs
+    monkeypatch.setattr(sampler, "_with_logprobs", lambda rows, *a: calls.append(rows.shape[0]) or real(rows, *a))
+    prompts = [[5, 17, 301, 44], [9, 8, 7, 6, 5, 4]]
+
+    def run(asked: bool):
+        engine = Engine(step, None, tiny[0].model, num_blocks=32)
+        a = engine.add_request(prompt_token_ids=prompts[0], params=SamplingParams(max_tokens=6, **GREEDY))
+        b = engine.add_request(prompt_token_ids=prompts[1], params=SamplingParams(
+            max_tokens=3, logprobs=3 if asked else None, **GREEDY))
+        outs, deltas = {}, {a: [], b: []}
+        for out in engine.stream():
+            deltas[out.request_id] += out.outputs[0].delta_logprobs or []
+            if out.finished:
+                outs[out.request_id] = out.outputs[0]
+        return outs[a], outs[b], deltas[b]
+
+    plain_a, plain_b, _ = run(asked=False)
+    assert not calls  # nobody asked: the sampler never computed a log-probability
+    a, b, b_deltas = run(asked=True)
+    assert calls == [2, 2, 2]  # only the 3 steps that sampled b (batches of 2 rows, 1 asking)
+    assert (a.token_ids, b.token_ids) == (plain_a.token_ids, plain_b.token_ids)
+    assert a.logprobs is None and a.delta_logprobs is None
+    assert len(b.logprobs) == 3 and b_deltas == b.logprobs
+    for tok, lp in zip(b.token_ids, b.logprobs, strict=True):
+        assert len(lp) == 3 and next(iter(lp)) == tok  # greedy: the sampled token ranks first
+        assert lp[tok] == max(lp.values()) <= 0 and list(lp.values()) == sorted(lp.values(), reverse=True)

@@ -212,3 +212,52 @@ def test_sample_batch_copies_to_the_host_once(monkeypatch):
     monkeypatch.undo()
     assert calls == ["tolist"]
     assert res.errors == [None, None, NONFINITE_LOGITS, None] and res.tokens[0] == int(logits[0].argmax())
+
+
+def test_logprobs_of_the_greedy_token_and_the_top_k_match_log_softmax():
+    logits = _logits(n=3, vocab=11)
+    params = [SamplingParams(temperature=0, logprobs=4), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.7, logprobs=0, seed=3)]
+    out = sample_batch(logits, params, [None, None, make_generator(3)], [(), (), ()])
+    ref = logits.log_softmax(-1)
+    assert out.tokens[:2] == logits[:2].argmax(-1).tolist() and out.logprobs[1] is None
+    top = ref[0].topk(4)
+    assert list(out.logprobs[0]) == top.indices.tolist()  # ranked, the greedy token first
+    assert out.logprobs[0][out.tokens[0]] == pytest.approx(float(ref[0].max()), abs=1e-6)
+    assert list(out.logprobs[0].values()) == pytest.approx(top.values.tolist(), abs=1e-6)
+    # logprobs=0: only the sampled token, from the raw distribution (before temperature), as vLLM v1 reports
+    assert list(out.logprobs[2]) == [out.tokens[2]]
+    assert out.logprobs[2][out.tokens[2]] == pytest.approx(float(ref[2, out.tokens[2]]), abs=1e-6)
+
+
+def test_logprobs_keep_the_sampled_token_when_it_is_outside_the_top_k():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.1]])
+    params = SamplingParams(temperature=0, logprobs=1, repetition_penalty=1e3)
+    out = sample_batch(logits, [params], [None], [(0, 1, 2)])  # the penalty makes token 3 the greedy pick
+    assert out.tokens == [3] and list(out.logprobs[0]) == [0, 3]
+    assert out.logprobs[0][3] == pytest.approx(float(logits.log_softmax(-1)[0, 3]), abs=1e-6)
+
+
+def test_logprobs_do_not_change_the_tokens():
+    logits = _logits(n=4, vocab=13)
+    base = [SamplingParams(temperature=0.9, seed=i) for i in range(4)]
+    plain = sample_batch(logits, base, [make_generator(i) for i in range(4)], [()] * 4)
+    asked = [SamplingParams(temperature=0.9, seed=i, logprobs=2 if i % 2 else None) for i in range(4)]
+    with_lp = sample_batch(logits, asked, [make_generator(i) for i in range(4)], [()] * 4)
+    assert plain.tokens == with_lp.tokens and plain.logprobs == [None] * 4
+    assert [lp is None for lp in with_lp.logprobs] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5, True])
+def test_logprobs_out_of_range_are_refused_naming_the_field(value):
+    with pytest.raises(RequestError, match=r"logprobs = .* 0 \.\. 20"):
+        SamplingParams(logprobs=value).validate()
+
+
+def test_logprobs_on_a_vocab_smaller_than_k_list_every_token():
+    logits = _logits(n=2, vocab=5)
+    out = sample_batch(logits, [SamplingParams(temperature=0, logprobs=20)] * 2, [None, None], [(), ()])
+    ref = logits.log_softmax(-1)
+    for row, lp in enumerate(out.logprobs):
+        assert sorted(lp) == list(range(5)) and next(iter(lp)) == out.tokens[row]
+        assert [lp[t] for t in range(5)] == pytest.approx(ref[row].tolist(), abs=1e-6)

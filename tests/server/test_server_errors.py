@@ -45,14 +45,20 @@ CASES = [
     ("token id out of vocab", "/v1/completions", {**OK, "prompt": [1, 999]}, AUTH, 400, "out of range", "prompt"),
     ("n zero", "/v1/completions", {**OK, "n": 0}, AUTH, 400, "greater than or equal to 1", "n"),
     ("empty stop string", "/v1/completions", {**OK, "stop": [""]}, AUTH, 400, "stop strings must be non-empty", "stop"),
-    ("logprobs", "/v1/completions", {**OK, "logprobs": 1}, AUTH, 400, "log-probabilities", "logprobs"),
+    ("logprobs over 20", "/v1/completions", {**OK, "logprobs": 21}, AUTH, 400, "logprobs = 21 is out of range; "
+     "allowed: an integer 0 .. 20", "logprobs"),
+    ("negative logprobs", "/v1/completions", {**OK, "logprobs": -1}, AUTH, 400, "0 .. 20", "logprobs"),
     ("presence_penalty", "/v1/completions", {**OK, "presence_penalty": 0.5}, AUTH, 400, "not supported",
      "presence_penalty"),
     ("no messages", "/v1/chat/completions", {**CHAT, "messages": []}, AUTH, 400, "at least 1 item", "messages"),
     ("bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, AUTH, 400,
      "'system', 'user'", "messages.0.role"),
-    ("top_logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, AUTH, 400, "log-probabilities",
-     "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, AUTH, 400,
+     "needs logprobs: true", "top_logprobs"),
+    ("top_logprobs over 20", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, AUTH, 400,
+     "top_logprobs = 21 is out of range", "top_logprobs"),
+    ("logprobs not a boolean", "/v1/chat/completions", {**CHAT, "logprobs": "yes please"}, AUTH, 400,
+     "valid boolean", "logprobs"),
     ("image content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, AUTH, 400, "only text parts", "messages"),
     ("unknown route", "/v1/embeddings", {}, AUTH, 404, "no route POST /v1/embeddings", None),
@@ -92,6 +98,23 @@ def post(url: str, path: str, body, headers: dict) -> httpx.Response:
 
 def test_the_table_has_at_least_20_cases():
     assert len(CASES) >= 20 and len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(("path", "body", "key", "n_top"), [
+    ("/v1/completions", {**OK, "logprobs": 0}, "top_logprobs", 1),
+    ("/v1/completions", {**OK, "logprobs": 20}, "top_logprobs", 20),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "content", 0),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 20}, "content", 20),
+])
+def test_logprobs_in_range_are_accepted(server, path, body, key, n_top):
+    r = post(server, path, {**body, "max_tokens": 1}, AUTH)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    if key == "content":
+        assert len(lp["content"]) == 1 and len(lp["content"][0]["top_logprobs"]) == n_top
+    else:  # keyed by token text: tokens that decode alike (tiny-llama's undecodable bytes) share one key
+        assert len(lp["tokens"]) == 1 and 1 <= len(lp["top_logprobs"][0]) <= n_top + 1
+        assert lp["tokens"][0] in lp["top_logprobs"][0] and lp["text_offset"] == [0]
 
 
 def test_bad_requests_get_status_and_message_while_a_stream_is_unaffected(server):

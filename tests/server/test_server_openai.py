@@ -112,10 +112,68 @@ def test_stop_string_ends_generation_and_is_trimmed(client):
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.index(stop)]
 
 
-def test_logprobs_are_refused_naming_the_field(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2, logprobs=2)
-    assert e.value.body["param"] == "logprobs" and "log-probabilities" in e.value.body["message"]
+def _engine_logprobs(llm, prompt: str, max_tokens: int, logprobs: int):
+    """Token ids and {token_id: logprob} per token from a fresh engine, for the same greedy request."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampler import SamplingParams
+
+    ref = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
+    ref.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs))
+    out = ref.run()[0].outputs[0]
+    return out.token_ids, out.logprobs
+
+
+def test_completion_logprobs_equal_the_engine_streamed_or_not(client, llm):
+    ids, want = _engine_logprobs(llm, "Hello", 5, 3)
+    kw = dict(model="tiny-llama", prompt="Hello", max_tokens=5, temperature=0, logprobs=3,
+              extra_body={"ignore_eos": True})
+    lp = client.completions.create(**kw).choices[0].logprobs
+    tok = [llm.tokenizer.decode([t]) for t in ids]
+    assert lp.tokens == tok
+    assert lp.token_logprobs == pytest.approx([d[t] for t, d in zip(ids, want, strict=True)], abs=1e-5)
+    assert lp.text_offset == [sum(len(x) for x in tok[:i]) for i in range(len(tok))]
+    for got, d in zip(lp.top_logprobs, want, strict=True):
+        top = {}
+        for t, v in d.items():  # keyed by text, the first (most likely) of tokens that decode alike wins
+            top.setdefault(llm.tokenizer.decode([t]), v)
+        assert len(d) == 3 and got == pytest.approx(top, abs=1e-5)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices]
+    chunks = [c for c in chunks if c is not None]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [v for c in chunks for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset
+    assert [list(d) for c in chunks for d in c.top_logprobs] == [list(d) for d in lp.top_logprobs]
+
+
+def test_chat_logprobs_equal_the_engine_streamed_or_not(client, llm):
+    from kiln.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+
+    msgs = [{"role": "user", "content": "Hi!"}]
+    ids, want = _engine_logprobs(llm, ChatTemplate(DEFAULT_CHAT_TEMPLATE).render(msgs), 4, 2)
+    kw = dict(model="tiny-llama", messages=msgs, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert len(content) == 4
+    for entry, t, d in zip(content, ids, want, strict=True):
+        text = llm.tokenizer.decode([t])
+        assert (entry.token, entry.bytes) == (text, list(text.encode()))
+        assert entry.logprob == pytest.approx(d[t], abs=1e-5)
+        assert [(e.token, e.bytes) for e in entry.top_logprobs] == [
+            (llm.tokenizer.decode([k]), list(llm.tokenizer.decode([k]).encode())) for k in list(d)[:2]]
+        assert [e.logprob for e in entry.top_logprobs] == pytest.approx(list(d.values())[:2], abs=1e-5)
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    # the second request reuses the prompt's KV from the prefix cache: equal up to float rounding
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, [t.token for t in e.top_logprobs]) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_no_logprobs_unless_asked(client):
+    r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, temperature=0)
+    c = client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=2, temperature=0)
+    assert r.choices[0].logprobs is None and c.choices[0].logprobs is None
 
 
 def test_wrong_key_is_401(server):

@@ -1,0 +1,65 @@
+"""Engine log-probabilities in the OpenAI shapes: the completions API's legacy {"tokens", "token_logprobs",
+"top_logprobs", "text_offset"} and chat's {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}.
+
+The engine gives one {token_id: logprob} per generated token: the top-k by rank, then the sampled token when it
+is not among them. Values are the model's raw log_softmax (before temperature), as vLLM v1 reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.step import TokenizerLike
+
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM reports masked tokens with this value too
+
+
+@dataclass
+class TokenLogprobs:
+    """One choice's tokens with their log-probabilities, accumulated and formatted per delta."""
+
+    tokenizer: TokenizerLike | None
+    top_n: int  # how many top alternatives to show per token (chat's top_logprobs; completions' logprobs)
+    entries: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    text_offset: int = 0  # completions: where the next token's text starts in the choice's text
+
+    def token(self, token_id: int) -> str:
+        if self.tokenizer is None:  # served from token ids only: name the id, as vLLM's return_tokens_as_token_ids
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> list[tuple[int, dict[int, float]]]:
+        new = list(zip(token_ids, logprobs, strict=True))
+        self.entries += new
+        return new
+
+    def completion(self, entries: list[tuple[int, dict[int, float]]]) -> dict:
+        """The legacy completions shape of `entries`, advancing text_offset past them."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, lp in entries:
+            text = self.token(tok)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(lp[tok]))
+            top: dict[str, float] = {}
+            for t, v in lp.items():  # keyed by text: of tokens that decode alike, the most likely one's value
+                top.setdefault(self.token(t), _finite(v))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(text)
+        return out
+
+    def chat(self, entries: list[tuple[int, dict[int, float]]]) -> dict:
+        """Chat's {"content": [...]} of `entries`; each token's top_logprobs lists the top_n most likely."""
+        content = []
+        for tok, lp in entries:
+            top = [self._chat_entry(t, v) for t, v in list(lp.items())[: self.top_n]]
+            content.append({**self._chat_entry(tok, lp[tok]), "top_logprobs": top})
+        return {"content": content}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)

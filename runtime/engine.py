@@ -21,12 +21,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kiln.errors import KilnError, RequestError
+from kiln.runtime.batch_sampler import BatchSample, sample_batch
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
-from kiln.runtime.sampler import BatchSample, SamplingParams, check_stop, make_generator, sample_batch
+from kiln.runtime.sampler import SamplingParams, check_stop, make_generator
 from kiln.runtime.scheduler import Scheduler
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike
 

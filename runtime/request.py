@@ -63,7 +63,7 @@ class Request:
     generator: torch.Generator | None = None
     arrival_order: int = 0  # ties on arrival_time are broken by this; lower is higher priority
     output_token_ids: list[int] = field(default_factory=list)
-    # with params.logprobs set: one {token_id: logprob} per output token (see sampler.sample_batch)
+    # with params.logprobs set: one {token_id: logprob} per output token (see batch_sampler.sample_batch)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache

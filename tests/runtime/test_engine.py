@@ -145,7 +145,7 @@ def test_cuda_graph_decodes_match_the_reference(trace):
 
 
 def test_logprobs_for_one_request_leave_its_batch_mate_unchanged(tiny, monkeypatch):
-    import kiln.runtime.sampler as sampler
+    import kiln.runtime.batch_sampler as sampler
 
     _, _, step = tiny
     calls = []

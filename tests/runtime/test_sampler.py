@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from kiln.errors import RequestError
+from kiln.runtime.batch_sampler import NONFINITE_LOGITS, sample_batch
 from kiln.runtime.sampler import (
-    NONFINITE_LOGITS,
     SamplingParams,
     apply_repetition_penalty,
     make_generator,
     process_logits,
     sample,
-    sample_batch,
 )
 
 

@@ -1,0 +1,115 @@
+"""Sampling a whole step at once: one token per row, non-finite rows flagged on the device, and the requested
+log-probabilities, all brought to the host in one copy. A row whose sampling fails is reported, not raised, so the
+engine can end that request alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.runtime.sampler import SamplingParams, sample_rows, to_device
+
+
+@dataclass
+class BatchSample:
+    """The outcome of sample_batch: a token per row, and per row None or why it could not be sampled.
+
+    logprobs: per row None (not asked) or {token_id: logprob}: the top-k by rank, then the sampled token when it
+    is not among them (so it is always present).
+    """
+
+    tokens: list[int]
+    errors: list[str | None]
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.logprobs:  # built without logprobs: no row asked
+            self.logprobs = [None] * len(self.tokens)
+
+
+NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; likely causes: non-finite weights in the "
+                    "checkpoint, or an extreme spec or config value (a norm eps, rope theta, a scale); run "
+                    "`kiln check` on the spec and check the checkpoint for NaN/inf")
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    prev_tokens: Sequence[Sequence[int]],
+) -> BatchSample:
+    """One token per row of [R, V] logits, each row with its own request's parameters and generator.
+
+    Greedy rows without a repetition penalty share one argmax; every other row is drawn alone with its own
+    generator, so a seeded request gives the same tokens whatever else is in the batch. Every row's token and
+    its finite flag stay on the device until one host copy at the end (the tokens are needed there anyway). A
+    row whose logits are not finite, or whose sampling raises, gets an error instead of a token; the others are
+    unaffected.
+
+    Rows whose params ask for logprobs also get log-probabilities, reported as vLLM v1 does: from the raw model
+    distribution, log_softmax of the logits before penalties, temperature and top-k/p filtering. They are
+    computed batched for just those rows and ride in the same host copy, so other rows pay nothing.
+    """
+    rows = logits.float()
+    n = rows.shape[0]
+    errors: list[str | None] = [None] * n
+    if n == 0:
+        return BatchSample([], errors, [])
+    # -inf entries are legitimate (masked tokens); NaN, +inf or a row of nothing but -inf are not.
+    finite = ~(rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1))
+    rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
+    argmax = rows.argmax(dim=-1)  # every plain greedy row's token, in one kernel and without an index upload
+    toks = argmax
+    if not all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        parts: list[torch.Tensor] = []
+        for i, p in enumerate(params):
+            try:
+                plain = p.greedy and p.repetition_penalty == 1.0
+                parts.append(argmax[i : i + 1] if plain else sample_rows(rows[i : i + 1], p, generators[i],
+                                                                          [prev_tokens[i]]))
+            except Exception as e:  # one request's failure must not take down the batch
+                errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
+                parts.append(argmax[i : i + 1])
+        toks = torch.cat(parts)
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not asked:
+        host = torch.stack([toks, finite.long()]).tolist()  # the step's one device -> host copy
+        tokens, ok_flags, logprobs = host[0], host[1], [None] * n
+    else:
+        tokens, ok_flags, logprobs = _with_logprobs(rows, toks, finite, params, asked)
+    for i, ok in enumerate(ok_flags):
+        if not ok and errors[i] is None:
+            errors[i] = NONFINITE_LOGITS
+    return BatchSample(tokens, errors, logprobs)
+
+
+def _with_logprobs(rows: torch.Tensor, toks: torch.Tensor, finite: torch.Tensor, params: Sequence[SamplingParams],
+                   asked: list[int]) -> tuple[list[int], list[int], list[dict[int, float] | None]]:
+    """Tokens, finite flags and the asked rows' logprobs in one float64 device -> host copy (token ids < 2**53
+    are exact in float64)."""
+    n, m = rows.shape[0], len(asked)
+    k = min(max(params[i].logprobs for i in asked), rows.shape[-1])  # one topk for all asked rows
+    idx = torch.tensor(asked, dtype=torch.long) if m < n else None
+    sub_rows = rows if idx is None else rows.index_select(0, to_device(idx, rows.device))
+    sub_toks = toks if idx is None else toks.index_select(0, to_device(idx, rows.device))
+    logp = sub_rows.log_softmax(dim=-1)
+    parts = [toks.double(), finite.double(), logp.gather(-1, sub_toks[:, None]).squeeze(-1).double()]
+    if k > 0:
+        top = logp.topk(k, dim=-1)
+        parts += [top.values.double().flatten(), top.indices.double().flatten()]
+    host = torch.cat(parts).tolist()  # the step's one device -> host copy
+    tokens = [int(t) for t in host[:n]]
+    ok_flags = [int(f) for f in host[n : 2 * n]]
+    sampled_lp = host[2 * n : 2 * n + m]
+    vals = host[2 * n + m : 2 * n + m + m * k]
+    ids = host[2 * n + m + m * k :]
+    logprobs: list[dict[int, float] | None] = [None] * n
+    for j, i in enumerate(asked):
+        want = params[i].logprobs
+        d = {int(ids[j * k + r]): vals[j * k + r] for r in range(min(want, k))}
+        d.setdefault(tokens[i], sampled_lp[j])
+        logprobs[i] = d
+    return tokens, ok_flags, logprobs
+

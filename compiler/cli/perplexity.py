@@ -49,6 +49,7 @@ def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, 
 def step_window_nll(step, ids: list[int], window: int, chunk: int = KV_CHUNK) -> tuple[float, int]:
     """window_nll through a compiled step model: each window is one sequence in a fresh paged cache, prefilled
     `chunk` tokens per step; every step's logits for all its tokens are returned and scored."""
+    # lazy: the compiler and runtime, which `kiln --help` (it imports this module for the parser) never needs
     from kiln.compile.step import allocate_kv_cache
     from kiln.step import StepBatch
 
@@ -121,6 +122,7 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str],
             ids = m.tokenizer.encode(text)[: max_tokens or None]
             result["tokens"] = len(ids)
         if variant in _KV_VARIANTS:
+            # lazy: the compiler and runtime, which `kiln --help` (it imports this module for the parser) never needs
             from kiln.compile.step import compile_step
 
             # reference ops off CUDA: Triton's interpreter is for testing codegen, far too slow to score text

@@ -197,6 +197,33 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_gguf_paths(args: argparse.Namespace, comp, dtype) -> None:
+    """With GGUF weights (--weights FILE.gguf, or a bundled spec's package), say which tensors loading keeps as
+    int4 / int8 and which it dequantizes, as `kiln run`'s load line does: from the tensor types, no data read."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.gguf.config import open_gguf
+    from kiln.gguf.files import bundled_weights, is_gguf
+    from kiln.gguf.weights import gguf_paths, paths_summary
+
+    weights = args.weights
+    if weights is None:
+        try:
+            weights = bundled_weights(args.spec)
+        except KilnError as e:  # compiling needs no weights: note it and go on
+            print(f"kiln: note: {e}", file=sys.stderr)
+            return
+    if weights is None:
+        return
+    if not is_gguf(weights):
+        raise UsageError(f"--weights {weights}: kiln compile reports a .gguf's load paths only; give a .gguf file "
+                         "or leave --weights out (compiling needs no weights)")
+    # compile targets the generated kernels, where Q4_0 / Q4_1 / Q8_0 linears stay quantized unless a scheme is set
+    keep = "quantize" not in comp.extra
+    paths = gguf_paths(open_gguf(weights), keep=keep, dtype=dtype)
+    then = "" if keep else f"; then requantized by {args.quantize or 'the spec'}'s scheme"
+    print(f"kiln: {Path(weights).name}: {paths_summary(paths)}{then}", file=sys.stderr)
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -249,6 +276,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"kiln: weights {parts['quantized'] / 2**20:.1f} MiB quantized + {parts['scales_zeros'] / 2**20:.1f} "
               f"MiB scales/zeros + {parts['dense'] / 2**20:.1f} MiB dense (embeddings, norms, unquantized); "
               f"{size / weight_bytes(graph()):.2f}x the {dtype_name} size", file=sys.stderr)
+    _report_gguf_paths(args, comp, TORCH_DTYPES[dtype_name])
     print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
           f"passes: {', '.join(compiled.passes) or 'none'}; {len(compiled.kernels)} kernels "
           f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled)", file=sys.stderr)
@@ -315,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a .py file with a header naming op, shapes, dtypes and tile config) under DIR")
     k.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
     k.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    k.add_argument("--weights", metavar="FILE.gguf", help="a GGUF whose tensors' load paths (kept int4 / int8 or "
+                   "dequantized) to report (default: a bundled spec's own GGUF)")
     k.set_defaults(func=cmd_compile)
 
     qz = sub.add_parser("quantize", help="quantize a model's weights once and save them",

@@ -6,6 +6,9 @@ second half of each window; scoring all but the first gives a slightly higher, e
 Variants: fp32 / bf16 / fp16 (the dense model in that dtype), `gguf` (a GGUF's Q4_0 / Q4_1 / Q8_0 linears kept
 as stored), or any kiln scheme (int8, int4-rtn-g32, int4-gptq-g128, ...) applied by the quantize pass; GPTQ
 calibrates on `calibration` text when given (keep it apart from the evaluated text), else seeded random tokens.
+`kv-int8` / `kv-auto` score the fp32 weights through the cached step model (compile_step) with an int8 / a
+model-dtype KV cache: every window is prefilled in chunks of `chunk` tokens, so each chunk attends to the
+cached K/V of the chunks before it and the figure carries the int8 cache's rounding (kv-auto is its control).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from kiln.gguf.files import bundled_weights
 
 DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4-rtn-g32", "int4-rtn-g128", "int4-gptq-g32", "int4-gptq-g128")
 _DTYPES = ("fp32", "bf16", "fp16")
+_KV_VARIANTS = {"kv-int8": "int8", "kv-auto": "auto"}
+KV_CHUNK = 128  # prefill chunk of the kv-* variants: a 512-token window is scored in 4 steps, 3 over the cache
 
 
 def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, int]:
@@ -41,6 +46,39 @@ def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, 
     return total, count
 
 
+def step_window_nll(step, ids: list[int], window: int, chunk: int = KV_CHUNK) -> tuple[float, int]:
+    """window_nll through a compiled step model: each window is one sequence in a fresh paged cache, prefilled
+    `chunk` tokens per step; every step's logits for all its tokens are returned and scored."""
+    # lazy: the compiler and runtime, which `kiln --help` (it imports this module for the parser) never needs
+    from kiln.compile.step import allocate_kv_cache
+    from kiln.step import StepBatch
+
+    block = step.block_size
+    cache = allocate_kv_cache(step, num_blocks=-(-window // block), block_size=block)
+    dev = step.device
+    total, count = 0.0, 0
+    for lo in range(0, len(ids) - 1, window):
+        seq = ids[lo:lo + window]
+        if len(seq) < 2:
+            break
+        table = torch.arange(cache.num_blocks, dtype=torch.int32, device=dev)[None]
+        logits = []
+        for start in range(0, len(seq), chunk):
+            end = min(start + chunk, len(seq))
+            n = end - start
+            pos = torch.arange(start, end, device=dev)
+            batch = StepBatch(tokens=torch.tensor(seq[start:end], device=dev), positions=pos, slot_mapping=pos,
+                              block_tables=table, context_lens=torch.tensor([end], dtype=torch.int32, device=dev),
+                              query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                              sample_indices=torch.arange(n, device=dev), max_query_len=n, max_context_len=end)
+            logits.append(step(batch, cache))
+        logp = torch.log_softmax(torch.cat(logits)[:-1], dim=-1)
+        target = torch.tensor(seq[1:], device=logp.device)
+        total -= logp.gather(1, target[:, None]).sum().item()
+        count += len(seq) - 1
+    return total, count
+
+
 def _variant_model(spec, weights, variant: str, device: str, calibration: str | None = None):
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model
@@ -48,8 +86,9 @@ def _variant_model(spec, weights, variant: str, device: str, calibration: str | 
     from kiln.quant.formats import parse_scheme
 
     gguf = weights is not None and str(weights).endswith(".gguf")
-    if variant in _DTYPES:
-        return load_model(spec, weights, dtype=variant, device=device, quantize="none" if gguf else None)
+    if variant in _DTYPES or variant in _KV_VARIANTS:
+        dtype = "fp32" if variant in _KV_VARIANTS else variant
+        return load_model(spec, weights, dtype=dtype, device=device, quantize="none" if gguf else None)
     if variant == "gguf":
         if not gguf:
             raise KilnError(f"variant gguf keeps a GGUF's own quantized tensors; --weights {weights} is not a .gguf")
@@ -82,7 +121,16 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str],
         if ids is None:
             ids = m.tokenizer.encode(text)[: max_tokens or None]
             result["tokens"] = len(ids)
-        nll, n = window_nll(m.gm, ids, window)
+        if variant in _KV_VARIANTS:
+            # lazy: the compiler and runtime, which `kiln --help` (it imports this module for the parser) never needs
+            from kiln.compile.step import compile_step
+
+            # reference ops off CUDA: Triton's interpreter is for testing codegen, far too slow to score text
+            step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda",
+                                kv_cache_dtype=_KV_VARIANTS[variant])
+            nll, n = step_window_nll(step, ids, window)
+        else:
+            nll, n = window_nll(m.gm, ids, window)
         ppl = math.exp(nll / n)
         result["variants"][variant] = {"perplexity": ppl, "nll_per_token": nll / n, "scored_tokens": n,
                                        "seconds": time.perf_counter() - t0}
@@ -129,7 +177,8 @@ def add_parser(bsub) -> None:
     p.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
     p.add_argument("--weights", metavar="W", help="a Hugging Face checkpoint dir or a .gguf file")
     p.add_argument("--text", metavar="FILE", required=True, help="UTF-8 text to score (e.g. bench/data/*.txt)")
-    p.add_argument("--variants", metavar="A,B", help=f"default: {','.join(DEFAULT_VARIANTS)} (add gguf for a GGUF)")
+    p.add_argument("--variants", metavar="A,B", help=f"default: {','.join(DEFAULT_VARIANTS)} (add gguf for a GGUF; "
+                   "kv-int8 / kv-auto: the cached step model with an int8 / model-dtype KV cache)")
     p.add_argument("--window", type=int, default=512, help="tokens per scored window (default 512)")
     p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
     p.add_argument("--calibration", metavar="FILE", help="GPTQ calibration text (default: seeded random tokens)")

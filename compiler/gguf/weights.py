@@ -40,7 +40,7 @@ class GGUFWeights:
     paths: dict[str, list[str]] = field(default_factory=dict)  # "Q4_1 -> int4 g32 (kept)": [kiln names]
 
     def summary(self) -> str:
-        return "; ".join(f"{len(v)} {k}" for k, v in sorted(self.paths.items()))
+        return paths_summary(self.paths)
 
 
 def kiln_name(gguf_name: str) -> str | None:
@@ -99,6 +99,34 @@ def dequantized(t: Any, perm_heads: int | None) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable and arr.flags.c_contiguous else arr.copy())
 
 
+def _path(t: Any, name: str, keep: bool, dtype: torch.dtype) -> tuple[bool, str]:
+    """(kept quantized?, the path's label) for one GGUF tensor: its type alone decides, no data is read."""
+    kind = t.tensor_type.name
+    # Linears only: the embedding is gathered by row (a tied lm_head shares it), and the lm_head stays dense as
+    # with kiln's own schemes (the step graph's row gather before it expects a plain linear).
+    linear = len(t.shape) == 2 and name not in ("embed.weight", "lm_head.weight") and int(t.shape[0]) % BLOCK == 0
+    if keep and kind in KEEP_TYPES and linear:
+        return True, f"{kind} -> {'int8' if kind == 'Q8_0' else 'int4'} g32 (kept)"
+    note = "" if kind in ("F32", "F16", "BF16") else " (dequantized)"
+    return False, f"{kind} -> {str(dtype).removeprefix('torch.')}{note}"
+
+
+def gguf_paths(reader: Any, *, keep: bool, dtype: torch.dtype) -> dict[str, list[str]]:
+    """Which path each kiln weight of the GGUF would take on loading ("Q4_1 -> int4 g32 (kept)": [kiln names]),
+    from the tensor types alone: what `kiln compile` reports without loading the weights."""
+    paths: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        name = kiln_name(t.name)
+        if name is not None:
+            paths.setdefault(_path(t, name, keep, dtype)[1], []).append(name)
+    return paths
+
+
+def paths_summary(paths: dict[str, list[str]]) -> str:
+    """"120 Q4_1 -> int4 g32 (kept); 61 F32 -> float32": the load line's and `kiln compile`'s wording."""
+    return "; ".join(f"{len(v)} {k}" for k, v in sorted(paths.items()))
+
+
 def load_gguf_weights(
     reader: Any,
     path: str | os.PathLike,
@@ -143,17 +171,12 @@ def load_gguf_weights(
         elif permute and name.endswith(".k.weight"):
             heads = cfg.kv_heads
         kind = t.tensor_type.name
-        # Linears only: the embedding is gathered by row (a tied lm_head shares it), and the lm_head stays dense as
-        # with kiln's own schemes (the step graph's row gather before it expects a plain linear).
-        linear = len(t.shape) == 2 and name not in ("embed.weight", "lm_head.weight") and int(t.shape[0]) % BLOCK == 0
+        kept, path_label = _path(t, name, keep, dtype)
         try:
-            if keep and kind in KEEP_TYPES and linear:
+            if kept:
                 out.quantized[name] = keep_quantized(t, heads)
-                path_label = f"{kind} -> {'int8' if kind == 'Q8_0' else 'int4'} g32 (kept)"
             else:
                 out.dense[name] = dequantized(t, heads).to(device=device, dtype=dtype)
-                path_label = f"{kind} -> {str(dtype).removeprefix('torch.')}" + (" (dequantized)" if kind not in (
-                    "F32", "F16", "BF16") else "")
         except (NotImplementedError, ValueError) as e:
             raise GGUFError(f"{path}: cannot dequantize tensor {t.name} of type {kind} ({e}); upgrade the gguf "
                             "package (pip install -U gguf) or convert the file to a common type (Q8_0, Q4_K, F16)"

@@ -23,6 +23,7 @@ from torch import fx
 
 from kiln.errors import KilnError
 from kiln.gguf.files import bundled_weights
+from kiln.run_info import run_metadata
 
 DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4-rtn-g32", "int4-rtn-g128", "int4-gptq-g32", "int4-gptq-g128")
 _DTYPES = ("fp32", "bf16", "fp16")
@@ -134,7 +135,8 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str],
         ppl = math.exp(nll / n)
         result["variants"][variant] = {"perplexity": ppl, "nll_per_token": nll / n, "scored_tokens": n,
                                        "seconds": time.perf_counter() - t0}
-        result["model"], result["device"] = m.model.name, str(m.device)
+        result["model"] = m.model.name
+        result.update(run_metadata(m.device))  # device name, torch / triton / cuda versions, commit, date
         if progress:
             progress(f"{variant}: perplexity {ppl:.4f} over {n} tokens ({time.perf_counter() - t0:.0f}s)")
         del m

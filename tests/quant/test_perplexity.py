@@ -48,7 +48,9 @@ def test_cli_writes_json(tiny, tmp_path, capsys):
     assert main(["bench", "perplexity", "--weights", str(path), "--text", str(text), "--variants", "fp32",
                  "--window", "32", "-o", str(out)]) == 0
     assert "fp32" in capsys.readouterr().out
-    assert json.loads(out.read_text())["variants"]["fp32"]["perplexity"] > 1
+    result = json.loads(out.read_text())
+    assert result["variants"]["fp32"]["perplexity"] > 1
+    assert {"device", "torch", "triton", "commit", "date"} <= set(result)  # where and with what it was measured
 
 
 def test_bad_requests_are_kiln_errors(tiny, tmp_path):

@@ -154,11 +154,18 @@ def test_health_and_metrics_need_no_key(server):
 
 
 def test_a_full_queue_answers_503_with_retry_after(llm):
+    from kiln.runtime.engine import Engine
     from kiln.server import ServerConfig
     from kiln.server.background import serve_in_thread
 
+    class Slow(Engine):  # 200 tokens then take >= 4 s: A cannot finish (and B start) before C is refused
+        def step(self):
+            time.sleep(0.02)
+            return super().step()
+
     long = {"model": "tiny-llama", "prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with serve_in_thread(engine(llm, max_num_seqs=1), ServerConfig(model_name="tiny-llama", max_waiting=1)) as url:
+    slow = Slow(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=128, max_num_seqs=1)
+    with serve_in_thread(slow, ServerConfig(model_name="tiny-llama", max_waiting=1)) as url:
         with httpx.Client(base_url=url, timeout=60) as c:
             with c.stream("POST", "/v1/completions", json=long) as a:
                 next(a.iter_lines())  # A runs

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json as jsonlib
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ class QualityRow:
     weight_bytes: int | None = None
     bytes_ratio: float | None = None
     quantize_s: float | None = None
+    perplexity: float | None = None  # of the evaluation tokens (meaningful on real text: --eval-text)
     error: str | None = None  # the scheme cannot apply to this model (e.g. K not a multiple of the group)
 
 
@@ -88,6 +90,12 @@ def compare_logits(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
     return rel, agree
 
 
+def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """exp of the mean next-token negative log-likelihood of ids [B, T] under logits [B, T, vocab]."""
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
+    return math.exp(nll.item())
+
+
 def quality_report(
     gm: fx.GraphModule,
     schemes: Sequence[QuantScheme | str] = DEFAULT_SCHEMES,
@@ -124,14 +132,15 @@ def quality_report(
             rows.append(QualityRow(scheme.label, error=str(e).splitlines()[0]))
             continue
         seconds = time.perf_counter() - t0
-        rel, agree = compare_logits(reference, forward_logits(q, ids))
+        logits = forward_logits(q, ids)
+        rel, agree = compare_logits(reference, logits)
         size = weight_bytes(q)
-        rows.append(QualityRow(scheme.label, rel, agree, size, size / base_bytes, seconds))
+        rows.append(QualityRow(scheme.label, rel, agree, size, size / base_bytes, seconds, perplexity(logits, ids)))
         del q
     dtype = str(next(iter(gm.parameters())).dtype).removeprefix("torch.")
     return {
         "positions": int(ids.numel()),
-        "baseline": {"dtype": dtype, "weight_bytes": base_bytes},
+        "baseline": {"dtype": dtype, "weight_bytes": base_bytes, "perplexity": perplexity(reference, ids)},
         "rows": [asdict(r) for r in rows],
     }
 
@@ -141,15 +150,17 @@ def format_quality(report: dict) -> str:
     head = report.get("model", "model")
     base = report["baseline"]
     lines = [
-        f"{head}: {report['positions']} positions, baseline {base['dtype']} {base['weight_bytes'] / 2**20:.2f} MiB",
-        f"{'scheme':<22}{'rel logit err':>14}{'top-1 agree':>13}{'weights MiB':>13}{'ratio':>8}{'quantize s':>12}",
+        f"{head}: {report['positions']} positions, baseline {base['dtype']} {base['weight_bytes'] / 2**20:.2f} MiB, "
+        f"perplexity {base['perplexity']:.3f}",
+        f"{'scheme':<22}{'rel logit err':>14}{'top-1 agree':>13}{'perplexity':>12}{'weights MiB':>13}{'ratio':>8}"
+        f"{'quantize s':>12}",
     ]
     for r in report["rows"]:
         if r["error"]:
             lines.append(f"{r['scheme']:<22}  n/a: {r['error']}")
             continue
         lines.append(
-            f"{r['scheme']:<22}{r['rel_logit_error']:>14.4f}{r['top1_agreement']:>13.3f}"
+            f"{r['scheme']:<22}{r['rel_logit_error']:>14.4f}{r['top1_agreement']:>13.3f}{r['perplexity']:>12.3f}"
             f"{r['weight_bytes'] / 2**20:>13.2f}{r['bytes_ratio']:>8.3f}{r['quantize_s']:>12.1f}"
         )
     return "\n".join(lines)

@@ -31,7 +31,8 @@ def report(request, tmp_path_factory):
     gm = build_graph(cfg, load_hf_weights(d, cfg, model_type=fam))
     rep = quality_report(gm, SCHEMES, positions=256, seq_len=64)
     print(f"\n{fam}\n{format_quality(rep)}")
-    return {r["scheme"]: r for r in rep["rows"]} | {"positions": rep["positions"]}
+    return {r["scheme"]: r for r in rep["rows"]} | {"positions": rep["positions"],
+                                                     "baseline_perplexity": rep["baseline"]["perplexity"]}
 
 
 def test_report_covers_256_positions(report):
@@ -77,3 +78,21 @@ def test_bench_quality_main_prints_json_and_table():
     assert "not a multiple of 128" in rows["int4-rtn-g128"]["error"]  # dim 64: reported, not raised
     table = format_quality(rep)
     assert "int8" in table and "n/a" in table
+
+
+def test_perplexity_is_exp_of_the_mean_next_token_nll():
+    from kiln.cli.quality import perplexity
+
+    vocab = 7
+    ids = torch.tensor([[1, 2, 3, 4]])
+    uniform = torch.zeros(1, 4, vocab)
+    assert perplexity(uniform, ids) == pytest.approx(vocab)  # a uniform model is as perplexed as the vocabulary
+    sure = torch.full((1, 4, vocab), -1e4)
+    sure[0, torch.arange(3), ids[0, 1:]] = 0.0  # certain of every next token
+    assert perplexity(sure, ids) == pytest.approx(1.0)
+
+
+def test_report_carries_perplexity_for_the_baseline_and_each_scheme(report):
+    assert report["baseline_perplexity"] > 1
+    assert all(report[s]["perplexity"] > 1 for s in SCHEMES)
+    assert abs(report["int8"]["perplexity"] / report["baseline_perplexity"] - 1) < 0.05

@@ -84,7 +84,7 @@ def test_every_kernel_has_an_example():
 def _check(op, size: str, dtype: torch.dtype, device: str, tol: float) -> None:
     build = _examples(size, dtype, device)[op]
     if build is None:
-        pytest.skip("covered with its cache set-up in tests/test_kernels_paged.py")
+        pytest.skip("covered with its cache set-up in tests/codegen/test_kernels_paged.py")
     args = build()
     want = op(*args)  # the reference implementation registered with the op
     got = KERNEL_TABLE[op](*args)

@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
+
 NULL_BLOCK = 0
 
 
@@ -37,7 +39,7 @@ def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 2 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 2 (block 0 is reserved) and block_size >= 1, "
+            raise KilnError(f"need num_blocks >= 2 (block 0 is reserved) and block_size >= 1, "
                              f"got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +30,8 @@ from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_pr
 from kiln.runtime.sampler import SamplingParams, check_stop, make_generator
 from kiln.runtime.scheduler import Scheduler
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike
+
+log = logging.getLogger("kiln.runtime")
 
 
 @dataclass
@@ -212,7 +214,7 @@ class Engine:
             self.scheduler.finish(req)
         req.error = f"request {req.request_id!r}: {message}"
         self._finish(req, "error", None)
-        print(f"kiln: {req.error}", file=sys.stderr)
+        log.warning("%s", req.error)
         return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:

@@ -10,6 +10,7 @@ on the device (the split length is per sequence), so a long max_model_len costs 
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
 from kiln.runtime.input_batch import BlockTableRows, StepBuffers, layout
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import StepBatch, StepModel, allocate_kv_cache
+
+log = logging.getLogger("kiln.runtime")
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -193,7 +196,7 @@ class ModelRunner:
                     self.graphs[b] = self._capture(b, pool)
         except Exception as e:  # a step model that syncs or allocates on the host cannot be captured
             self.graphs.clear()
-            print(f"kiln: CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly", file=sys.stderr)
+            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
 
     def _capture(self, b: int, pool: object) -> _Graph:
         st = self._static

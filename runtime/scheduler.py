@@ -21,6 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kiln.errors import KilnError
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.request import Request, RequestStatus
 
@@ -51,7 +52,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: str = "continuous"):
         if policy not in ("continuous", "static"):
-            raise ValueError(f"unknown scheduling policy {policy!r}")
+            raise KilnError(f"unknown scheduling policy {policy!r}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -29,6 +29,7 @@ def parse_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     a, b = int(lo), int(hi or lo)
     if not 1 <= a <= b:
+        # ValueError on purpose: argparse turns it into "argument --input-len: invalid ..." naming the flag
         raise ValueError(f"{text!r}: expected LO:HI with 1 <= LO <= HI")
     return a, b
 

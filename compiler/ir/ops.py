@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.library import custom_op
 
+from kiln.errors import KilnError
+
 _ACTS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
@@ -27,7 +29,7 @@ def _act(x: torch.Tensor, kind: str) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if kind == "relu":
         return F.relu(x)
-    raise ValueError(f"unknown activation {kind!r}; expected one of {_ACTS}")
+    raise KilnError(f"unknown activation {kind!r}; expected one of {_ACTS}")
 
 
 @custom_op("kiln::embedding", mutates_args=())

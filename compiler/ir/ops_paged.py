@@ -31,6 +31,7 @@ import torch
 from torch.library import custom_op
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the reference calls)
+from kiln.errors import KilnError
 
 kiln_ops = torch.ops.kiln
 
@@ -50,7 +51,7 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
     if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
-        raise ValueError(f"a {kv_cache.dtype} kv_cache {'needs' if kv_scales is None else 'takes no'} kv_scales; "
+        raise KilnError(f"a {kv_cache.dtype} kv_cache {'needs' if kv_scales is None else 'takes no'} kv_scales; "
                          "allocate both with kiln.compile.step.allocate_kv_cache")
 
 

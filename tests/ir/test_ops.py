@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.errors import KilnError
 
 ops = torch.ops.kiln
 
@@ -142,7 +143,7 @@ def test_activations_match_formulas(kind, formula):
 
 
 def test_unknown_activation_is_rejected():
-    with pytest.raises(ValueError, match="unknown activation"):
+    with pytest.raises(KilnError, match="unknown activation"):
         ops.act(torch.randn(3), "swish")
 
 

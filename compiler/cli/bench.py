@@ -8,6 +8,7 @@ import json
 from kiln.cli.common import (
     QUANTIZE_HELP,
     check_input_file,
+    dtype_flag,
     engine_flags,
     positive_int,
     seed_arg,
@@ -137,7 +138,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most, and static batch size")
     t.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
     t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    t.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    dtype_flag(t)
     t.add_argument("--json", action="store_true", help="print the full result as JSON")
     t.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     t.add_argument("--profile", metavar="FILE", help="profile the continuous run with cProfile; write the summary "
@@ -155,7 +156,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     qb.add_argument("--eval-text", metavar="FILE", help="text to evaluate on (default: seeded random tokens)")
     qb.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
     qb.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    qb.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    dtype_flag(qb)
     qb.add_argument("--json", action="store_true", help="print the report as JSON")
     qb.set_defaults(func=cmd_bench_quality)
 

@@ -26,6 +26,7 @@ from kiln.cli.common import (
     check_input_file,
     check_output_dir,
     check_output_file,
+    dtype_flag,
     engine_flags,
     seed_arg,
     serving_engine,
@@ -307,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
     r.add_argument("--seed", type=seed_arg, default=None, help="seed for sampling and random weights")
     r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    r.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    dtype_flag(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
     r.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     engine_flags(r)
@@ -341,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the graph after the frontend and after every pass, one op per line with shapes")
     k.add_argument("--emit", metavar="DIR", help="write the graph after every pass and every generated kernel "
                    "(a .py file with a header naming op, shapes, dtypes and tile config) under DIR")
-    k.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    dtype_flag(k)
     k.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     k.add_argument("--weights", metavar="FILE.gguf", help="a GGUF whose tensors' load paths (kept int4 / int8 or "
                    "dequantized) to report (default: a bundled spec's own GGUF)")
@@ -357,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
     qz.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="where to write the checkpoint")
     qz.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    qz.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    dtype_flag(qz)
     qz.set_defaults(func=cmd_quantize)
 
     add_bench_parser(sub)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.errors import UsageError
+from kiln.model_config import DTYPES, KV_DTYPES
 
 QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
                  "(overrides the spec's `quantize`)")
@@ -40,11 +41,15 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
                   gpu_memory_utilization=args.gpu_memory_utilization, **kw)
 
 
+def dtype_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=DTYPES, help="override the spec's compile dtype")
+
+
 def engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: from free GPU memory, or a CPU default)")
     p.add_argument("--block-size", type=int, help="tokens per KV cache block (default: the spec's "
                    "kv_cache = paged(block = N), else 16)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8"], help="KV cache element type: auto (the model "
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, help="KV cache element type: auto (the model "
                    "dtype) or int8 with per-token, per-head scales (default: the spec's kv_cache dtype, else auto)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the weights and KV cache may use (default 0.9)")

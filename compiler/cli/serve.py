@@ -6,7 +6,7 @@ import argparse
 import ipaddress
 import json
 
-from kiln.cli.common import QUANTIZE_HELP, engine_flags, serving_engine, step_model
+from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, seed_arg, serving_engine, step_model
 from kiln.errors import KilnError
 
 
@@ -110,9 +110,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size limit (1 MiB)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests at most; more get 503 with Retry-After (default 256)")
-    s.add_argument("--seed", type=int, default=0, help="seed of random weights (default 0)")
+    s.add_argument("--seed", type=seed_arg, default=0, help="seed of random weights (default 0)")
     s.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    s.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="override the spec's compile dtype")
+    dtype_flag(s)
     s.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     engine_flags(s)
@@ -132,7 +132,7 @@ def add_bench_serve_parser(bsub: argparse._SubParsersAction) -> None:
     b.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     b.add_argument("--max-concurrency", type=int, help="requests in flight at most (default unbounded)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the trace and the arrivals (default 0)")
+    b.add_argument("--seed", type=seed_arg, default=0, help="seed of the trace and the arrivals (default 0)")
     b.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for nowhere)")
     b.add_argument("--json", action="store_true", help="print the full result as JSON")
     b.set_defaults(func=cmd_bench_serve)

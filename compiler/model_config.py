@@ -118,6 +118,49 @@ class LayerAssign:
 
 
 @dataclass(frozen=True)
+class ModConfig:
+    """Mixture-of-Depths routing (Raposo et al., 2024): `route = mod(capacity = 0.125, every = 2, decide = threshold)`.
+
+    Layer i is routed when (i + 1) % every == 0 (every = 2: layers 1, 3, 5, ...). A router scores each token on the
+    layer's input x: r = x @ router.weight.T + router.bias. Routed tokens go through the whole layer body and leave
+    it as x + r * (body(x) - x); the others pass by unchanged. Training form: the top ceil(capacity * T) tokens of
+    each sequence by r. Causal form (what kiln serves): r > router.threshold (decide = threshold), or a predictor
+    MLP's logit > 0 (decide = predictor). Attention in a routed layer runs among that layer's routed tokens only
+    (rotary positions stay the original ones), and a token that skips the layer writes no K/V there.
+    Weights per routed layer i (next to the layer's own):
+        layers.{i}.router.weight [1, dim], layers.{i}.router.bias [1], layers.{i}.router.threshold [1]
+        layers.{i}.router.predictor.fc1.weight [hidden, dim] / .bias [hidden]   (decide = predictor)
+        layers.{i}.router.predictor.fc2.weight [1, hidden] / .bias [1]          (silu between fc1 and fc2)
+    """
+
+    capacity: float  # in (0, 1]: the fraction of tokens a routed layer processes (training form)
+    every: int = 2
+    decide: Literal["threshold", "predictor"] = "threshold"
+    hidden: int = 0  # the predictor's hidden width (decide = predictor only)
+
+    def routed(self, layer: int) -> bool:
+        return (layer + 1) % self.every == 0
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding (compile key `speculation`, flag --speculation, LLM(speculation=...)).
+
+    ngram(n = 3, k = 4): prompt lookup, the k tokens that followed the latest earlier match of the last n (down to
+    1) tokens; self(layers = L, k = 4): the target's first L layers, final norm and head, sharing the target's KV
+    cache for those layers; draft(spec = "...", weights = "...", k = 4): a second model with the same tokenizer and
+    its own KV pool over the same block tables.
+    """
+
+    kind: Literal["ngram", "self", "draft"]
+    k: int = 4  # tokens proposed per step
+    n: int = 3  # ngram only
+    layers: int = 0  # self only
+    spec: str = ""  # draft only: a spec file or bundled spec name
+    weights: str = ""  # draft only: its weights (a checkpoint directory, .safetensors or .gguf)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str
     vocab: int
@@ -134,6 +177,7 @@ class ModelConfig:
     positions: Literal["rope", "learned", "none"] = "rope"
     tie_embeddings: bool = False
     final_norm: bool = True
+    route: ModConfig | None = None  # Mixture-of-Depths routing; None: every layer is dense
 
     def sites(self) -> list[NormCall | AttentionCall | MlpCall]:
         """Every norm/attention/mlp call in the layer body, in site-name order."""

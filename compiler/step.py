@@ -87,6 +87,33 @@ class KVCache:
         return int(self.data.shape[3])
 
 
+@dataclass
+class VerifyBatch:
+    """Speculative decoding's verification of B rows at once (the modified rejection sampler).
+
+    Row b proposed num_drafts[b] <= K tokens d_1..d_n; the target scored its last token and the drafts in one
+    chunk, giving target_probs[b, j] = p(. | prefix, d_1..d_j) for j = 0..K (processed: temperature, top-k, top-p
+    and min-p applied, the same way as to draft_probs). d_j is accepted while uniforms[b, j - 1] < p(d_j) / q(d_j);
+    at the first rejection j the row's next token is drawn from max(0, p_{j-1} - q_j) renormalized, and when all n
+    pass, a bonus token from p_n. q is draft_probs (None: drafts are deterministic, q is one-hot on d_j). The one
+    draw per row is an exponential race, argmax(dist / noise[b]), so it needs no sort or cumulative sum.
+    """
+
+    target_probs: torch.Tensor  # fp32 [B, K + 1, V]
+    draft_tokens: torch.Tensor  # int64 [B, K] (entries past num_drafts[b] are ignored)
+    draft_probs: torch.Tensor | None  # fp32 [B, K, V], or None for deterministic drafters (n-gram)
+    num_drafts: torch.Tensor  # int32 [B]
+    uniforms: torch.Tensor  # fp32 [B, K]: U[0, 1) draws for the acceptance tests
+    noise: torch.Tensor  # fp32 [B, V]: Exp(1) draws (> 0) for the row's final draw
+
+
+class Verifier(Protocol):
+    """kiln::spec_verify or its kernel: (num_accepted int32 [B], next_token int64 [B]) for a VerifyBatch. A compiled
+    step model carries one as `verify`."""
+
+    def __call__(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def step_input_names(quantized: bool) -> tuple[str, ...]:
     """The step graph's placeholders in order: StepBatch's tensors, the cache (and its scales when int8), then
     StepBatch's host-side ints. StepBatch is the one source; the kv_cache pass and CompiledStep both use this."""
@@ -105,7 +132,8 @@ class StepModel(Protocol):
     dtype: torch.dtype  # of the weights and activations
     kv_dtype: torch.dtype  # of the KV cache: dtype, or torch.int8 (with scales)
     device: torch.device
-    # Optional: `block_size`, the pool block size the compile config asks for (the engine's default).
+    # Optional: `block_size`, the pool block size the compile config asks for (the engine's default), and
+    # `verify`, a Verifier for speculative decoding (compiled with the model: its kernel or the reference op).
 
     def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache."""

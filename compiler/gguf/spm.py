@@ -1,7 +1,8 @@
 """Sentencepiece vocabularies in GGUF files (tokenizer.ggml.model = llama: Llama 2, Mistral 7B v0.1, TinyLlama)
 rebuilt as a `tokenizers` BPE the way transformers' GGUF loader rebuilds them, so ids and text agree with it.
 
-A GGUF stores the pieces, their scores and types but no merges. Sentencepiece BPE joins the adjacent pair whose
+A GGUF stores the pieces, their scores and types but usually no merges (a file that lists them is taken at its
+word). Sentencepiece BPE joins the adjacent pair whose
 joined piece scores highest, so every split of a piece into two pieces is a merge ranked by that piece's score
 (ties: the longer left part, then the longer right part, then file order). Spaces are the U+2581 marker,
 prepended to the text (only at its start, not after a special token) unless the file says
@@ -38,13 +39,17 @@ def spm_tokenizer(reader: Any, tokens: list[str], path: str | os.PathLike) -> tu
     prepends the space marker. Special and added tokens are the caller's (they are the same for every kind)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    scores = field(reader, "tokenizer.ggml.scores")
-    if scores is None or len(scores) != len(tokens):
-        have = "none" if scores is None else f"{len(scores)}"
-        raise GGUFError(f"{path}: the sentencepiece vocabulary has {len(tokens)} tokens but {have} scores "
-                        "(tokenizer.ggml.scores), which decide its merges; re-convert the file with llama.cpp's "
-                        "convert_hf_to_gguf.py")
-    merges = spm_merges(tokens, [float(s) for s in scores])
+    merges = field(reader, "tokenizer.ggml.merges")
+    if merges:  # a file that lists its merges is taken at its word, as transformers does
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        scores = field(reader, "tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            have = "none" if scores is None else f"{len(scores)}"
+            raise GGUFError(f"{path}: the sentencepiece vocabulary has {len(tokens)} tokens but {have} scores "
+                            "(tokenizer.ggml.scores) and no tokenizer.ggml.merges, which decide its merges; "
+                            "re-convert the file with llama.cpp's convert_hf_to_gguf.py")
+        merges = spm_merges(tokens, [float(s) for s in scores])
     unk = field(reader, "tokenizer.ggml.unknown_token_id")
     unk_token = tokens[int(unk)] if unk is not None and 0 <= int(unk) < len(tokens) else None
     vocab = {t: i for i, t in enumerate(tokens)}

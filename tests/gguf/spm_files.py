@@ -76,11 +76,12 @@ def llama3_factors(theta: float, head_dim: int, factor: float, low: float, high:
 
 
 def write_spm_gguf(path: Path, *, seed: int = 0, add_bos: bool | None = True, add_space_prefix: bool | None = None,
-                   kind: str = "llama", score_sign: float = 1.0, scores: bool = True,
+                   kind: str = "llama", score_sign: float = 1.0, scores: bool = True, merges: list[str] | None = None,
                    metadata: dict[str, Any] | None = None, extra: dict[str, np.ndarray] | None = None,
                    weight_scale: float = 3.0) -> dict[str, torch.Tensor]:
     """Write the tiny model; returns its weights in kiln's names and HF order. score_sign -1 reverses which merges
-    win; scores=False leaves them out. metadata: extra key -> value; extra: extra F32 tensors (rope_freqs.weight)."""
+    win; scores=False leaves them out; merges are written as tokenizer.ggml.merges. metadata: extra key -> value;
+    extra: extra F32 tensors (rope_freqs.weight)."""
     from gguf import GGUFWriter
 
     tokens, values, types = spm_vocab(seed)
@@ -104,6 +105,8 @@ def write_spm_gguf(path: Path, *, seed: int = 0, add_bos: bool | None = True, ad
     w.add_token_list(tokens)
     if scores:
         w.add_token_scores([score_sign * v for v in values])
+    if merges is not None:
+        w.add_token_merges(merges)
     w.add_token_types(types)
     w.add_unk_token_id(0)
     w.add_bos_token_id(1)

@@ -109,11 +109,23 @@ def test_unsupported_kinds_are_refused_by_name(tmp_path, capsys, kind):
     assert "sentencepiece (llama)" in err and "--prompt-ids" in err
 
 
-def test_a_vocabulary_without_scores_is_refused(tmp_path):
+def test_a_vocabulary_without_scores_or_merges_is_refused(tmp_path):
     path = tmp_path / "noscores.gguf"
     write_spm_gguf(path, scores=False)
     with pytest.raises(GGUFError, match=r"noscores.gguf: .* but none scores .*tokenizer.ggml.scores"):
         _kiln(path)
+
+
+def test_merges_in_the_file_are_used_as_given(spm, tmp_path):
+    """A sentencepiece file that lists merges (here: the score-derived ones, reversed) is tokenized by them."""
+    from kiln.gguf.spm import spm_merges
+
+    tokens, scores, _ = spm_vocab()
+    path = tmp_path / "merges.gguf"
+    write_spm_gguf(path, merges=[f"{a} {b}" for a, b in reversed(spm_merges(tokens, scores))])
+    tok = _kiln(path)
+    _same(tok, hf_tokenizer(path))
+    assert [t for t in TEXTS if tok.encode(t) != spm[1].encode(t)]
 
 
 def test_kiln_run_gives_transformers_greedy_ids(spm, capsys):

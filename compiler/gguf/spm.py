@@ -2,11 +2,12 @@
 rebuilt as a `tokenizers` BPE the way transformers' GGUF loader rebuilds them, so ids and text agree with it.
 
 A GGUF stores the pieces, their scores and types but usually no merges (a file that lists them is taken at its
-word). Sentencepiece BPE joins the adjacent pair whose
-joined piece scores highest, so every split of a piece into two pieces is a merge ranked by that piece's score
-(ties: the longer left part, then the longer right part, then file order). Spaces are the U+2581 marker,
-prepended to the text (only at its start, not after a special token) unless the file says
-add_space_prefix = false; characters outside the vocabulary fall back to their UTF-8 bytes as <0xNN> pieces.
+word). Sentencepiece BPE joins the adjacent pair whose joined piece scores highest, so every split of a piece
+into two pieces is a merge ranked by that piece's score (ties: the longer left part, then the longer right part,
+then file order). Spaces are the U+2581 marker, prepended to the text (only at its start, not after a special
+token, as transformers does) unless the file says add_space_prefix = false (honoured as llama.cpp does; the
+transformers GGUF loader ignores it); characters outside the vocabulary fall back to their UTF-8 bytes as <0xNN>
+pieces.
 The decoder undoes both: marker -> space, byte pieces -> bytes, then the one leading space is dropped.
 """
 
@@ -34,9 +35,9 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     return [(left, right) for left, right, _ in found]
 
 
-def spm_tokenizer(reader: Any, tokens: list[str], path: str | os.PathLike) -> tuple[Any, bool]:
-    """The sentencepiece tokenizer of a GGUF (tokens, scores, unknown token, add_space_prefix) and whether it
-    prepends the space marker. Special and added tokens are the caller's (they are the same for every kind)."""
+def spm_tokenizer(reader: Any, tokens: list[str], path: str | os.PathLike) -> Any:
+    """The sentencepiece tokenizer (a tokenizers.Tokenizer) of a GGUF: tokens, scores or merges, unknown token,
+    add_space_prefix. Special and added tokens are the caller's (they are the same for every kind)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     merges = field(reader, "tokenizer.ggml.merges")
@@ -60,4 +61,4 @@ def spm_tokenizer(reader: Any, tokens: list[str], path: str | os.PathLike) -> tu
                                                  split=False)
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-    return tok, prefix
+    return tok

@@ -120,7 +120,7 @@ def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:
         special = [t for t, k in zip(tokens, types, strict=False) if k == CONTROL and set(t) <= letters]
         vocab = tok.get_vocab()
     else:
-        tok, _ = spm_tokenizer(reader, tokens, path)
+        tok = spm_tokenizer(reader, tokens, path)
         # transformers makes the unknown, BOS, EOS and padding pieces special too (<unk> is type UNKNOWN, not CONTROL).
         named = {token(k)[1] for k in ("unknown_token_id", "bos_token_id", "eos_token_id", "padding_token_id")}
         special = [t for t, k in zip(tokens, types, strict=False) if k == CONTROL or t in named]

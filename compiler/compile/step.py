@@ -90,7 +90,8 @@ class CompiledStep:
 
     def __post_init__(self) -> None:
         self.kv_dtype = self.kv_dtype or self.dtype
-        self.verify = self.verify or make_verifier(self.vocab, use_kernels=False)
+        if self.verify is None:
+            self.verify = make_verifier(self.vocab, use_kernels=False)
 
     def _check_cache(self, cache: KVCache) -> None:
         data, scales = cache.data, cache.scales

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
 from kiln.codegen._host import BoundKernels
@@ -55,8 +57,9 @@ def _batch(b: int, k: int, v: int, with_q: bool, seed: int) -> tuple:
             p[row] = _truncate(p[row], max(1, v // 2))
             q[row] = p[row, :k]
             d[row] = q[row].argmax(-1)
-            if kind == 1 and n[row] > 0:  # the last draft on a token both give 0: rejected, and no residual mass
-                d[row, n[row] - 1] = (q[row, n[row] - 1] == 0).nonzero()[0, 0]
+            zeros = (q[row, n[row] - 1] == 0).nonzero() if kind == 1 and n[row] > 0 else []
+            if len(zeros):  # the last draft on a token both give 0: rejected, and no residual mass
+                d[row, n[row] - 1] = zeros[0, 0]
         elif kind == 2:  # truncated target, full-support draft
             p[row] = _truncate(p[row], 3)
     d = torch.where(torch.arange(k)[None, :] < n[:, None].long(), d, -1)  # entries past num_drafts are junk
@@ -87,6 +90,13 @@ def test_kernel_equals_reference_token_for_token(k, v, with_q):
     acc, tok = _check(args, block_v)
     assert ((0 <= tok) & (tok < v)).all()
     assert (acc <= args[3]).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 6), k=st.integers(0, 4), v=st.integers(1, 70), with_q=st.booleans(),
+       block_v=st.sampled_from([None, 1, 4, 16]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_kernel_equals_reference_on_any_shape(b, k, v, with_q, block_v, seed):
+    _check(_batch(b, k, v, with_q, seed), block_v)
 
 
 def test_the_batch_covers_its_cases():

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
 from kiln.codegen.spec_verify import spec_verify as kernel
@@ -160,3 +161,26 @@ def test_interpreted_kernel_is_exact_too(with_q):
     first = _first_tokens(kernel, p, q if with_q else None, drafts, N_KERNEL, seed=4)
     assert torch.equal(first, _first_tokens(reference, p, q if with_q else None, drafts, N_KERNEL, seed=4))
     assert _pvalue(first, p) > ALPHA
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["draft_probs", "one_hot"])
+def test_fake_propagation_gives_the_output_shapes(with_q):
+    b, k = 4, 3
+    with FakeTensorMode():
+        acc, nxt = reference(torch.empty(b, k + 1, V), torch.empty(b, k, dtype=torch.long),
+                             torch.empty(b, k, V) if with_q else None, torch.empty(b, dtype=torch.int32),
+                             torch.empty(b, k), torch.empty(b, V))  # fmt: skip
+    assert (acc.shape, acc.dtype, nxt.shape, nxt.dtype) == ((b,), torch.int32, (b,), torch.int64)
+
+
+def test_greedy_rows_accept_the_matching_prefix():
+    """One-hot p (greedy): drafts are accepted exactly while they match the target's argmax, whatever u is."""
+    top = torch.tensor([[3, 1, 4, 0]])
+    p = torch.nn.functional.one_hot(top, V).float()
+    drafts = torch.tensor([[3, 1, 5]])  # the third disagrees
+    for u in (torch.zeros(1, 3), torch.full((1, 3), 0.999)):
+        acc, nxt = reference(p, drafts, None, torch.tensor([3], dtype=torch.int32), u, torch.rand(1, V) + 0.1)
+        assert (acc.item(), nxt.item()) == (2, 4)
+    acc, nxt = reference(p, top[:, :3], None, torch.tensor([3], dtype=torch.int32), torch.rand(1, 3),
+                         torch.rand(1, V) + 0.1)  # fmt: skip
+    assert (acc.item(), nxt.item()) == (3, 0)  # all three match: the bonus token is p_3's argmax

@@ -25,8 +25,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
+import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
 from kiln import env
-from kiln.codegen import act, flash_attn, norm, paged, quant, rope, tiles
+from kiln.codegen import act, flash_attn, norm, paged, quant, rope, spec_verify, tiles
 from kiln.codegen._host import BoundKernels, recording
 from kiln.errors import CodegenError
 from kiln.quant.formats import dequantize_parts
@@ -112,6 +113,10 @@ def k_embedding_q(qweight, scales, zeros, ids, bits, group, dtype):
     return dequantize_parts(qweight[ids], scales[ids], z, bits, group).to(dtype)
 
 
+def k_spec_verify(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise):
+    return spec_verify.spec_verify(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise)
+
+
 KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.embedding.default: k_embedding,
     kiln_ops.linear.default: k_linear,
@@ -129,6 +134,7 @@ KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.linear_w8.default: k_linear_w8,
     kiln_ops.linear_w4.default: k_linear_w4,
     kiln_ops.embedding_q.default: k_embedding_q,
+    kiln_ops.spec_verify.default: k_spec_verify,
 }
 
 

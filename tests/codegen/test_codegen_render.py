@@ -53,6 +53,7 @@ RENDER_CASES = {
         params={"BITS": 8, "GROUP": 32, "HAS_ZEROS": False, "HAS_BIAS": True, "INPUT_PRECISION": None,
                 "DOT_FP32": False, "ZERO_IS_MIN": False, "GROUP_SCALES8": True},
     ),
+    "spec_verify": dict(op="spec_verify", tile={"BLOCK_V": 4096, "num_warps": 8}, params={"HAS_DRAFT_PROBS": True}),
 }
 
 

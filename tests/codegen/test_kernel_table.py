@@ -57,6 +57,14 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         qweight, scales, zeros, qw = _quantized(g, 97, k4, f"int4-g{group}", device)
         return qweight, scales, zeros, ids(5), 4, group, dtype
 
+    def verify():  # fp32 whatever the model dtype (kiln.step.VerifyBatch); outputs are token ids, compared exactly
+        b, k, v = (3, 2, 33) if small else (64, 4, 32000)
+        probs = lambda *s: torch.softmax(torch.randn(*s, generator=g) * 3, -1).to(device)  # noqa: E731
+        tokens = torch.randint(0, v, (b, k), generator=g).to(device)
+        num = torch.randint(0, k + 1, (b,), generator=g).to(device=device, dtype=torch.int32)
+        noise = torch.empty(b, v).exponential_(generator=g).to(device)
+        return probs(b, k + 1, v), tokens, probs(b, k, v), num, torch.rand(b, k, generator=g).to(device), noise
+
     return {
         kiln_ops.embedding.default: lambda: (r(97, d), ids(seq)),
         kiln_ops.linear.default: lambda: (r(rows, d), r(24, d, scale=d**-0.5), r(24)),
@@ -74,6 +82,7 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         kiln_ops.linear_w8.default: w8,
         kiln_ops.linear_w4.default: w4,
         kiln_ops.embedding_q.default: emb_q,
+        kiln_ops.spec_verify.default: verify,
     }
 
 
@@ -91,6 +100,9 @@ def _check(op, size: str, dtype: torch.dtype, device: str, tol: float) -> None:
     want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
     for w, o in zip(want, got, strict=True):
         assert o.shape == w.shape and o.dtype == w.dtype, f"{op}: {o.dtype}{list(o.shape)} vs {w.dtype}{list(w.shape)}"
+        if not w.is_floating_point():  # token ids, indices: exact at any size
+            assert torch.equal(o, w), f"{op}: integer outputs differ"
+            continue
         assert torch.isfinite(o).all()
         err = (o.float() - w.float()).abs().max().item()
         assert err <= tol * max(w.float().abs().max().item(), 1.0), f"{op}: max error {err}"

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from kiln.gguf.config import GGUFError, field
+from kiln.tokenizer import token_table
 
 CONTROL, USER_DEFINED = 3, 4
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -54,6 +55,10 @@ class GGUFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_strings(self) -> list[str | None]:
+        """Every id's token string, in id order (what a draft model must share with its target)."""
+        return token_table(self._tok)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered from the file's chat template."""

@@ -26,7 +26,7 @@ from torch import fx
 
 from kiln.build import LoadedModel, load_model, say
 from kiln.compile.step import compile_step
-from kiln.errors import InternalError, KilnError
+from kiln.errors import InternalError, KilnError, UsageError
 from kiln.ir.attrs import owner
 from kiln.model_config import ModelConfig, SpeculationConfig
 from kiln.passes.speculative import self_draft_graph
@@ -64,8 +64,11 @@ def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 
         check_layers(cfg, loaded.model, "speculation")
         graph = self_draft_graph(loaded.gm, cfg.layers)
         return DraftPlan(cfg, loaded, graph=graph, model=dataclasses.replace(loaded.model, layers=cfg.layers))
-    draft = load_model(cfg.spec or None, cfg.weights or None, dtype=loaded.compile.dtype, device=str(loaded.device),
-                       seed=seed)
+    try:
+        draft = load_model(cfg.spec or None, cfg.weights or None, dtype=loaded.compile.dtype,
+                           device=str(loaded.device), seed=seed)
+    except UsageError as e:  # no such file, a directory, ...: say which setting named it
+        raise UsageError(f"speculation {describe(cfg)}: cannot load the draft model: {e}") from None
     check_same_tokenizer(loaded, draft)
     say(f"draft model {draft.model.name} ({draft.model.layers} layers) from {draft.source}")
     return DraftPlan(cfg, loaded, model=draft.model, draft=draft)

@@ -131,6 +131,15 @@ def test_a_draft_with_another_vocabulary_size_is_refused_at_load(tmp_path):
     assert "600 ids in the draft's, 512 in the target's" in msg and "same family" in msg
 
 
+def test_a_missing_draft_model_names_the_setting(tmp_path):
+    m = load_model(spec_file(tmp_path), device="cpu")
+    missing = tmp_path / "nowhere.kiln"
+    with pytest.raises(UsageError) as info:
+        prepare_drafter(S("draft", spec=str(missing)), m)
+    assert str(info.value).startswith(f'speculation draft(spec = "{missing}", k = 4): cannot load the draft model: '
+                                      f"{missing}: no such spec file")
+
+
 def _hf_tokenizer(path: Path, words: list[str]) -> HFTokenizer:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel

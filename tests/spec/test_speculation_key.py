@@ -147,6 +147,13 @@ def test_fmt_writes_the_canonical_form_and_it_reads_back():
     assert resolved('draft(spec = "tiny-llama", weights = "/w", k = 4)') == S("draft", spec="tiny-llama", weights="/w")
 
 
+def test_kiln_fmt_rewrites_the_key(tmp_path, capsys):
+    spec = tmp_path / "s.kiln"
+    spec.write_text(with_key("self( layers=1 ,k=2)"))
+    assert main(["fmt", str(spec)]) == 0
+    assert "  speculation = self(layers = 1, k = 2)\n" in capsys.readouterr().out
+
+
 def test_describe_is_the_canonical_text():
     for value, cfg in VALID.items():
         if "(" in value:

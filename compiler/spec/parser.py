@@ -10,6 +10,7 @@ reaches Python's recursion limit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import unicodedata
@@ -200,10 +201,20 @@ def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
     return SpecFile(model=model, compile=compile_block, path=path, source=text, comments=tuple(comments))
 
 
+_VALUE_HINT = ("write one value in the spec syntax: a name, a number, a \"string\" or a call like "
+               "f(key = value, key = \"text\")")
+
+
 def parse_expr(text: str, path: str = "<value>") -> Expr:
     """Parse one value in the spec syntax (e.g. a flag's `ngram(n = 3, k = 4)`); errors point into `text`, with
     `path` (the flag's name) where a file name would be."""
-    return _parse(text.removeprefix(_BOM), path, "value")
+    try:
+        return _parse(text.removeprefix(_BOM), path, "value")
+    except SpecError as e:  # a file's wording ("end of file", hints about settings) -> a value's
+        d = e.diagnostics[0]
+        keep = d.hint if d.hint.startswith(("strings", "a string", "remove it")) else _VALUE_HINT
+        raise SpecError([dataclasses.replace(d, message=d.message.replace("end of file", "end of text"),
+                                             hint=keep)]) from None
 
 
 def _parse(text: str, path: str, start: str):

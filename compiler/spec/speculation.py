@@ -23,7 +23,7 @@ from kiln.model_config import ModelConfig, SpeculationConfig
 from kiln.spec.ast import Call, Expr, Name, Str
 from kiln.spec.formatter import format_expr
 from kiln.spec.parser import parse_expr
-from kiln.spec.values import _config_call, _int, _Report
+from kiln.spec.values import _config_call, _int, _Report, _suggest
 
 K_MAX = 16  # drafted tokens per step at most: acceptance decays geometrically, and the verifier's chunk grows with k
 FUNCS = {"ngram": ("n", "k"), "self": ("layers", "k"), "draft": ("spec", "weights", "k")}
@@ -49,6 +49,12 @@ def speculation_value(r: _Report, e: Expr, *, base_dir: Path | None = None,
     model_layers: the target's layer count, which self(layers = L) must stay below (None: not known here).
     """
     if isinstance(e, Name) and e.id == OFF:
+        return None
+    func = e.id if isinstance(e, Name) else e.func if isinstance(e, Call) else None
+    if func is not None and func not in FUNCS:
+        r.error(e, f"unknown speculation `{func}`{_suggest(func, (*FUNCS, OFF))}",
+                "speculation is one of: ngram(n = 3, k = 4), self(layers = L, k = 4), draft(spec = \"...\", "
+                "weights = \"...\", k = 4), or off")
         return None
     found = _config_call(r, e, "speculation", FUNCS, EXAMPLE)
     if found is None:

@@ -65,7 +65,8 @@ ERRORS = {
                                 'spec = "tiny-llama"'),
     "draft empty weights": ('draft(weights = "")', 'weights must be a file or directory name in quotes, got ""', 33,
                             'weights = "draft-dir/"'),
-    "unknown kind": ("medusa(k = 4)", "unknown speculation `medusa`", 17, "ngram(...), self(...), draft(...)"),
+    "unknown kind": ("medusa(k = 4)", "unknown speculation `medusa`", 17, "self(layers = L, k = 4), draft("),
+    "unknown name": ("of", "unknown speculation `of`; did you mean `off`?", 17, ", or off"),
     "unknown argument": ("ngram(m = 3)", "unknown argument `m` to ngram()", 23, "ngram() takes: n, k"),
     "argument of another kind": ("self(layers = 1, n = 3)", "unknown argument `n` to self()", 34, "layers, k"),
     "not a call": ("4", "speculation must be a call like ngram(n = 3, k = 4), got 4", 17, "speculation = ngram("),
@@ -94,9 +95,13 @@ def test_flag_errors_point_into_the_flag_text():
     (d,) = info.value.diagnostics
     assert (d.path, d.line, d.column, d.source_line) == ("--speculation", 1, 18, "ngram(n = 3, k = 99)")
     assert "--speculation:1:18: error: k = 99 is above" in str(info.value)
-    with pytest.raises(SpecError) as info:  # a syntax error, too
+    with pytest.raises(SpecError) as info:  # a syntax error, too, in a value's words rather than a file's
         parse_speculation("ngram(n = 3,, k = 4)")
-    assert (info.value.diagnostics[0].column, info.value.diagnostics[0].message[:14]) == (13, "unexpected `,`")
+    (d,) = info.value.diagnostics
+    assert (d.column, d.message) == (13, "unexpected `,`, expected a value or `)`")
+    assert d.hint.startswith("write one value in the spec syntax")
+    with pytest.raises(SpecError, match=r"--speculation:1:14: error: unexpected end of text, expected `,` or `\)`"):
+        parse_speculation("self(layers=2")
 
 
 def test_dict_and_config_forms_are_validated_like_the_text():

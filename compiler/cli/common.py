@@ -19,8 +19,6 @@ from kiln.spec.speculation import OFF, parse_speculation
 
 QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
                  "(overrides the spec's `quantize`)")
-
-
 SPECULATION_HELP = ("speculative decoding: ngram(n = 3, k = 4), self(layers = L, k = 4) or draft(spec = \"...\", "
                     "weights = \"...\", k = 4), in the spec syntax; `off` overrides the spec's `speculation`")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from kiln.gguf.config import GGUFError, field
 from kiln.gguf.spm import spm_tokenizer
+from kiln.tokenizer import token_table
 
 CONTROL, USER_DEFINED = 3, 4
 # tokenizer.ggml.model -> what kiln rebuilds it as (others, like bert or rwkv, are refused by name).
@@ -72,6 +73,10 @@ class GGUFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_strings(self) -> list[str | None]:
+        """Every id's token string, in id order (what a draft model must share with its target)."""
+        return token_table(self._tok)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered from the file's chat template."""

@@ -243,7 +243,7 @@ def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
     """Validate `spec` and resolve it; raises one SpecError listing every problem found."""
     r = _Report(spec)
     model = _model(r, spec.model)
-    comp = compile_config(r, spec.compile)
+    comp = compile_config(r, spec.compile, model.layers if model is not None else None)
     if model is not None:
         size = param_count(model) * DTYPE_BYTES[comp.dtype]
         if size > MAX_WEIGHT_BYTES:

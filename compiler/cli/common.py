@@ -19,6 +19,10 @@ from kiln.model_config import DTYPES, KV_DTYPES
 QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
                  "(overrides the spec's `quantize`)")
 
+EXIT_USER_ERROR = 2  # a KilnError: the message, no traceback (argparse's own flag errors exit 2 too)
+EXIT_BUG = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
+
 
 def step_model(args: argparse.Namespace, m):
     """The compiled step model of a loaded model (kiln.compile.step; m.gm is rewritten in place)."""

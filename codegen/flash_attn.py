@@ -126,7 +126,7 @@ def flash_attention(
         cu_q = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
         cu_k = cu_q
     flash_attention_varlen(
-        q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s,
-        num_heads, num_kv_heads, causal, window, scale, tile, out=out.view(b * t, -1),
+        q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, causal=causal, window=window, scale=scale, tile=tile, out=out.view(b * t, -1),
     )  # fmt: skip
     return out

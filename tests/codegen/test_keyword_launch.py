@@ -156,7 +156,8 @@ def _run_every_wrapper() -> None:
 
 def test_every_wrapper_launches_its_kernel_by_keyword_with_every_parameter_named(launches):
     _run_every_wrapper()
-    assert set(launches) == set(template_names()), "every template's launcher ran"
+    missing = sorted(set(template_names()) - set(launches))
+    assert not missing, f"templates whose wrappers _run_every_wrapper does not call yet: {missing}; add a call"
 
 
 def test_a_misnamed_keyword_is_caught_at_launch(monkeypatch):

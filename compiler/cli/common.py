@@ -22,6 +22,10 @@ QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-
 SPECULATION_HELP = ("speculative decoding: ngram(n = 3, k = 4), self(layers = L, k = 4) or draft(spec = \"...\", "
                     "weights = \"...\", k = 4), in the spec syntax; `off` overrides the spec's `speculation`")
 
+EXIT_USER_ERROR = 2  # a KilnError: the message, no traceback (argparse's own flag errors exit 2 too)
+EXIT_BUG = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
+
 
 def step_model(args: argparse.Namespace, m):
     """The compiled step model of a loaded model (kiln.compile.step; m.gm is rewritten in place).

@@ -30,6 +30,7 @@ from kiln import env
 from kiln.codegen import act, flash_attn, norm, paged, quant, rope, spec_verify, tiles
 from kiln.codegen._host import BoundKernels, recording
 from kiln.errors import CodegenError
+from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION, PAGED_ATTENTION
 from kiln.quant.formats import dequantize_parts
 
 kiln_ops = torch.ops.kiln
@@ -80,23 +81,31 @@ def k_act(x, kind):
     return act.act(_dense(x), kind)
 
 
+# The attention calls have their op's signature (kiln.ir.signatures, checked when defined) and pass it on by
+# name: codegen may not import kiln.ir, so its wrappers are checked against the same table here, at import.
+ATTENTION.implements(flash_attn.flash_attention, extra=("tile",))
+PAGED_ATTENTION.implements(paged.paged_attention)
+
+
+@ATTENTION.implements
 def k_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale):
-    return flash_attn.flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale)
+    return flash_attn.flash_attention(*ATTENTION.values(locals()))
 
 
-def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, warps, stages):
-    tile = tiles.TileConfig(block_m, block_n, warps, stages)
-    return flash_attn.flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile=tile)
+@FLASH_ATTENTION.implements
+def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, num_warps,
+                      num_stages):  # fmt: skip
+    tile = tiles.TileConfig(block_m, block_n, num_warps, num_stages)
+    return flash_attn.flash_attention(*ATTENTION.values(locals()), tile=tile)
 
 
+@PAGED_ATTENTION.implements(extra=("tile",))
 def k_paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
-                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales=None,
+                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales,
                       tile=None):  # fmt: skip
     # tile: (block_m, block_n, warps, stages) of a spec's fixed flash tile (compile_step pins it), else the default.
-    tile = tiles.TileConfig(*tile) if tile is not None else None
-    return paged.paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
-                                 max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale,
-                                 kv_scales=kv_scales, tile=tile)
+    fixed = tiles.TileConfig(*tile) if tile is not None else None
+    return paged.paged_attention(*PAGED_ATTENTION.values(locals()), tile=fixed)
 
 
 def k_linear_w8(x, qweight, scales, bias):

@@ -41,7 +41,7 @@ from kiln.hf.config import import_spec
 from kiln.spec.formatter import format_spec
 from kiln.spec.loader import load_spec, read_spec_file
 from kiln.spec.parser import parse_spec
-from kiln.spec.validate import DTYPE_BYTES, format_bytes, format_count, param_count
+from kiln.spec.validate import DTYPE_BYTES, describe_route, format_bytes, format_count, param_count
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
@@ -153,8 +153,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"kiln: error: {e}", file=sys.stderr)
         else:
             n, dtype = param_count(loaded.model), loaded.compile.dtype
+            route = describe_route(loaded.model)
             print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers, {format_count(n)} "
-                  f"parameters, {format_bytes(n * DTYPE_BYTES[dtype])} of weights in {dtype})")
+                  f"parameters, {format_bytes(n * DTYPE_BYTES[dtype])} of weights in {dtype})"
+                  + (f"; {route}" if route else ""))
     return EXIT_USER_ERROR if failed else 0
 
 

@@ -317,6 +317,8 @@ def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
                     + (", or set `dtype = bf16` in the compile block (half the bytes)" if comp.dtype == "fp32" else ""))
     if r.diags or model is None:
         raise SpecError(r.diags)
+    if model.route is not None:  # a routed model's graph needs the mod_routing pass (kiln.compile.pipeline)
+        comp.extra["route"] = model.route
     return model, comp
 
 

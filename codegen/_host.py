@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -138,12 +138,18 @@ def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def launch(
-    template: str, op: str, grid: tuple[int, ...], args: Sequence[Any], consts: dict[str, Any], options: dict[str, int]
+    template: str,
+    op: str,
+    grid: tuple[int, ...],
+    args: Sequence[Any] | Mapping[str, Any],
+    consts: dict[str, Any],
+    options: dict[str, int],
 ) -> None:
     """Load the kernel `template`_kernel for these constexprs and launch it on `grid` (bound: see BoundKernels).
 
-    consts are the kernel's tl.constexpr arguments; BLOCK_* ones count as the tile in the header, the others
-    as params. options are launch options (num_warps, num_stages).
+    args are the runtime arguments, in order or (a mapping) by name; consts are the kernel's tl.constexpr
+    arguments; BLOCK_* ones count as the tile in the header, the others as params. options are launch options
+    (num_warps, num_stages).
     """
     if _recorder is not None:
         _recorder(template, f"{template}_kernel", op=op, **_request(consts, options))
@@ -156,7 +162,10 @@ def launch(
         kernel = site.kernels.get(key)
         if kernel is None:
             kernel = site.kernels[key] = load_kernel(template, f"{template}_kernel", op=op, **_request(consts, options))
-    kernel[grid](*args, **consts, **options)
+    if isinstance(args, Mapping):
+        kernel[grid](**args, **consts, **options)
+    else:
+        kernel[grid](*args, **consts, **options)
 
 
 def _request(consts: dict[str, Any], options: dict[str, int]) -> dict[str, dict[str, Any]]:

@@ -232,6 +232,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     shapes[f"{p}.{proj}.weight"] = (out, inp)
                     if site.bias:
                         shapes[f"{p}.{proj}.bias"] = (out,)
+        if cfg.route is not None and cfg.route.routed(i):  # Mixture-of-Depths: see ModConfig
+            p = f"layers.{i}.router"
+            shapes |= {f"{p}.weight": (1, cfg.dim), f"{p}.bias": (1,), f"{p}.threshold": (1,)}
+            if cfg.route.decide == "predictor":
+                h = cfg.route.hidden
+                shapes |= {f"{p}.predictor.fc1.weight": (h, cfg.dim), f"{p}.predictor.fc1.bias": (h,),
+                           f"{p}.predictor.fc2.weight": (1, h), f"{p}.predictor.fc2.bias": (1,)}
     if cfg.final_norm:
         shapes["final_norm.weight"] = (cfg.dim,)
         if cfg.norm.kind == "layer":

@@ -10,6 +10,7 @@ from pathlib import Path
 from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, staged_dir
 from kiln.errors import KilnError, UsageError
 from kiln.spec.loader import load_spec
+from kiln.spec.route import describe_route
 
 
 def _report_gguf_paths(args: argparse.Namespace, comp, dtype) -> None:
@@ -92,6 +93,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"MiB scales/zeros + {parts['dense'] / 2**20:.1f} MiB dense (embeddings, norms, unquantized); "
               f"{size / weight_bytes(graph()):.2f}x the {dtype_name} size", file=sys.stderr)
     _report_gguf_paths(args, comp, TORCH_DTYPES[dtype_name])
+    if loaded.model.route is not None:  # build_graph's default form: the one serving and `kiln run` use
+        print(f"kiln: {describe_route(loaded.model)}; compiled in the causal form (router score > threshold, or "
+              "predictor logit > 0; the training form, top capacity per sequence, is for training and perplexity)",
+              file=sys.stderr)
     print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
           f"passes: {', '.join(compiled.passes) or 'none'}; {len(compiled.kernels)} kernels "
           f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled)", file=sys.stderr)

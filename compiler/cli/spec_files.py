@@ -14,7 +14,7 @@ from kiln.spec.formatter import format_spec
 from kiln.spec.loader import load_spec, read_spec_file
 from kiln.spec.parser import parse_spec
 from kiln.spec.speculation import describe as describe_speculation
-from kiln.spec.validate import DTYPE_BYTES, format_bytes, format_count, param_count
+from kiln.spec.validate import DTYPE_BYTES, describe_route, format_bytes, format_count, param_count
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -31,10 +31,12 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"kiln: error: {e}", file=sys.stderr)
         else:
             n, dtype = param_count(loaded.model), loaded.compile.dtype
+            route = describe_route(loaded.model)
             spec_cfg = loaded.compile.extra.get("speculation")
             speculation = f", speculation {describe_speculation(spec_cfg)}" if spec_cfg else ""
             print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers, {format_count(n)} "
-                  f"parameters, {format_bytes(n * DTYPE_BYTES[dtype])} of weights in {dtype}{speculation})")
+                  f"parameters, {format_bytes(n * DTYPE_BYTES[dtype])} of weights in {dtype}{speculation})"
+                  + (f"; {route}" if route else ""))
     return EXIT_USER_ERROR if failed else 0
 
 

@@ -26,6 +26,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.* Level-1 ops)
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
+import kiln.ir.ops_mod  # noqa: F401  (registers the Mixture-of-Depths ops)
 import kiln.passes
 from kiln import env
 from kiln.errors import InternalError, KilnError, PassError
@@ -39,10 +40,14 @@ from kiln.passes.quantize import make_pass as quantize_pass
 
 # The pipelines, as literal lists in the order they run. A pass that is not asked for is skipped (quantize
 # runs only when the compile config names a scheme; kv_cache only in the step graph); the order never changes.
-MODEL_PIPELINE: tuple[str, ...] = ("gqa_fusion", "quantize", "rope_fusion", "norm_fusion", "flash_tiling")
+MODEL_PIPELINE: tuple[str, ...] = (
+    "mod_routing", "gqa_fusion", "quantize", "rope_fusion", "norm_fusion", "flash_tiling",
+)
 STEP_PIPELINE: tuple[str, ...] = ("gqa_fusion", "quantize", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling")
-# What runs when nothing is asked for: the model pipeline less the passes that need a setting.
-DEFAULT_PIPELINE: tuple[str, ...] = tuple(n for n in MODEL_PIPELINE if n != "quantize")
+# What runs when nothing is asked for: the model pipeline less the passes that need a setting (mod_routing runs
+# for a Mixture-of-Depths model: spec validation records its ModConfig as CompileConfig.extra["route"]).
+_NEEDS_SETTING = ("quantize", "mod_routing")
+DEFAULT_PIPELINE: tuple[str, ...] = tuple(n for n in MODEL_PIPELINE if n not in _NEEDS_SETTING)
 
 # torch (non-kiln) call targets a Level-1/Level-2 graph may hold.
 ALLOWED_TORCH_TARGETS: frozenset = frozenset(
@@ -104,7 +109,8 @@ def build_pipeline(
     pass bound to `kv_dtype`), or `compile_cfg.extra["passes"]` (a list of names, run in the order given).
 
     `compile_cfg.extra["quantize"]` (a scheme, see kiln.quant.formats) binds the quantize pass to it (without it
-    quantize is skipped unless a list or an override names it); `extra["attention"]` (the spec's `attention =
+    quantize is skipped unless a list or an override names it); `extra["route"]` (a Mixture-of-Depths model's
+    ModConfig, recorded by spec validation) turns mod_routing on; `extra["attention"]` (the spec's `attention =
     ...`) turns flash_tiling off (reference) or pins its tile; `extra["disable_passes"]` drops names; `overrides`
     (CLI flags) map a pass name to True (run it) or False (skip it) and win over the config. Every pass must come
     after the passes it `requires`: checked, never reordered.
@@ -116,6 +122,7 @@ def build_pipeline(
     on = {n: True for n in names}
     if "passes" not in extra:
         on["quantize"] = bool(extra.get("quantize"))
+        on["mod_routing"] = bool(extra.get("route"))
     if extra.get("quantize"):
         registry["quantize"] = quantize_pass(extra["quantize"])
     if step:

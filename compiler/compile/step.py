@@ -146,6 +146,14 @@ def compile_step(
     dump_dir / KILN_DUMP_DIR: the graph after every pass. kv_cache_dtype: "auto" (the model's dtype) or "int8"
     (per token and head scales); None: the compile config's `kv_cache = paged(dtype = ...)`, else auto.
     """
+    if cfg.route is not None:  # never serve a routed model as if it were dense
+        raise KilnError(
+            f"model {cfg.name!r} routes layers with Mixture-of-Depths (route = mod(...)), and the engine's routed KV "
+            "cache (per routed layer, only that layer's routed tokens) is not built yet, so kiln run, LLM and kiln "
+            "serve cannot serve it. What works today: the uncached reference path (kiln.reference.generate over "
+            "kiln.ir.frontend.build_graph, the causal form) and `kiln compile` (the mod_routing pass and its kernels);"
+            " or remove the route setting from the spec to serve the dense model"
+        )
     if device is not None:
         gm = gm.to(device)
     use_kernels = kernels_usable() if use_kernels is None else use_kernels

@@ -79,6 +79,10 @@ def weight_plan(cfg: ModelConfig, model_type: str) -> list[Source]:
     if "pos_embed.weight" in shapes:
         direct("pos_embed.weight", pre + "wpe.weight")
     for name in shapes:
+        routed = re.fullmatch(r"layers\.(\d+)\.(router\..+)", name)
+        if routed:  # Mixture-of-Depths routers: no HF counterpart; kept under the layer's prefix, kiln's names
+            direct(name, f"{pre}{'h' if gpt2 else 'layers'}.{routed.group(1)}.{routed.group(2)}")
+            continue
         m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.(?:(\w+)\.)?(weight|bias)", name)
         if not m or name in done:
             continue
@@ -228,8 +232,13 @@ def _check(plan: list[Source], found: dict, names: dict[str, str], cfg: ModelCon
                 f"{cfg.name!r} has no place for"
             )
     if problems:
+        routers = [src.hf for src in plan if ".router." in src.hf and src.hf not in names]
+        hint = (f"\n  hint: the spec routes layers (route = mod(...)) and the checkpoint lacks {len(routers)} router "
+                "tensor(s): save them next to the layer's (kiln.model_config.ModConfig names them), or remove the "
+                "route setting to run the dense model" if routers else "")
         raise WeightError(
             f"checkpoint does not match model {cfg.name!r} ({len(problems)} problems):\n  " + "\n  ".join(problems)
+            + hint
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from statistics import NormalDist
 
 import torch
 import torch.fx as fx
@@ -16,7 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
-from kiln.errors import WeightError
+import kiln.ir.ops_mod  # noqa: F401  (registers the Mixture-of-Depths ops)
+from kiln.errors import KilnError, WeightError
 from kiln.ir.attrs import set_tensor
 from kiln.model_config import (
     DTYPES,
@@ -35,6 +37,9 @@ from kiln.progress import PROGRESS_THRESHOLD
 kiln_ops = torch.ops.kiln
 GATED_KIND = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
 INV_FREQ = "rope_inv_freq"
+# Mixture-of-Depths selection: "causal" (threshold or predictor, what kiln serves and `kiln run` uses) or
+# "training" (the top capacity of each sequence by router score, for training and perplexity).
+MOD_FORMS = ("causal", "training")
 _DEFAULT_ROPE = RopeConfig(theta=10000.0)
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -69,6 +74,7 @@ def random_weights(
 
     Norm weights are 1 and biases 0; every matrix, embeddings included, is N(0, 1/dim_in). Small embeddings
     keep a tied lm_head from simply echoing the current token, so random models produce varied tokens.
+    Mixture-of-Depths routers start as `router_start` says.
     """
     device = torch.device(device)
     if device.type == "meta":
@@ -86,7 +92,9 @@ def random_weights(
     with tqdm(total=total, unit="B", unit_scale=True, desc="kiln: random weights", file=sys.stderr,
               disable=total <= PROGRESS_THRESHOLD) as bar:
         for name, shape in shapes.items():
-            if name.endswith(".bias"):
+            if ".router." in name and name.endswith(("router.bias", "router.threshold")):
+                t = torch.full(shape, router_start(cfg)[name.rsplit(".", 1)[1]], device=where)
+            elif name.endswith(".bias"):
                 t = torch.zeros(shape, device=where)
             elif len(shape) == 1:
                 t = torch.ones(shape, device=where)
@@ -95,6 +103,22 @@ def random_weights(
             out[name] = t.to(device=device, dtype=dtype)
             bar.update(math.prod(shape) * dtype.itemsize)
     return out
+
+
+def router_start(cfg: ModelConfig) -> dict[str, float]:
+    """The random-init values of a routed layer's router.bias and router.threshold.
+
+    router.weight is N(0, 1/dim) like every matrix and the bias 1, so r = x @ w.T + 1 is about 1 and the model
+    starts near the dense one (a routed token's output is x + r * (body(x) - x)). r - 1 then has a standard
+    deviation of about dim^-0.5 for inputs whose elements have the embeddings' scale, so the threshold
+    1 + z * dim^-0.5, z the standard normal quantile at 1 - capacity, routes about `capacity` of the tokens in
+    the causal form (exactly half at capacity 0.5; deeper layers, whose residual has grown, drift toward half).
+    At capacity 1 the threshold is 0: every token routes. The predictor's matrices are small random and its
+    biases 0, so its logit is centred on 0 and it routes about half the tokens.
+    """
+    capacity = cfg.route.capacity if cfg.route is not None else 1.0
+    z = NormalDist().inv_cdf(1.0 - capacity) if capacity < 1.0 else None
+    return {"bias": 1.0, "threshold": 1.0 + z * cfg.dim**-0.5 if z is not None else 0.0}
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
@@ -108,21 +132,26 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
     ]
     problems += [f"  unexpected: {n} (shape {list(t.shape)})" for n, t in weights.items() if n not in expected]
     if problems:
+        routers = sorted(n for n in expected if ".router." in n and n not in weights)
+        hint = (f"\n  hint: the spec routes layers (route = mod(...)) but the weights lack {len(routers)} router "
+                "tensor(s); add them to the checkpoint (names as in kiln.model_config.ModConfig), or remove the "
+                "route setting to run the dense model" if routers else "")
         raise WeightError(
             f"weights do not match model {cfg.name!r} ({len(problems)} problem(s)):\n"
             + "\n".join(problems)
             + "\n  hint: the checkpoint and the spec disagree; check vocab, dim, heads, kv_heads, head_dim, ffn,"
-            " layers and tie_embeddings in the spec, or the name mapping of the checkpoint"
+            " layers and tie_embeddings in the spec, or the name mapping of the checkpoint" + hint
         )
 
 
 class _Builder:
     """Emits the graph; one instance per build."""
 
-    def __init__(self, cfg: ModelConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, mod_form: str = "causal"):
+        self.cfg, self.mod_form = cfg, mod_form
         self.graph = fx.Graph()
         self.attrs: dict[str, fx.Node] = {}
+        self.routed: fx.Node | None = None  # the routed-token mask while a routed layer's body is emitted
 
     def attr(self, name: str) -> fx.Node:
         # One get_attr node per tensor, so tied embeddings share a single node.
@@ -154,7 +183,10 @@ class _Builder:
             q = self.op(kiln_ops.rope.default, (q, positions, inv_freq), f"{prefix}.q_rope")
             k = self.op(kiln_ops.rope.default, (k, positions, inv_freq), f"{prefix}.k_rope")
         args = (q, k, v, cfg.heads, cfg.kv_heads, site.causal, site.window or 0, cfg.head_dim**-0.5)
-        out = self.op(kiln_ops.attention.default, args, prefix)
+        if self.routed is not None:  # a routed layer: attention among its routed tokens only
+            out = self.op(kiln_ops.routed_attention.default, (q, k, v, self.routed, *args[3:]), prefix)
+        else:
+            out = self.op(kiln_ops.attention.default, args, prefix)
         return self.linear(out, f"{prefix}.o", site.out_bias)
 
     def mlp(self, x: fx.Node, site: MlpCall, prefix: str) -> fx.Node:
@@ -184,6 +216,19 @@ class _Builder:
             return self.mlp(arg, e, prefix)
         raise TypeError(f"unknown layer expression {e!r}")
 
+    def route(self, x: fx.Node, layer: int) -> tuple[fx.Node, fx.Node]:
+        """(router score r, routed-token mask) of a routed layer, in the builder's form."""
+        p, route = f"layers.{layer}.router", self.cfg.route
+        w, b = self.attr(f"{p}.weight"), self.attr(f"{p}.bias")
+        r = self.op(kiln_ops.mod_router.default, (x, w, b), p)
+        if self.mod_form == "training":
+            return r, self.op(kiln_ops.mod_topk_mask.default, (r, route.capacity), f"{p}.mask")
+        if route.decide == "predictor":
+            fc = [self.attr(f"{p}.predictor.fc{j}.{k}") for j in (1, 2) for k in ("weight", "bias")]
+            logit = self.op(kiln_ops.mod_predictor.default, (x, *fc), f"{p}.predictor")
+            return r, self.op(kiln_ops.mod_threshold_mask.default, (logit, None), f"{p}.mask")
+        return r, self.op(kiln_ops.mod_threshold_mask.default, (r, self.attr(f"{p}.threshold")), f"{p}.mask")
+
     def build(self) -> fx.Graph:
         cfg, g = self.cfg, self.graph
         tokens, positions = g.placeholder("tokens"), g.placeholder("positions")
@@ -192,10 +237,17 @@ class _Builder:
             pos = self.op(kiln_ops.embedding.default, (self.attr("pos_embed.weight"), positions), "pos_embed")
             x = self.op(kiln_ops.add.default, (x, pos), "embed_add")
         for i in range(cfg.layers):
+            routed = cfg.route is not None and cfg.route.routed(i)
+            if routed:
+                r, self.routed = self.route(x, i)
             env = {"x": x}
             for stmt in cfg.body:
                 env[stmt.target] = self.expr(stmt.value, env, i, positions)
-            x = env["x"]
+            if routed:  # the dense-masked form: out = x + mask * r * (body(x) - x)
+                x = self.op(kiln_ops.mod_combine.default, (x, env["x"], r, self.routed), f"layers.{i}.mod_combine")
+                self.routed = None
+            else:
+                x = env["x"]
         if cfg.final_norm:
             x = self.norm(x, "final_norm")
         head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
@@ -212,18 +264,25 @@ def build_graph(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    mod_form: str = "causal",
 ) -> fx.GraphModule:
     """The Level-1 graph for `cfg`: forward(tokens [B, T] int64, positions [B, T] int64) -> logits [B, T, vocab].
 
     Without `weights`, seeded random weights are made (`random_weights`). Weights are cast to `dtype` and moved
     to `device`; device "meta" builds without allocating anything. node.meta["val"] is filled on every node.
+    mod_form: how the routed layers of a Mixture-of-Depths model select tokens (MOD_FORMS): "causal" (router
+    score > threshold, or predictor logit > 0; what serving and `kiln run` use) or "training" (the top capacity
+    of each sequence by router score: for training and perplexity, it looks at the whole sequence). A routed
+    layer is emitted in the dense-masked form (kiln.ir.ops_mod); the mod_routing pass gathers it.
     """
+    if mod_form not in MOD_FORMS:
+        raise KilnError(f"mod_form {mod_form!r} is not a Mixture-of-Depths form; use one of {', '.join(MOD_FORMS)}")
     device = torch.device(device)
     if weights is None:
         weights = random_weights(cfg, seed=seed, dtype=dtype, device=device)
     else:
         check_weights(cfg, weights)
-    graph = _Builder(cfg).build()
+    graph = _Builder(cfg, mod_form).build()
     root = torch.nn.Module()
     for name in param_shapes(cfg):  # registration order = param_shapes order, so state_dict() lists it the same way
         set_tensor(root, name, weights[name].detach().to(device, dtype))

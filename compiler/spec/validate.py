@@ -36,13 +36,14 @@ from kiln.model_config import Add as AddExpr
 from kiln.spec.ast import BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Setting, SpecFile
 from kiln.spec.compile_keys import COMPILE_KEYS, PLANNED_COMPILE_KEYS, compile_config
 from kiln.spec.formatter import format_expr
+from kiln.spec.route import describe_route, route_setting
 from kiln.spec.values import _bool, _config_call, _enum, _float, _int, _kwargs, _Report, _suggest, _unique
 
-__all__ = ["COMPILE_KEYS", "MAX_WEIGHT_BYTES", "MODEL_KEYS", "PLANNED_COMPILE_KEYS", "SIZE_LIMITS", "param_count",
-           "resolve"]
+__all__ = ["COMPILE_KEYS", "MAX_WEIGHT_BYTES", "MODEL_KEYS", "PLANNED_COMPILE_KEYS", "SIZE_LIMITS", "describe_route",
+           "param_count", "resolve"]
 
 SIZE_KEYS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "ffn", "context")
-MODEL_KEYS = (*SIZE_KEYS, "norm", "rope", "positions", "tie_embeddings", "final_norm")
+MODEL_KEYS = (*SIZE_KEYS, "norm", "rope", "positions", "tie_embeddings", "final_norm", "route")
 REQUIRED = {"vocab": "32000", "dim": "4096", "layers": "32", "heads": "32", "context": "8192",
             "norm": "rms(eps = 1e-5)"}
 ACTS = GATED_ACTS + PLAIN_ACTS
@@ -226,6 +227,7 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
                 "a model has exactly one layer block: merge them")
     layer = _Layer(r)
     body = layer.body(layer_blocks[0]) if layer_blocks else ()
+    route = route_setting(r, s["route"], ints.get("layers"), body) if "route" in s else None
     if layer.uses_mlp and "ffn" not in s:
         r.error(block, f"model `{block.name}` is missing the setting `ffn`, which mlp() needs",
                 "add `ffn = <hidden size of the MLP>` to the model block")
@@ -235,7 +237,7 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
         name=block.name, vocab=ints["vocab"], dim=dim, layers=ints["layers"], heads=heads, kv_heads=kv_heads,
         head_dim=head_dim, ffn=ints.get("ffn", 0), context=ints["context"], norm=norm, body=body, rope=rope,
         positions=positions, tie_embeddings=flags.get("tie_embeddings", False),
-        final_norm=flags.get("final_norm", True),
+        final_norm=flags.get("final_norm", True), route=route,
     )
 
 
@@ -253,6 +255,8 @@ def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
                     + (", or set `dtype = bf16` in the compile block (half the bytes)" if comp.dtype == "fp32" else ""))
     if r.diags or model is None:
         raise SpecError(r.diags)
+    if model.route is not None:  # a routed model's graph needs the mod_routing pass (kiln.compile.pipeline)
+        comp.extra["route"] = model.route
     return model, comp
 
 
@@ -267,8 +271,15 @@ def param_count(model: ModelConfig) -> int:
             total += n
         return total
 
-    outside = count(dataclasses.replace(model, layers=0))
-    return outside + model.layers * (count(dataclasses.replace(model, layers=1)) - outside)
+    dense = dataclasses.replace(model, route=None)
+    outside = count(dataclasses.replace(dense, layers=0))
+    total = outside + model.layers * (count(dataclasses.replace(dense, layers=1)) - outside)
+    if model.route is not None:  # a routed layer adds its router (and predictor) tensors
+        every = model.route.every
+        one = dataclasses.replace(model, layers=every)
+        routed = sum(model.route.routed(i) for i in range(model.layers))
+        total += routed * (count(one) - count(dataclasses.replace(dense, layers=every)))
+    return total
 
 
 def format_count(n: int) -> str:

@@ -65,7 +65,25 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         noise = torch.empty(b, v).exponential_(generator=g).to(device)
         return probs(b, k + 1, v), tokens, probs(b, k, v), num, torch.rand(b, k, generator=g).to(device), noise
 
+    def routed_mask(n: int):
+        return (torch.rand(n, seq, generator=g) < 0.5).to(device)
+
+    def routed_rows():  # a consistent (x, ys, r, index, count) for mod_scatter
+        x, pos2 = r(2, seq, d), torch.arange(seq, device=device).expand(2, seq).contiguous()
+        score, index, count, xs, _ = kiln_ops.mod_route(x, pos2, r(1, d, scale=d**-0.5), r(1), r(1, scale=0.0))
+        return x, xs + r(*xs.shape), score, index, count
+
+    pos2 = torch.arange(seq, device=device).expand(2, seq).contiguous()
     return {
+        kiln_ops.mod_route.default: lambda: (r(2, seq, d), pos2, r(1, d, scale=d**-0.5), r(1), r(1, scale=0.0)),
+        kiln_ops.mod_gather.default: lambda: (r(2, seq, d), pos2, routed_mask(2), 1.0),
+        kiln_ops.mod_scatter.default: routed_rows,
+        kiln_ops.mod_router.default: lambda: (r(2, seq, d), r(1, d, scale=d**-0.5), r(1)),
+        kiln_ops.mod_predictor.default: lambda: (r(2, seq, d), r(8, d, scale=d**-0.5), r(8), r(1, 8), r(1)),
+        kiln_ops.mod_topk_mask.default: lambda: (r(2, seq), 0.3),
+        kiln_ops.mod_threshold_mask.default: lambda: (r(2, seq), r(1)),
+        kiln_ops.routed_attention.default: lambda: (*qkv(), routed_mask(1), *attn),
+        kiln_ops.mod_combine.default: lambda: (r(2, seq, d), r(2, seq, d), r(2, seq), routed_mask(2)),
         kiln_ops.embedding.default: lambda: (r(97, d), ids(seq)),
         kiln_ops.linear.default: lambda: (r(rows, d), r(24, d, scale=d**-0.5), r(24)),
         kiln_ops.add.default: lambda: (r(rows, d), r(rows, d)),
@@ -100,7 +118,7 @@ def _check(op, size: str, dtype: torch.dtype, device: str, tol: float) -> None:
     want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
     for w, o in zip(want, got, strict=True):
         assert o.shape == w.shape and o.dtype == w.dtype, f"{op}: {o.dtype}{list(o.shape)} vs {w.dtype}{list(w.shape)}"
-        if not w.is_floating_point():  # token ids, indices: exact at any size
+        if not w.is_floating_point():  # token ids, indices, counts and masks: exact at any size
             assert torch.equal(o, w), f"{op}: integer outputs differ"
             continue
         assert torch.isfinite(o).all()

@@ -13,11 +13,11 @@ from kiln.model_config import param_shapes
 from kiln.spec.loader import DEFAULT_SPEC, LoadedSpec, bundled_specs, load_spec, parse_and_resolve
 
 REAL = ("gpt2", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.1", "qwen2.5-0.5b")
-TINY = ("tiny-gpt2", "tiny-llama", "tiny-mistral", "tiny-qwen2")
+TINY = ("tiny-gpt2", "tiny-llama", "tiny-llama-mod", "tiny-mistral", "tiny-mistral-mod", "tiny-qwen2")
 GGUF = ("smollm2-135m",)  # real specs whose weights ship as a GGUF in a Python package
 
 
-def test_bundled_specs_are_the_ten():
+def test_bundled_specs_are_the_listed_ones():
     assert bundled_specs() == sorted(REAL + TINY + GGUF)
     assert DEFAULT_SPEC in bundled_specs()
 
@@ -87,7 +87,7 @@ def test_real_specs_have_the_published_parameter_count(name):
 
 def test_tiny_specs_are_small_and_cover_each_family():
     models = {name: load_spec(name).model for name in TINY}
-    assert all(m.dim == 64 and m.layers == 2 and m.vocab == 512 for m in models.values())
+    assert all(m.dim == 64 and m.layers == (4 if m.route else 2) and m.vocab == 512 for m in models.values())
     llama = models["tiny-llama"]
     assert (llama.heads, llama.kv_heads, llama.head_dim, llama.ffn, llama.context) == (4, 2, 16, 128, 256)
     assert llama.rope.scaling.original_context == 64 and not llama.tie_embeddings

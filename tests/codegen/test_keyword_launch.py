@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kiln.codegen import _host, act, flash_attn, norm, paged, quant, rope, spec_verify
+from kiln.codegen import _host, act, flash_attn, mod, norm, paged, quant, rope, spec_verify
 from kiln.codegen.render import template_names
 from kiln.errors import InternalError
 from kiln.quant.formats import parse_scheme, quantize_rtn
@@ -152,6 +152,10 @@ def _run_every_wrapper() -> None:
         quant.linear_w8(r(rows, 64), q8.qweight, q8.scales, r(24))
         q4 = quantize_rtn(r(24, 64), parse_scheme("int4-g32-asym"))
         quant.linear_w4(r(rows, 64), q4.qweight, q4.scales, q4.zeros, 32)
+    x, pos = r(2, 9, 24), torch.arange(9).expand(2, 9).contiguous()
+    score, index, count, xs, _ = mod.mod_route(x, pos, r(1, 24) * 0.2, r(1), torch.zeros(1))
+    mod.mod_gather(x, pos, torch.rand(2, 9, generator=g) < 0.5, 9)
+    mod.mod_scatter(x, xs, score, index, count)
     probs = torch.softmax(r(2, 3, 11), -1)
     for draft_probs in (None, torch.softmax(r(2, 2, 11), -1)):  # deterministic drafts, then a model drafter's
         spec_verify.spec_verify(probs, torch.randint(0, 11, (2, 2), generator=g), draft_probs,

@@ -279,10 +279,10 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """
     rows = logits.float()
     out = torch.empty_like(rows)
-    groups: dict[SamplingParams, list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault(p, []).append(i)
-    for p, idx in groups.items():
+    groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
+    for i, p in enumerate(params):  # keyed by what processing reads, not by seeds or stop conditions
+        groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p, p.min_p), (p, []))[1].append(i)
+    for p, idx in groups.values():
         sel = torch.tensor(idx, dtype=torch.long, device=rows.device) if len(idx) < rows.shape[0] else None
         part = rows if sel is None else rows.index_select(0, sel)
         if p.greedy:

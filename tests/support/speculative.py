@@ -3,6 +3,7 @@ the way the compile pipeline will build them (a self drafter is the target's fir
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -25,6 +26,7 @@ class SpecModels:
     loaded: LoadedModel
     target: CompiledStep  # carries `verify` (the reference op)
     weights: dict[str, torch.Tensor]  # the target's Level-1 weights (before compile_step's fusions)
+    reference: torch.fx.GraphModule  # the target's Level-1 graph (kiln.reference.forward_logits runs it)
 
 
 def spec_models(spec: str = "tiny-llama", seed: int = 0, **overrides) -> SpecModels:
@@ -35,9 +37,10 @@ def spec_models(spec: str = "tiny-llama", seed: int = 0, **overrides) -> SpecMod
         cfg = dataclasses.replace(m.model, **overrides)
         m = dataclasses.replace(m, model=cfg, gm=build_graph(cfg, seed=seed))
     weights = {k: v.detach().clone() for k, v in m.gm.state_dict().items()}
+    reference = copy.deepcopy(m.gm)  # compile_step rewrites its graph in place
     target = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=False)
     target.verify = reference_verify
-    return SpecModels(m, target, weights)
+    return SpecModels(m, target, weights, reference)
 
 
 def self_draft(sm: SpecModels, layers: int) -> CompiledStep:

@@ -27,9 +27,11 @@ from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepModel, Verifier, VerifyBatch, kv_bytes_per_block
 
 # Speculate only while at most this many decodes run. Measured by bench/speculative.py on the development CPU
-# (bench/results/speculative-cpu.json, "crossover"): the largest measured batch where speculation still beat
-# plain decoding for the n-gram and self drafters on SmolLM2-135M. Engine(speculation_max_batch=...) overrides.
-DEFAULT_SPECULATION_MAX_BATCH = 8
+# (bench/results/speculative-cpu--x86-64--2-threads-2026-11-23.json, "crossover"): with SmolLM2-135M the n-gram
+# drafter beat plain decoding at batch 1 (6x on a copying prompt) but not at 8 or 32, where the k + 1 rows per
+# request cost CPU compute; the self drafter (8 of 30 layers) won at none. A GPU, where decode is bound by weight
+# reads, should measure its own crossover (higher); Engine(speculation_max_batch=...) overrides this.
+DEFAULT_SPECULATION_MAX_BATCH = 1
 
 
 @dataclass

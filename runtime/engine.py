@@ -68,6 +68,7 @@ class EngineStats:
     spec_rows: int = 0  # speculative decodes verified (rows of VerifyBatches)
     spec_emitted: int = 0  # tokens those rows emitted (accepted drafts + the next token)
     spec_off_steps: int = 0  # steps where speculation was off because more than speculation_max_batch decodes ran
+    spec_drafter_failures: int = 0  # steps whose drafter raised (they decoded without drafts)
 
     @property
     def acceptance_rate(self) -> float:
@@ -142,7 +143,7 @@ class Engine:
             self.scheduler.spec_k = drafter.k
             self.scheduler.spec_max_batch = (DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None
                                              else speculation_max_batch)
-        self.spec = {"proposed": 0, "accepted": 0, "verify_steps": 0, "rows": 0, "emitted": 0}
+        self.spec = {"proposed": 0, "accepted": 0, "verify_steps": 0, "rows": 0, "emitted": 0, "drafter_failures": 0}
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
         self._ids = itertools.count()
@@ -254,6 +255,7 @@ class Engine:
             drafts = self.drafter.propose(reserved)
         except Exception as e:  # the drafter is an optimisation: without it every row is a plain decode
             log.warning("the drafter failed (%s: %s); this step decodes without speculation", type(e).__name__, e)
+            self.spec["drafter_failures"] += 1
             drafts = [Draft([], None)] * len(reserved)
         out = {}
         for s, d in zip(reserved, drafts, strict=True):
@@ -404,7 +406,7 @@ class Engine:
             num_generated_tokens=self.num_generated_tokens,
             spec_proposed=self.spec["proposed"], spec_accepted=self.spec["accepted"],
             spec_verify_steps=self.spec["verify_steps"], spec_rows=self.spec["rows"], spec_emitted=self.spec["emitted"],
-            spec_off_steps=sch.num_spec_off_steps)
+            spec_off_steps=sch.num_spec_off_steps, spec_drafter_failures=self.spec["drafter_failures"])
 
     def stats_dict(self) -> dict:
         st = self.stats

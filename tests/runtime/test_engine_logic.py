@@ -80,7 +80,7 @@ test_no_leak_under_random_add_step_abort = EngineMachine.TestCase
 
 
 class SpeculativeMachine(EngineMachine):
-    """The same churn with speculative decoding (some requests opted out, a third of them sampled with seeds): the
+    """The same churn with speculative decoding (some requests opted out, some sampled with seeds): the
     n-gram drafter, a draft model with its own pool, or one sharing the target's cache. Greedy outputs still
     match the oracle, and every draft slot's block comes back (check_invariants, empty pool at the end)."""
 
@@ -92,7 +92,7 @@ class SpeculativeMachine(EngineMachine):
         self.expect, self.live = {}, set()
 
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=40), n=st.integers(1, 20), opt_out=st.booleans(),
-          seed=st.one_of(st.none(), st.integers(0, 9)))
+          seed=st.integers(0, 9))  # always seeded: hypothesis replays need a deterministic engine
     def add_sampled(self, prompt, n, opt_out, seed):
         n = min(n, 64 - len(prompt))
         params = SamplingParams(temperature=0.7, top_k=5, max_tokens=n, seed=seed, speculate=not opt_out)
@@ -100,8 +100,9 @@ class SpeculativeMachine(EngineMachine):
 
     def teardown(self):
         super().teardown()
-        if self.engine.stats.spec_rows:
-            assert self.engine.stats.spec_emitted >= self.engine.stats.spec_rows
+        st = self.engine.stats
+        assert st.spec_drafter_failures == 0  # the fake draft model checks every cache slot it reads
+        assert st.spec_emitted <= st.spec_rows + st.spec_accepted  # a stop drops the rest of an accepted run
 
 
 def speculative_engine(kind: str) -> Engine:
@@ -287,7 +288,7 @@ def test_speculation_on_the_fake_model_matches_the_oracle_and_rolls_back(kind):
     done = {o.request_id: o.outputs[0].token_ids for o in eng.run()}
     assert [done[i] for i in ids] == [fake_generate(p, 12, V) for p in prompts]
     st = eng.stats
-    assert st.spec_proposed > 0 and st.spec_rows > 0
+    assert st.spec_proposed > 0 and st.spec_rows > 0 and st.spec_drafter_failures == 0
     if kind != "ngram":
         assert 0 < st.spec_accepted < st.spec_proposed
         assert st.num_steps < 12 + 2  # accepted drafts saved steps

@@ -53,6 +53,8 @@ class BlockManager:
         self.stats = BlockStats()
         # Called with a request id whenever its table is dropped (the model runner's persistent rows follow it).
         self.on_free: list[Callable[[str], None]] = []
+        # Called with (request id, blocks kept) when truncate() shortens a table.
+        self.on_truncate: list[Callable[[str, int], None]] = []
 
     # ---- queries ------------------------------------------------------------------------------------------
 
@@ -165,6 +167,25 @@ class BlockManager:
                 self.free_queue[block] = None
                 if self.block_hash[block] is None:
                     self.free_queue.move_to_end(block, last=False)
+
+    def truncate(self, request_id: str, num_tokens: int) -> int:
+        """Free the request's blocks past those holding num_tokens tokens (speculative slots it did not use);
+        returns how many were freed. Only private, unhashed tail blocks can be past what a request computed."""
+        table = self.tables.get(request_id)
+        keep = self.blocks_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return 0
+        assert keep >= len(self._chain[request_id]), f"{request_id}: truncating into its hashed blocks"
+        dropped = table[keep:]
+        del table[keep:]
+        for listener in self.on_truncate:
+            listener(request_id, keep)
+        for block in reversed(dropped):
+            assert self.ref_counts[block] == 1 and self.block_hash[block] is None, f"block {block} is shared"
+            self.ref_counts[block] = 0
+            self.free_queue[block] = None
+            self.free_queue.move_to_end(block, last=False)
+        return len(dropped)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their tokens, they just stop being shareable)."""

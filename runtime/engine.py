@@ -9,6 +9,11 @@ A bad request raises RequestError from add_request and is never queued, so the o
 request that fails later, while its token is sampled or its output emitted (a sampler error, non-finite logits,
 a detokenizer or stop-string exception), finishes alone with finish_reason "error" and a message in
 RequestOutput.error; its blocks are freed and the rest of the batch goes on in the same step.
+
+With a drafter (runtime/speculative.py) decodes speculate: the scheduler reserves draft slots, the drafter fills
+them, the target scores [last token, drafts] in the same step as everything else, the model's verifier accepts
+a prefix and draws the next token, and the unused slots' blocks are freed. Ordinary rows in the same step are
+sampled as without speculation.
 """
 
 from __future__ import annotations
@@ -21,14 +26,22 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kiln.errors import KilnError, RequestError
-from kiln.runtime.batch_sampler import BatchSample, sample_batch
+from kiln.runtime.batch_sampler import NONFINITE_LOGITS, BatchSample, sample_batch
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
 from kiln.runtime.sampler import SamplingParams, check_stop, make_generator
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import ScheduledSeq, Scheduler
+from kiln.runtime.speculative import (
+    DEFAULT_SPECULATION_MAX_BATCH,
+    Draft,
+    ModelDrafter,
+    NgramDrafter,
+    SpecRow,
+    verify_rows,
+)
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike
 
 log = logging.getLogger("kiln.runtime")
@@ -49,6 +62,22 @@ class EngineStats:
     num_waiting: int
     num_batched_tokens: int  # rows run through the model (prefill, recompute and decode)
     num_generated_tokens: int
+    spec_proposed: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # of those, accepted
+    spec_verify_steps: int = 0  # steps that verified drafts
+    spec_rows: int = 0  # speculative decodes verified (rows of VerifyBatches)
+    spec_emitted: int = 0  # tokens those rows emitted (accepted drafts + the next token)
+    spec_off_steps: int = 0  # steps where speculation was off because more than speculation_max_batch decodes ran
+    spec_drafter_failures: int = 0  # steps whose drafter raised (they decoded without drafts)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative decode per step (1 = no draft accepted)."""
+        return self.spec_emitted / self.spec_rows if self.spec_rows else 0.0
 
 
 class Engine:
@@ -68,7 +97,11 @@ class Engine:
         pad_decode_batches: bool = False,
         scheduling_policy: str = "continuous",
         max_model_len: int | None = None,
+        drafter: NgramDrafter | ModelDrafter | None = None,
+        speculation_max_batch: int | None = None,
     ):
+        """drafter: speculative decoding (the verifier is step_model.verify). speculation_max_batch: speculate only
+        while at most this many decode-ready requests run (None: DEFAULT_SPECULATION_MAX_BATCH, measured)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise KilnError(f"{name} = {value!r} is out of range; allowed: an integer >= 1")
@@ -84,8 +117,18 @@ class Engine:
             raise KilnError(f"block_size = {block_size}: a KV cache block must hold a power of two from 1 to "
                             f"{KV_BLOCK_MAX} tokens (the attention kernels' key tiles cover whole blocks); "
                             "use --block-size 16")
+        self.verify = getattr(step_model, "verify", None) if drafter is not None else None
+        if drafter is not None and self.verify is None:
+            raise KilnError("speculative decoding needs a verifier, but this step model has no `verify`; compile it "
+                            "with speculation (compile key `speculation`, or --speculation / LLM(speculation=...))")
+        if speculation_max_batch is not None and not (isinstance(speculation_max_batch, int)
+                                                      and speculation_max_batch >= 0):
+            raise KilnError(f"speculation_max_batch = {speculation_max_batch!r} is out of range; allowed: an "
+                            "integer >= 0 (0 turns speculation off) or None for the measured default")
+        extra = drafter.kv_bytes_per_block(block_size) if drafter is not None else 0
         n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,
-                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs)
+                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+                              extra_bytes_per_block=extra)
         self.block_manager = BlockManager(n, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
@@ -93,6 +136,14 @@ class Engine:
         self.runner = ModelRunner(step_model, self.block_manager, max_num_seqs=max_num_seqs,
                                   max_model_len=self.max_model_len, use_cuda_graphs=graphs,
                                   pad_decode_batches=pad_decode_batches)
+        self.drafter = drafter
+        if drafter is not None:
+            drafter.bind(step_model, self.block_manager, self.runner.kv_cache, max_num_seqs=max_num_seqs,
+                         max_model_len=self.max_model_len)
+            self.scheduler.spec_k = drafter.k
+            self.scheduler.spec_max_batch = (DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None
+                                             else speculation_max_batch)
+        self.spec = {"proposed": 0, "accepted": 0, "verify_steps": 0, "rows": 0, "emitted": 0, "drafter_failures": 0}
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
         self._ids = itertools.count()
@@ -168,6 +219,8 @@ class Engine:
             # Cannot happen while the pool holds one max-length sequence; fail loudly rather than spin forever.
             assert not self.scheduler.has_unfinished(), "the scheduler made no progress with requests queued"
             return outputs
+        reserved = [s for s in sched.seqs if s.num_drafts]
+        drafts = self._propose(reserved)
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens
         logits, sampled = self.runner.execute(sched)
@@ -175,17 +228,55 @@ class Engine:
             s.request.num_computed_tokens = s.start + s.num_new
             if not s.sample:
                 self._commit(s.request, s.start)
-        if not sampled:
-            return outputs
-        reqs = [s.request for s in sampled]
+        plain: list[tuple[ScheduledSeq, int]] = []
+        spec: list[SpecRow] = []
+        row = 0
+        for s in sampled:
+            if s.num_drafts:
+                spec.append(SpecRow(s, row, drafts[id(s)]))
+            else:
+                plain.append((s, row))
+            row += s.num_rows
+        now = time.perf_counter()
+        if plain:
+            self._sample_plain(plain, logits, now, outputs)
+        if spec:
+            self._verify(spec, logits, now, outputs)
+        for s in reserved:  # slots of drafts not proposed or not accepted
+            if not s.request.status.done:
+                self.block_manager.truncate(s.request.request_id, s.request.num_computed_tokens)
+        return outputs
+
+    def _propose(self, reserved: list[ScheduledSeq]) -> dict[int, Draft]:
+        """Fill the reserved draft slots; a sequence that gets no draft runs as a plain decode."""
+        if not reserved:
+            return {}
+        try:
+            drafts = self.drafter.propose(reserved)
+        except Exception as e:  # the drafter is an optimisation: without it every row is a plain decode
+            log.warning("the drafter failed (%s: %s); this step decodes without speculation", type(e).__name__, e)
+            self.spec["drafter_failures"] += 1
+            drafts = [Draft([], None)] * len(reserved)
+        out = {}
+        for s, d in zip(reserved, drafts, strict=True):
+            n = min(len(d.tokens), s.num_drafts)
+            d = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
+            s.request.draft_tokens = d.tokens
+            s.num_drafts, s.num_new = n, 1 + n
+            out[id(s)] = d
+        return out
+
+    def _sample_plain(self, plain: list[tuple[ScheduledSeq, int]], logits, now: float,
+                      outputs: list[RequestOutput]) -> None:
+        reqs = [s.request for s, _ in plain]
+        rows = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
         try:
             result = sample_batch(
-                logits, [r.params for r in reqs], [r.generator for r in reqs],
+                rows, [r.params for r in reqs], [r.generator for r in reqs],
                 [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
         except Exception as e:  # not one row's fault (sample_batch isolates rows): the batch is lost, not the engine
             result = BatchSample([0] * len(reqs), [f"sampling the batch failed ({type(e).__name__}: {e})"] * len(reqs))
-        now = time.perf_counter()
-        for s, tok, err, lp in zip(sampled, result.tokens, result.errors, result.logprobs, strict=True):
+        for (s, _), tok, err, lp in zip(plain, result.tokens, result.errors, result.logprobs, strict=True):
             req = s.request
             if err is None:
                 try:
@@ -196,7 +287,42 @@ class Engine:
                 except Exception as e:  # a detokenizer or stop-string failure ends this request only
                     err = f"emitting its output failed ({type(e).__name__}: {e})"
             outputs.append(self._fail(req, s.start, err))
-        return outputs
+
+    def _verify(self, spec: list[SpecRow], logits, now: float, outputs: list[RequestOutput]) -> None:
+        """Accept each speculative decode's draft prefix, append it and the next token, roll back the rest."""
+        try:
+            results = verify_rows(self.verify, logits, spec)
+        except Exception as e:  # the verifier's failure loses this step's speculative rows, not the engine
+            results = [(0, 0, False)] * len(spec)
+            err_all = f"verifying the drafts failed ({type(e).__name__}: {e})"
+        else:
+            err_all = None
+        self.spec["verify_steps"] += 1
+        for it, (a, nxt, finite) in zip(spec, results, strict=True):
+            s, req, n = it.seq, it.seq.request, it.seq.num_drafts
+            req.draft_tokens = []
+            if err_all is not None or not finite:
+                outputs.append(self._fail(req, s.start, err_all or NONFINITE_LOGITS))
+                continue
+            req.num_computed_tokens = s.start + 1 + a
+            self.drafter.verified(req, s.start, n, a)
+            req.metrics.num_draft_tokens += n
+            req.metrics.num_accepted_tokens += a
+            self.spec["proposed"] += n
+            self.spec["accepted"] += a
+            self.spec["rows"] += 1
+            try:
+                for tok in (*it.draft.tokens[:a], nxt):
+                    self._append(req, tok, now)
+                    self.spec["emitted"] += 1
+                    if req.status.done:
+                        break  # a stop token, stop string or max_tokens: the rest is dropped
+                if not req.status.done:
+                    self.block_manager.truncate(req.request_id, req.num_computed_tokens)
+                    self._commit(req, s.start)
+                outputs.append(req.make_output())
+            except Exception as e:  # a detokenizer or stop-string failure ends this request only
+                outputs.append(self._fail(req, s.start, f"emitting its output failed ({type(e).__name__}: {e})"))
 
     def _commit(self, req: Request, start: int) -> None:
         if req.num_computed_tokens // self.block_manager.block_size > start // self.block_manager.block_size:
@@ -277,7 +403,12 @@ class Engine:
             num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_usable_blocks, kv_waste_slots=sum(self.kv_waste()),
             num_running=len(sch.running), num_waiting=len(sch.waiting),
             num_batched_tokens=self.num_batched_tokens,
-            num_generated_tokens=self.num_generated_tokens)
+            num_generated_tokens=self.num_generated_tokens,
+            spec_proposed=self.spec["proposed"], spec_accepted=self.spec["accepted"],
+            spec_verify_steps=self.spec["verify_steps"], spec_rows=self.spec["rows"], spec_emitted=self.spec["emitted"],
+            spec_off_steps=sch.num_spec_off_steps, spec_drafter_failures=self.spec["drafter_failures"])
 
     def stats_dict(self) -> dict:
-        return dataclasses.asdict(self.stats)
+        st = self.stats
+        return {**dataclasses.asdict(st), "acceptance_rate": st.acceptance_rate,
+                "mean_accepted_length": st.mean_accepted_length}

@@ -48,6 +48,13 @@ class BlockTableRows:
             self.host[row, : self.written.pop(request_id)] = NULL_BLOCK
             self.free_rows.append(row)
 
+    def truncate(self, request_id: str, keep: int) -> None:
+        """The request's table was cut to `keep` blocks: reset the rest of its row, rewrite it when it regrows."""
+        row = self.row_of.get(request_id)
+        if row is not None and self.written[request_id] > keep:
+            self.host[row, keep : self.written[request_id]] = NULL_BLOCK
+            self.written[request_id] = keep
+
     def _grow(self) -> None:
         old = self.host.shape[0]
         self.host = np.concatenate([self.host, np.full_like(self.host, NULL_BLOCK)])

@@ -11,8 +11,12 @@ CPU_KV_BYTES = 1 << 30  # the CPU default pool stops growing at 1 GiB (but alway
 
 
 def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_blocks: int | None = None,
-                      gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64) -> int:
+                      gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64,
+                      extra_bytes_per_block: int = 0) -> int:
     """Blocks in the pool, block 0 (the null block) included.
+
+    extra_bytes_per_block: what each block costs besides the model's own KV (a draft model's pool, which has one
+    block for each of the target's), so the two pools together fit the budget.
 
     CUDA: what fits in `gpu_memory_utilization` of the device's memory after what is already used (weights,
     other processes). CPU: room for max_num_seqs full-context sequences, capped at CPU_KV_BYTES.
@@ -21,7 +25,7 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
         raise KilnError(f"block_size = {block_size!r} is out of range; allowed: an integer >= 1 (16 is usual)")
     if not 0 < gpu_memory_utilization <= 1:
         raise KilnError(f"gpu_memory_utilization = {gpu_memory_utilization!r} is out of range; allowed: (0, 1]")
-    per_block = kv_bytes_per_block(model, block_size)
+    per_block = kv_bytes_per_block(model, block_size) + extra_bytes_per_block
     per_seq = -(-context // block_size)
     need = per_seq + 1
     if num_blocks is not None:

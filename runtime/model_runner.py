@@ -6,6 +6,11 @@ The graphs were captured with full-width block tables and max_context_len = max_
 only the batch's real columns in, and the decode kernels bound their work by the context lengths they read
 on the device (the split length is per sequence), so a long max_model_len costs nothing per step.
 `pad_decode_batches` runs the same padded batches eagerly: it is how the padding is tested without a GPU.
+
+A speculative decode (ScheduledSeq.num_drafts = n) is a chunk of n + 1 tokens with all n + 1 rows sampled; a
+step with one is not a pure decode, so it runs eagerly (a GPU would want graphs captured for (batch, k + 1)
+query shapes too; not done yet). A draft model's runner shares the block manager and may be given an existing
+cache (the target's first layers, as a view) instead of allocating its own.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
 from kiln.runtime.input_batch import BlockTableRows, StepBuffers, layout
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
-from kiln.step import StepBatch, StepModel, allocate_kv_cache
+from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache
 
 log = logging.getLogger("kiln.runtime")
 
@@ -42,18 +47,22 @@ class _Graph:
 
 class ModelRunner:
     def __init__(self, model: StepModel, block_manager: BlockManager, *, max_num_seqs: int, max_model_len: int,
-                 use_cuda_graphs: bool = False, pad_decode_batches: bool = False, warmup: bool | None = None):
+                 use_cuda_graphs: bool = False, pad_decode_batches: bool = False, warmup: bool | None = None,
+                 kv_cache: KVCache | None = None):
         self.model = model
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        self.kv_cache = allocate_kv_cache(model, block_manager.num_blocks, self.block_size)  # passed through as is
+        if kv_cache is None:  # passed through as is
+            kv_cache = allocate_kv_cache(model, block_manager.num_blocks, self.block_size)
+        self.kv_cache = kv_cache
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda" and torch.cuda.is_available()
         self.pad_sizes = graph_batch_sizes(max_num_seqs) if (self.use_cuda_graphs or pad_decode_batches) else []
         self.graphs: dict[int, _Graph] = {}
         self.rows = BlockTableRows(self.max_blocks_per_seq, max_num_seqs)
         block_manager.on_free.append(self.rows.release)
+        block_manager.on_truncate.append(self.rows.truncate)
         self.buffers = StepBuffers(model.device)
         if model.device.type == "cuda" if warmup is None else warmup:
             self.warmup()
@@ -76,7 +85,7 @@ class ModelRunner:
         padded = self._pad_size(sched)
         extra = padded - len(seqs) if padded else 0
         n = sum(s.num_new for s in seqs)
-        lay = layout(n + extra, padded or sum(s.sample for s in seqs), len(seqs) + extra, width)
+        lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width)
         v = self.buffers.stage(lay)
         tok, pos, slot, ctx, qsl, samp = (v[k] for k in ("tokens", "positions", "slot_mapping", "context_lens",
                                                          "query_start_loc", "sample_indices"))
@@ -101,8 +110,9 @@ class ModelRunner:
             qsl[i + 1] = q
             max_ctx, max_new = max(max_ctx, end), max(max_new, m)
             if s.sample and not padded:
-                samp[k] = q - 1
-                k += 1
+                r = s.num_rows
+                samp[k : k + r] = np.arange(q - r, q) if r > 1 else q - 1
+                k += r
         bt = v["block_tables"]
         np.take(host_rows[:, :width], rows, axis=0, out=bt[: len(seqs)])
         if padded:  # padding rows: one token each, written to and read from the null block, all rows sampled
@@ -127,15 +137,17 @@ class ModelRunner:
     # ---- execution ----------------------------------------------------------------------------------------
 
     def execute(self, sched: Schedule) -> tuple[torch.Tensor, list[ScheduledSeq]]:
-        """fp32 logits [R, vocab], one row per sampled sequence, and those sequences in row order."""
+        """fp32 logits [R, vocab] and the sampled sequences in row order: one row per sequence, 1 + n rows for a
+        speculative decode with n drafts."""
         sampled = [s for s in sched.seqs if s.sample]
+        num_rows = sum(s.num_rows for s in sampled)
         batch, padded = self.prepare(sched)
         with torch.inference_mode():
             if padded and padded in self.graphs:
                 logits = self._replay(self.graphs[padded], batch)
             else:
                 logits = self.model(batch, self.kv_cache)
-        return logits[: len(sampled)].float(), sampled
+        return logits[:num_rows].float(), sampled
 
     # ---- warm-up: compile the kernels while the model loads, not on the first request ------------------------
 

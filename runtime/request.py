@@ -41,6 +41,8 @@ class RequestMetrics:
     finish_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (summed over re-admissions)
+    num_draft_tokens: int = 0  # speculative decoding: tokens a drafter proposed for this request
+    num_accepted_tokens: int = 0  # of those, accepted by verification (emitted as drafted)
 
     @property
     def ttft_s(self) -> float | None:
@@ -66,6 +68,9 @@ class Request:
     # with params.logprobs set: one {token_id: logprob} per output token (see batch_sampler.sample_batch)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    # Speculative decoding: tokens proposed this step, at positions num_tokens.. (token_slice covers them); they
+    # are cleared once verified, and never part of the output unless accepted.
+    draft_tokens: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
@@ -87,8 +92,19 @@ class Request:
     def priority(self) -> tuple[float, int]:
         return (self.metrics.arrival_time, self.arrival_order)
 
+    @property
+    def can_speculate(self) -> bool:
+        """Whether a drafter may propose for this request: not opted out (params.speculate), and no repetition
+        penalty or logprobs, whose per-position processing the verification does not reproduce."""
+        p = self.params
+        return p.speculate and p.repetition_penalty == 1.0 and p.logprobs is None
+
     def token_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output without building the whole list."""
+        """Tokens [start, stop) of prompt + output (+ this step's drafts) without building the whole list."""
+        n = self.num_tokens
+        if stop > n:  # drafts sit right after the known tokens
+            head = self.token_slice(start, n) if start < n else []
+            return head + self.draft_tokens[max(start - n, 0) : stop - n]
         p = len(self.prompt_token_ids)
         if stop <= p:
             return self.prompt_token_ids[start:stop]

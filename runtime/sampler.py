@@ -44,6 +44,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the text contains one (trimmed from the text)
     # None: off; 0: the sampled token's log-probability; k: also the k most likely tokens' (see sample_batch)
     logprobs: int | None = None
+    # Speculative decoding (an engine with a drafter): False opts this request out. It is also off for requests
+    # with a repetition penalty or logprobs (see Request.can_speculate).
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         # Accept a single stop string / token id, lists, arrays and numpy scalars for convenience; keep the stored
@@ -124,6 +127,7 @@ class SamplingParams:
                 "a tuple of non-empty strings",
             ),
             ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
+            ("speculate", self.speculate, isinstance(self.speculate, bool), "True or False"),
             (
                 "logprobs",
                 self.logprobs,
@@ -260,8 +264,36 @@ def sample_rows(rows: torch.Tensor, params: SamplingParams, generator: torch.Gen
                             for r, p in zip(rows, prev_tokens, strict=True)])
     if params.greedy:
         return rows.argmax(dim=-1)
-    probs = process_logits(rows, params).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(_draw_probs(rows, params), 1, generator=generator).squeeze(-1)
+
+
+def _draw_probs(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy draw comes from: the one place sample_rows and processed_probs share."""
+    return process_logits(rows, params).softmax(dim=-1)
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """fp32 [R, V]: for each row of fp32 [R, V] logits, exactly the distribution sample_rows draws from with that
+    row's params (temperature, top-k, top-p, min-p; one-hot on the argmax for greedy rows). The repetition penalty
+    is not applied (speculation is off for requests that use one). Rows with equal params are processed together.
+    """
+    rows = logits.float()
+    out = torch.empty_like(rows)
+    groups: dict[tuple, tuple[SamplingParams, list[int]]] = {}
+    for i, p in enumerate(params):  # keyed by what processing reads, not by seeds or stop conditions
+        groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p, p.min_p), (p, []))[1].append(i)
+    for p, idx in groups.values():
+        sel = torch.tensor(idx, dtype=torch.long, device=rows.device) if len(idx) < rows.shape[0] else None
+        part = rows if sel is None else rows.index_select(0, sel)
+        if p.greedy:
+            probs = torch.zeros_like(part).scatter_(-1, part.argmax(dim=-1, keepdim=True), 1.0)
+        else:
+            probs = _draw_probs(part, p)
+        if sel is None:
+            out.copy_(probs)
+        else:
+            out.index_copy_(0, sel, probs)
+    return out
 
 
 def sample(

@@ -10,6 +10,11 @@ scheduled this step is preempted by recompute: its blocks are freed and it goes 
 waiting queue, keeping its generated tokens, so its next prefill covers prompt + output. With prefix
 caching on, its freed full blocks usually survive in the cache and the recompute is mostly hits.
 
+Speculative decoding (spec_k > 0, set by the engine when it has a drafter): a decode-ready request that may
+speculate (Request.can_speculate) gets 1 + up to spec_k slots, its last token and the drafts, while the number
+of decode-ready running requests is at most spec_max_batch. Drafts only use budget and blocks left over after
+one token per decode, and never preempt anyone: they shrink (to none) when budget or free blocks run short.
+
 The static policy is the baseline for benchmarks: a batch is admitted only when nothing runs, and no request
 joins until every member has finished.
 """
@@ -32,6 +37,12 @@ class ScheduledSeq:
     start: int  # tokens already in the cache; this chunk is tokens [start, start + num_new)
     num_new: int
     sample: bool  # the chunk reaches the end of the known tokens, so its last row is sampled
+    num_drafts: int = 0  # speculative decode: the chunk is [last token, d_1..d_n], all n + 1 rows sampled
+
+    @property
+    def num_rows(self) -> int:
+        """Logit rows the step returns for this chunk."""
+        return (1 + self.num_drafts) if self.sample else 0
 
 
 @dataclass
@@ -60,6 +71,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept in priority order
         self.num_preemptions = 0
+        self.spec_k = 0  # draft slots per speculative decode (0: speculation off)
+        self.spec_max_batch: int | None = None  # speculate only while this many decodes run or fewer (None: always)
+        self.num_spec_off_steps = 0  # steps that had speculative candidates but too many decodes to speculate
 
     # ---- queue changes ------------------------------------------------------------------------------------
 
@@ -94,6 +108,7 @@ class Scheduler:
         sched = Schedule()
         budget = self.max_num_batched_tokens
         done: set[str] = set()
+        spare = self._spec_spare(budget)
         for decode in (True, False):
             i = 0
             while i < len(self.running) and budget > 0:
@@ -104,8 +119,10 @@ class Scheduler:
                     continue
                 n = min(remaining, budget)
                 if self._grow(req, n, i, done, sched, may_preempt_self=decode):
-                    self._add(sched, req, n, done)
-                    budget -= n
+                    extra = self._draft_slots(req, min(spare, budget - n)) if decode and spare else 0
+                    spare -= extra
+                    self._add(sched, req, n, done, extra)
+                    budget -= n + extra
                     i += 1
                 elif req.status is RequestStatus.RUNNING:
                     i += 1  # a prefill chunk that cannot grow waits for a later step
@@ -132,6 +149,32 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _spec_spare(self, budget: int) -> int:
+        """Budget for drafts this step: what is left after one token per decode-ready request (0 when off)."""
+        if not self.spec_k:
+            return 0
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not any(r.can_speculate for r in decodes):
+            return 0
+        if self.spec_max_batch is not None and len(decodes) > self.spec_max_batch:
+            self.num_spec_off_steps += 1
+            return 0
+        return max(budget - len(decodes), 0)
+
+    def _draft_slots(self, req: Request, spare: int) -> int:
+        """How many draft slots a decode gets: up to spec_k, within the spare budget, the tokens it may still
+        generate (a step emits up to drafts + 1) and the blocks free now (no preemption for a draft)."""
+        if not req.can_speculate:
+            return 0
+        extra = min(self.spec_k, spare, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if extra <= 0:
+            return 0
+        have = len(self.bm.table(req.request_id)) + self.bm.num_free_blocks
+        extra = min(extra, have * self.bm.block_size - req.num_computed_tokens - 1)
+        if extra <= 0 or not self.bm.append_slots(req.request_id, req.num_computed_tokens + 1 + extra):
+            return 0
+        return extra
 
     def _admit(self, sched: Schedule, budget: int, done: set[str]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -174,7 +217,7 @@ class Scheduler:
         bisect.insort(self.running, req, key=lambda r: r.priority)
 
     @staticmethod
-    def _add(sched: Schedule, req: Request, n: int, done: set[str]) -> None:
+    def _add(sched: Schedule, req: Request, n: int, done: set[str], drafts: int = 0) -> None:
         start = req.num_computed_tokens
-        sched.seqs.append(ScheduledSeq(req, start, n, start + n == req.num_tokens))
+        sched.seqs.append(ScheduledSeq(req, start, n + drafts, start + n == req.num_tokens, drafts))
         done.add(req.request_id)

@@ -138,3 +138,22 @@ def test_pool_sizing_defaults_and_refuses_a_pool_without_room_for_one_context():
     assert "8 blocks" in msg and "needs 8 blocks" in msg and "= 9" in msg and "--num-blocks" in msg
     with pytest.raises(KilnError, match="gpu_memory_utilization"):
         choose_num_blocks(model, 128, block_size=16, gpu_memory_utilization=1.5)
+
+
+def test_truncate_frees_only_the_unused_tail_and_tells_the_listeners():
+    bm = BlockManager(10, 4)
+    tokens = list(range(9))
+    bm.match_prefix("a", tokens)
+    assert bm.append_slots("a", 9)
+    bm.commit("a", tokens, 8)  # 2 full blocks hashed
+    assert bm.append_slots("a", 9 + 5)  # speculative slots: 4 blocks
+    seen = []
+    bm.on_truncate.append(lambda rid, keep: seen.append((rid, keep)))
+    kept = bm.table("a")[:3]
+    assert bm.truncate("a", 10) == 1 and bm.table("a") == kept and seen == [("a", 3)]
+    assert bm.truncate("a", 10) == 0 and seen == [("a", 3)]  # nothing past it: no call
+    bm.check_invariants()
+    assert bm.num_free_blocks == 6 and bm.num_cached_blocks() == 2
+    bm.free("a")
+    bm.check_invariants()
+    assert bm.num_free_blocks == 9

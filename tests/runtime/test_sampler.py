@@ -260,3 +260,29 @@ def test_logprobs_on_a_vocab_smaller_than_k_list_every_token():
     for row, lp in enumerate(out.logprobs):
         assert sorted(lp) == list(range(5)) and next(iter(lp)) == out.tokens[row]
         assert [lp[t] for t in range(5)] == pytest.approx(ref[row].tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(top_k=3),
+                                    SamplingParams(top_p=0.6, temperature=1.3), SamplingParams(min_p=0.2)])
+def test_processed_probs_is_the_distribution_sample_rows_draws_from(params):
+    from kiln.runtime.sampler import processed_probs, sample_rows
+
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(4)) * 2
+    probs = processed_probs(logits, [params] * 5)
+    assert torch.allclose(probs.sum(-1), torch.ones(5)) and (probs >= 0).all()
+    for seed in range(5):  # the same draws from the same generator: one distribution, bit for bit
+        want = sample_rows(logits, params, make_generator(seed), None)
+        got = torch.multinomial(probs, 1, generator=make_generator(seed)).squeeze(-1)
+        assert torch.equal(got, want)
+
+
+def test_processed_probs_mixes_greedy_and_sampled_rows():
+    from kiln.runtime.sampler import processed_probs
+
+    logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=2, seed=1), SamplingParams(temperature=0),
+              SamplingParams(top_k=2, seed=2)]
+    probs = processed_probs(logits, params)
+    assert torch.equal(probs[[0, 2]], torch.nn.functional.one_hot(logits[[0, 2]].argmax(-1), 9).float())
+    assert ((probs[[1, 3]] > 0).sum(-1) == 2).all()
+    assert torch.equal(probs[[1, 3]], process_logits(logits[[1, 3]], params[1]).softmax(-1))

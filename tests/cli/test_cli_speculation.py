@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,13 +83,15 @@ def test_a_self_drafter_too_deep_for_the_model_is_a_clean_error(capsys):
 
 @pytest.mark.parametrize("drafter", ["ngram(n = 2, k = 3)", "self(layers = 1, k = 2)", 'draft(spec = "tiny-llama")'])
 def test_run_with_speculation_is_greedy_identical(capsys, drafter):
-    pytest.importorskip("kiln.runtime.speculative", reason="the speculative runtime is merged separately")
     argv = ["run", "tiny-llama", "--prompt-ids", "1,2,3,1,2,3,1,2", "--max-tokens", "12", "--temperature", "0",
             "--json"]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)["token_ids"]
     assert main([*argv, "--speculation", drafter]) == 0
-    assert json.loads(capsys.readouterr().out)["token_ids"] == plain
+    out = capsys.readouterr()
+    assert json.loads(out.out)["token_ids"] == plain
+    if drafter.startswith("draft"):  # the target as its own drafter: every draft is accepted, and the run says so
+        assert re.search(r"speculation: (\d+) of \1 draft tokens accepted \(100%\)", out.err), out.err
 
 
 def test_llm_speculation_argument(tmp_path):
@@ -108,7 +111,6 @@ def test_llm_speculation_argument(tmp_path):
 @pytest.mark.parametrize("speculation", [S("ngram", k=3, n=2), "self(layers = 1, k = 2)", {"kind": "ngram", "k": 2},
                                          None], ids=["config", "text", "dict", "spec key"])
 def test_llm_with_speculation_is_greedy_identical(tmp_path, speculation):
-    pytest.importorskip("kiln.runtime.speculative", reason="the speculative runtime is merged separately")
     from kiln.llm import LLM
     from kiln.runtime.sampler import SamplingParams
 

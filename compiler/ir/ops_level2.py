@@ -16,14 +16,14 @@ by aten.split_with_sizes.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
+from kiln.ir.registry import kiln_op
 
 kiln_ops = torch.ops.kiln
 
 
-@custom_op("kiln::flash_attention", mutates_args=())
+@kiln_op("kiln::flash_attention", mutates_args=())
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -47,7 +47,7 @@ def _(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n,
     return torch.empty_like(q)
 
 
-@custom_op("kiln::add_rms_norm", mutates_args=())
+@kiln_op("kiln::add_rms_norm", mutates_args=())
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +61,7 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@custom_op("kiln::add_layer_norm", mutates_args=())
+@kiln_op("kiln::add_layer_norm", mutates_args=())
 def add_layer_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,10 +28,10 @@ quantizes, the gather dequantizes; the kernels do the same arithmetic, so the wr
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the reference calls)
 from kiln.errors import KilnError
+from kiln.ir.registry import kiln_op
 
 kiln_ops = torch.ops.kiln
 
@@ -91,7 +91,7 @@ def gather_kv(
     return out[0], out[1]
 
 
-@custom_op("kiln::paged_attention", mutates_args=("kv_cache", "kv_scales"))
+@kiln_op("kiln::paged_attention", mutates_args=("kv_cache", "kv_scales"))
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -15,12 +15,14 @@ import argparse
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from bench_meta import result_path, run_metadata, write_json
+from legacy_prepare import legacy_prepare, legacy_tensors
 
-from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
+from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
@@ -39,30 +41,6 @@ class _HostOnlyModel:
     device = torch.device("cpu")
 
 
-def legacy_prepare(runner: ModelRunner, sched: Schedule) -> None:
-    """The old prepare: Python lists padded to max_model_len / block_size per row, then torch.tensor."""
-    bs = runner.block_size
-    tokens, positions, slots, tables, context_lens, qsl = [], [], [], [], [], [0]
-    for s in sched.seqs:
-        req, end = s.request, s.start + s.num_new
-        table = runner.bm.table(req.request_id)
-        tokens += req.token_slice(s.start, end)
-        positions += range(s.start, end)
-        slots += [table[p // bs] * bs + p % bs for p in range(s.start, end)]
-        tables.append(table)
-        context_lens.append(end)
-        qsl.append(qsl[-1] + s.num_new)
-    padded = runner._pad_size(sched)
-    extra = padded - len(sched.seqs)
-    tables += [[]] * extra
-    block_tables = [t + [NULL_BLOCK] * (runner.max_blocks_per_seq - len(t)) for t in tables]
-    for values, dtype in ((tokens + [0] * extra, torch.int64), (positions + [0] * extra, torch.int64),
-                          (slots + [0] * extra, torch.int64), (block_tables, torch.int32),
-                          (context_lens + [1] * extra, torch.int32), (qsl, torch.int32),
-                          (list(range(padded)), torch.int64)):
-        torch.tensor(values, dtype=dtype)
-
-
 def _runner(batch: int, context: int, max_model_len: int) -> tuple[ModelRunner, Schedule]:
     blocks = -(-(context + 1) // BLOCK)
     bm = BlockManager(batch * blocks + 1, BLOCK, enable_prefix_caching=False)
@@ -74,6 +52,10 @@ def _runner(batch: int, context: int, max_model_len: int) -> tuple[ModelRunner, 
         bm.append_slots(req.request_id, context + 1)
         sched.seqs.append(ScheduledSeq(req, context - 1, 1, True))  # decodes the prompt's last token
     return runner, sched
+
+
+def _legacy(runner: ModelRunner, sched: Schedule) -> None:
+    legacy_tensors(legacy_prepare(runner, sched)[0])
 
 
 def _time(fn, reps: int) -> float:
@@ -103,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(f"--context {args.context} must be below every max_model_len ({mml})")
             runner, sched = _runner(batch, args.context, mml)
             us = _time(lambda: runner.prepare(sched), args.reps)  # noqa: B023 (timed right here)
-            legacy = None if args.no_legacy else _time(lambda: legacy_prepare(runner, sched), max(3, args.reps // 5))  # noqa: B023
+            legacy = None if args.no_legacy else _time(partial(_legacy, runner, sched), max(3, args.reps // 5))
             rows.append({"batch": batch, "max_model_len": mml, "prepare_us": round(us, 1),
                          "legacy_prepare_us": None if legacy is None else round(legacy, 1)})
             print(f"batch {batch:4d}  max_model_len {mml:7d}  prepare {us:9.1f} us"

@@ -5,8 +5,9 @@
 - render.py: `render(template, **params) -> str` (StrictUndefined; errors are CodegenError).
 - cache.py: `load_kernel(template, name, **params)` renders once, writes KILN_CACHE_DIR/<family>_<key>.py
   atomically, imports it, and memoizes per process; `cache_stats()` counts hits, misses, renders, imports.
-- norm.py, rope.py, act.py, flash_attn.py: host wrappers (check, allocate, grid, launch) with the
-  signatures of the matching kiln ops; tiles.py: TileConfig and the default_tile heuristic.
+- norm.py, rope.py, act.py, flash_attn.py, paged.py, quant.py: host wrappers (check, allocate, grid, launch)
+  with the signatures of the matching kiln ops; they pass kernel arguments by keyword through _host.launch;
+  tiles.py: TileConfig and the default_tile heuristic.
 
 Nothing here imports triton at module import time, so TRITON_INTERPRET=1 can still be set afterwards.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -10,7 +10,7 @@ import torch
 
 from kiln import env
 from kiln.codegen.cache import load_kernel
-from kiln.errors import CodegenError
+from kiln.errors import CodegenError, InternalError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -138,12 +138,18 @@ def rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def launch(
-    template: str, op: str, grid: tuple[int, ...], args: Sequence[Any], consts: dict[str, Any], options: dict[str, int]
+    template: str,
+    op: str,
+    grid: tuple[int, ...],
+    args: Mapping[str, Any],
+    consts: dict[str, Any],
+    options: dict[str, int],
 ) -> None:
     """Load the kernel `template`_kernel for these constexprs and launch it on `grid` (bound: see BoundKernels).
 
-    consts are the kernel's tl.constexpr arguments; BLOCK_* ones count as the tile in the header, the others
-    as params. options are launch options (num_warps, num_stages).
+    args are the kernel's runtime arguments by parameter name, consts its tl.constexpr ones: everything goes to
+    the kernel by keyword, so a misordered stride cannot bind to the wrong parameter. BLOCK_* consts count as the
+    tile in the header, the others as params. options are launch options (num_warps, num_stages).
     """
     if _recorder is not None:
         _recorder(template, f"{template}_kernel", op=op, **_request(consts, options))
@@ -151,12 +157,28 @@ def launch(
     site = _site
     if site is None:  # a direct call of a wrapper (not from a lowered graph): through the kernel cache
         kernel = load_kernel(template, f"{template}_kernel", op=op, **_request(consts, options))
+        check_kernel_args(kernel, template, args, consts)
     else:  # bound: the node's own table, keyed by this instance's constexprs
         key = (template, *consts.values(), *options.values())
         kernel = site.kernels.get(key)
         if kernel is None:
-            kernel = site.kernels[key] = load_kernel(template, f"{template}_kernel", op=op, **_request(consts, options))
-    kernel[grid](*args, **consts, **options)
+            kernel = load_kernel(template, f"{template}_kernel", op=op, **_request(consts, options))
+            check_kernel_args(kernel, template, args, consts)
+            site.kernels[key] = kernel
+    kernel[grid](**args, **consts, **options)
+
+
+def check_kernel_args(kernel: Any, template: str, args: Mapping[str, Any], consts: Mapping[str, Any]) -> None:
+    """The launch names every parameter of the kernel exactly once, by keyword (Triton's interpreter drops an
+    unknown keyword silently, so a misspelt name must be caught here). A mismatch is a bug in the wrapper."""
+    if not isinstance(args, Mapping):
+        raise InternalError(f"{template}: kernel arguments must be passed by name (a dict), got {type(args).__name__}")
+    params = list(kernel.arg_names)
+    given = [*args, *consts]
+    if sorted(given) != sorted(params):
+        missing = [p for p in params if p not in given]
+        unknown = [g for g in given if g not in params]
+        raise InternalError(f"{template}_kernel launched with missing {missing} and unknown {unknown} arguments")
 
 
 def _request(consts: dict[str, Any], options: dict[str, int]) -> dict[str, dict[str, Any]]:

@@ -25,7 +25,7 @@ def _launch(op: str, kind: str, gate: torch.Tensor, up: torch.Tensor | None, out
     n = gate.numel()
     consts = {"ACT": kind, "GATED": up is not None, "BLOCK_SIZE": _BLOCK}
     if n > 0:
-        args = (gate, up if up is not None else gate, out, n)
+        args = dict(gate_ptr=gate, up_ptr=up if up is not None else gate, out_ptr=out, n_elements=n)
         launch("act", op, (cdiv(n, _BLOCK),), args, consts, {"num_warps": 4})
     return out
 

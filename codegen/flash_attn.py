@@ -85,10 +85,11 @@ def flash_attention_varlen(
         # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
         "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else None,
     }
-    args = (
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k,
-        q.stride(0), head_dim, k.stride(0), head_dim, v.stride(0), head_dim, out.stride(0), head_dim,
-        float(scale), int(window), head_dim, num_heads // num_kv_heads,
+    args = dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, cu_seqlens_q_ptr=cu_seqlens_q, cu_seqlens_k_ptr=cu_seqlens_k,
+        stride_qt=q.stride(0), stride_qh=head_dim, stride_kt=k.stride(0), stride_kh=head_dim,
+        stride_vt=v.stride(0), stride_vh=head_dim, stride_ot=out.stride(0), stride_oh=head_dim,
+        scale=float(scale), window=int(window), HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
     )  # fmt: skip
     num_seqs = cu_seqlens_q.shape[0] - 1
     if max_seqlen_q > 0 and q.shape[0] > 0:
@@ -125,7 +126,7 @@ def flash_attention(
         cu_q = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
         cu_k = cu_q
     flash_attention_varlen(
-        q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s,
-        num_heads, num_kv_heads, causal, window, scale, tile, out=out.view(b * t, -1),
+        q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, causal=causal, window=window, scale=scale, tile=tile, out=out.view(b * t, -1),
     )  # fmt: skip
     return out

@@ -51,10 +51,10 @@ def _norm(
         "HAS_RESIDUAL": residual is not None,
         "HAS_BIAS": bias is not None,
     }
-    args = (
-        x2, r2, weight, bias if bias is not None else weight, o2, ro2,
-        x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
-        d, float(eps),
+    args = dict(
+        x_ptr=x2, res_ptr=r2, w_ptr=weight, b_ptr=bias if bias is not None else weight, out_ptr=o2, res_out_ptr=ro2,
+        stride_x=x2.stride(0), stride_res=r2.stride(0), stride_out=o2.stride(0), stride_res_out=ro2.stride(0),
+        D=d, eps=float(eps),
     )  # fmt: skip
     if x2.shape[0] > 0:
         launch("norm", op, (x2.shape[0],), args, consts, {"num_warps": _num_warps(block_d)})

@@ -54,16 +54,22 @@ def _check_cache(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torc
     return kv_cache[layer, 0], kv_cache[layer, 1]
 
 
-def _scale_args(kv_cache: torch.Tensor, layer: int, kv_scales: torch.Tensor | None) -> tuple:
-    """(k_scale, v_scale pointers, their block / offset / head strides) for the kernels; for a float cache the
-    cache itself stands in as a pointer the kernels never read (QUANT is off)."""
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict:
+    """The kernels' cache arguments: the layer's k / v caches and their block / offset / head strides (shared)."""
+    stride_cb, stride_co, stride_ch = k_cache.stride()[:3]
+    return dict(k_cache_ptr=k_cache, v_cache_ptr=v_cache, stride_cb=stride_cb, stride_co=stride_co, stride_ch=stride_ch)
+
+
+def _scale_args(kv_cache: torch.Tensor, layer: int, kv_scales: torch.Tensor | None) -> dict:
+    """The kernels' scale arguments: k / v scale pointers and their block / offset / head strides; for a float
+    cache the cache itself stands in as a pointer the kernels never read (QUANT is off)."""
     if (kv_cache.dtype == torch.int8) != (kv_scales is not None):
         raise CodegenError(
             f"a {kv_cache.dtype} kv_cache {'needs' if kv_scales is None else 'takes no'} kv_scales "
             "(fp32 [layers, 2, num_blocks, block_size, kv_heads], one per cached token and kv head)"
         )
     if kv_scales is None:
-        return kv_cache, kv_cache, 0, 0, 0
+        return dict(k_scale_ptr=kv_cache, v_scale_ptr=kv_cache, stride_sb=0, stride_so=0, stride_sh=0)
     check_tensor(kv_scales, "kv_scales", ndim=5, dtypes=(torch.float32,))
     if kv_scales.shape != kv_cache.shape[:-1]:
         raise CodegenError(f"kv_scales has shape {tuple(kv_scales.shape)}; expected {tuple(kv_cache.shape[:-1])} "
@@ -71,7 +77,9 @@ def _scale_args(kv_cache: torch.Tensor, layer: int, kv_scales: torch.Tensor | No
     if kv_scales.stride(-1) != 1:
         raise CodegenError(f"kv_scales must have a unit last stride, strides {kv_scales.stride()}")
     check_same_device(kv_cache=kv_cache, kv_scales=kv_scales)
-    return kv_scales[layer, 0], kv_scales[layer, 1], *kv_scales.stride()[2:]
+    stride_sb, stride_so, stride_sh = kv_scales.stride()[2:]
+    return dict(k_scale_ptr=kv_scales[layer, 0], v_scale_ptr=kv_scales[layer, 1], stride_sb=stride_sb,
+                stride_so=stride_so, stride_sh=stride_sh)
 
 
 def _check_index(t: torch.Tensor, name: str, ndim: int, dtypes=(torch.int32,)) -> torch.Tensor:
@@ -98,13 +106,15 @@ def paged_kv_write(
                 f"kv_heads * head_dim = {kv_heads * head_dim}] to match slot_mapping and kv_cache"
             )
     check_same_device(k=k, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
-    k_scale, v_scale, stride_sb, stride_so, _ = _scale_args(kv_cache, layer, kv_scales)
+    scale_args = _scale_args(kv_cache, layer, kv_scales)
+    del scale_args["stride_sh"]  # the write kernel stores one head row at a time: no head stride
     if k.shape[0] == 0:
         return
     quant = kv_scales is not None
     consts = {"BLOCK_H": next_power_of_2(kv_heads), "BLOCK_D": next_power_of_2(head_dim), "QUANT": quant}
-    args = (k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, k.stride(0), v.stride(0), *k_cache.stride()[:3],
-            stride_sb, stride_so, block_size, kv_heads, head_dim)  # fmt: skip
+    args = dict(k_ptr=k, v_ptr=v, slot_ptr=slot_mapping, stride_kt=k.stride(0), stride_vt=v.stride(0),
+                **_cache_args(k_cache, v_cache), **scale_args, block_size=block_size, num_kv_heads=kv_heads,
+                HEAD_DIM=head_dim)  # fmt: skip
     # No fp fusion when quantizing: x * inv + 0.5 must round twice, as the reference does, for identical caches.
     options = {"num_warps": 1, "enable_fp_fusion": False} if quant else {"num_warps": 1}
     launch("paged_kv_write", "paged_kv_write", (k.shape[0],), args, consts, options)
@@ -170,7 +180,7 @@ def paged_attention_decode(
     q, k_cache, v_cache, head_dim, group = _check_attention(
         q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
     )
-    k_scale, v_scale, *scale_strides = _scale_args(kv_cache, layer, kv_scales)
+    scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     n, num_seqs = q.shape[0], context_lens.shape[0]
     block_n = 64 if q.is_cuda and head_dim <= 128 else 32
@@ -189,14 +199,18 @@ def paged_attention_decode(
     consts = {"BLOCK_G": max(16, next_power_of_2(group)), "BLOCK_N": block_n, "BLOCK_D": block_d,
               "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
-    args = (q, k_cache, v_cache, k_scale, v_scale, part_o, part_lse, block_tables, context_lens, query_start_loc,
-            q.stride(0), head_dim, *k_cache.stride()[:3], *scale_strides, block_tables.stride(0), *part_o.stride()[:3],
-            *part_lse.stride()[:2], float(scale), int(window), k_cache.shape[1], num_splits, min_split,
-            head_dim, group)  # fmt: skip
+    (stride_pt, stride_ph, stride_ps), (stride_lt, stride_lh) = part_o.stride()[:3], part_lse.stride()[:2]
+    partials = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, stride_pt=stride_pt, stride_ph=stride_ph,
+                    stride_ps=stride_ps, stride_lt=stride_lt, stride_lh=stride_lh)  # fmt: skip
+    args = dict(q_ptr=q, **_cache_args(k_cache, v_cache), **scale_args, **partials, block_tables_ptr=block_tables,
+                context_lens_ptr=context_lens, query_start_loc_ptr=query_start_loc, stride_qt=q.stride(0),
+                stride_qh=head_dim, stride_bt=block_tables.stride(0), scale=float(scale), window=int(window),
+                block_size=k_cache.shape[1], num_splits=num_splits, min_split=min_split, HEAD_DIM=head_dim,
+                GROUP=group)  # fmt: skip
     grid = (num_seqs, k_cache.shape[2], num_splits)
     launch("paged_decode", "paged_attention_decode", grid, args, consts, {"num_warps": 4, "num_stages": 2})
-    merge_args = (part_o, part_lse, out, *part_o.stride()[:3], *part_lse.stride()[:2], out.stride(0), head_dim,
-                  num_splits, head_dim)  # fmt: skip
+    merge_args = dict(**partials, o_ptr=out, stride_ot=out.stride(0), stride_oh=head_dim, num_splits=num_splits,
+                      HEAD_DIM=head_dim)  # fmt: skip
     merge_consts = {"BLOCK_S": next_power_of_2(num_splits), "BLOCK_D": block_d}
     launch("paged_merge", "split_kv_merge", (n, num_heads), merge_args, merge_consts, {"num_warps": 4})
     return out
@@ -215,7 +229,7 @@ def paged_attention_prefill(
     q, k_cache, v_cache, head_dim, group = _check_attention(
         q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
     )
-    k_scale, v_scale, *scale_strides = _scale_args(kv_cache, layer, kv_scales)
+    scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     if tile is None:
         capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
@@ -227,10 +241,11 @@ def paged_attention_prefill(
     consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": max(16, next_power_of_2(head_dim)),
               "CAUSAL": bool(causal), "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
-    args = (q, k_cache, v_cache, k_scale, v_scale, out, block_tables, context_lens, query_start_loc,
-            q.stride(0), head_dim, out.stride(0), head_dim, *k_cache.stride()[:3], *scale_strides,
-            block_tables.stride(0),
-            float(scale), int(window), k_cache.shape[1], head_dim, group)  # fmt: skip
+    args = dict(q_ptr=q, **_cache_args(k_cache, v_cache), **scale_args, o_ptr=out, block_tables_ptr=block_tables,
+                context_lens_ptr=context_lens, query_start_loc_ptr=query_start_loc, stride_qt=q.stride(0),
+                stride_qh=head_dim, stride_ot=out.stride(0), stride_oh=head_dim, stride_bt=block_tables.stride(0),
+                scale=float(scale), window=int(window), block_size=k_cache.shape[1], HEAD_DIM=head_dim,
+                GROUP=group)  # fmt: skip
     grid = (cdiv(max_query_len, tile.block_m), num_heads, num_seqs)
     launch("paged_prefill", "paged_attention_prefill", grid, args, consts, tile.options())
     return out

@@ -74,11 +74,12 @@ def _launch(
     consts = {"BITS": bits, "GROUP": max(group, 1), "HAS_ZEROS": zeros is not None, "HAS_BIAS": bias is not None,
               "ZERO_IS_MIN": zeros is not None and zeros.is_floating_point(),
               "GROUP_SCALES8": bits == 8 and scales.dim() == 2}
-    strides = (x2.stride(0), qweight.stride(0), scales.stride(0), z.stride(0), o2.stride(0))
+    args = dict(x_ptr=x2, w_ptr=qweight, s_ptr=scales, z_ptr=z, b_ptr=b, out_ptr=o2, N=n, K=k,
+                stride_xm=x2.stride(0), stride_wn=qweight.stride(0), stride_sn=scales.stride(0), stride_zn=z.stride(0),
+                stride_om=o2.stride(0))  # fmt: skip
     op = f"linear_w{bits}"
     if kernel == "quant_gemv":
         consts |= {"BLOCK_N": _GEMV_BLOCK_N, "BLOCK_K": _GEMV_BLOCK_K}
-        args = (x2, qweight, scales, z, b, o2, n, k, *strides)
         launch(kernel, op, (cdiv(n, _GEMV_BLOCK_N), m), args, consts, {"num_warps": 4})
     else:
         block_m = _gemm_block_m(m)
@@ -92,7 +93,7 @@ def _launch(
             "BLOCK_N": _GEMM_BLOCK_N,
             "BLOCK_K": _GEMM_BLOCK_K,
         }
-        args = (x2, qweight, scales, z, b, o2, m, n, k, *strides)
+        args["M"] = m
         grid = (cdiv(m, block_m), cdiv(n, _GEMM_BLOCK_N))
         launch(kernel, op, grid, args, consts, {"num_warps": 4, "num_stages": 3})
     return out

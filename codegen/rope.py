@@ -39,10 +39,12 @@ def rope(
     block_half = next_power_of_2(half)
     block_h = min(next_power_of_2(heads), max(1, _MAX_TILE // block_half))
     consts = {"BLOCK_H": block_h, "BLOCK_HALF": block_half}
-    args = (
-        x, positions, inv_freq, out,
-        *x.stride(), *positions.stride(), *out.stride(),
-        t, heads, half,
+    (sxb, sxt, sxf), (spb, spt), (sob, sot, sof) = x.stride(), positions.stride(), out.stride()
+    args = dict(
+        x_ptr=x, pos_ptr=positions, inv_freq_ptr=inv_freq, out_ptr=out,
+        stride_xb=sxb, stride_xt=sxt, stride_xf=sxf, stride_pb=spb, stride_pt=spt,
+        stride_ob=sob, stride_ot=sot, stride_of=sof,
+        T=t, H=heads, HALF=half,
     )  # fmt: skip
     if b * t > 0:
         launch("rope", "rope", (b * t, cdiv(heads, block_h)), args, consts, {"num_warps": 4})

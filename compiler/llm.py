@@ -17,9 +17,11 @@ from collections.abc import Iterator, Sequence
 from kiln.build import load_model
 from kiln.compile.step import compile_step
 from kiln.errors import KilnError, RequestError
+from kiln.model_config import SpeculationConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampler import SamplingParams
+from kiln.speculation import build_drafter, prepare_drafter, resolve_speculation
 
 
 class LLM:
@@ -41,25 +43,33 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         use_cuda_graphs: bool | None = None,
         max_model_len: int | None = None,
+        speculation: SpeculationConfig | str | dict | None = None,
     ):
         """Load the model (seeded random weights without `weights`), compile its step model, start an engine.
 
         use_kernels: generated kernels (None: on CUDA only; on CPU the ops' reference implementations run,
         since Triton's interpreter is for testing codegen, far too slow to serve). block_size / kv_cache_dtype
         ("auto": the model's dtype, or "int8"): None takes the spec's `kv_cache = paged(block = 16, dtype = ...)`,
-        else 16 and auto.
+        else 16 and auto. speculation: speculative decoding's drafter, as a kiln.model_config.SpeculationConfig,
+        its spec syntax ("ngram(n = 3, k = 4)", "self(layers = 2)", 'draft(spec = "...", k = 4)'), a dict of its
+        fields ({"kind": "ngram", "n": 3, "k": 4}) or "off"; None takes the spec's `speculation` key (if any).
         """
         self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed)
         m = self.loaded
         kernels = m.device.type == "cuda" if use_kernels is None else use_kernels
+        self.speculation = resolve_speculation(speculation, m, "speculation")
+        # Before compile_step, which rewrites m.gm in place: the self drafter is cut from the Level-1 graph.
+        plan = prepare_drafter(self.speculation, m, seed=seed) if self.speculation is not None else None
         self.step_model = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=kernels,
                                        kv_cache_dtype=kv_cache_dtype)
         self.tokenizer = m.tokenizer
+        # Only with speculation: without it the engine is built exactly as before.
+        drafter = {"drafter": build_drafter(plan, self.step_model)} if plan is not None else {}
         self.engine = Engine(
             self.step_model, m.tokenizer, m.model, num_blocks=num_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-            use_cuda_graphs=use_cuda_graphs, max_model_len=max_model_len,
+            use_cuda_graphs=use_cuda_graphs, max_model_len=max_model_len, **drafter,
         )  # fmt: skip
         # Outputs are routed to a queue per request, so any number of generate / generate_stream callers (and
         # threads) can share the engine: whoever steps it delivers everyone's outputs, and nothing is dropped.

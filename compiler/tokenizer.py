@@ -43,6 +43,19 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_strings(self) -> list[str | None]:
+        """Every id's token string, in id order (None for an id the vocabulary skips)."""
+        return token_table(self._tok)
+
+
+def token_table(tok) -> list[str | None]:
+    """A `tokenizers.Tokenizer`'s token strings by id, added tokens included."""
+    table: list[str | None] = [None] * tok.get_vocab_size(with_added_tokens=True)
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        if 0 <= i < len(table):
+            table[i] = token
+    return table
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0-255; ids >= 256 (the rest of a bigger vocab) decode to nothing.
@@ -66,6 +79,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_strings(self) -> list[str | None]:
+        """Every id's token string, in id order: `<0xNN>` for the bytes, None for the ids above them."""
+        return [f"<0x{i:02X}>" if i < 256 else None for i in range(self.vocab_size)]
 
 
 def _eos_value(path: Path):

@@ -13,30 +13,47 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.errors import UsageError
-from kiln.model_config import DTYPES, KV_DTYPES
+from kiln.errors import SpecError, UsageError
+from kiln.model_config import DTYPES, KV_DTYPES, SpeculationConfig
+from kiln.spec.speculation import OFF, parse_speculation
 
 QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
                  "(overrides the spec's `quantize`)")
+SPECULATION_HELP = ("speculative decoding: ngram(n = 3, k = 4), self(layers = L, k = 4) or draft(spec = \"...\", "
+                    "weights = \"...\", k = 4), in the spec syntax; `off` overrides the spec's `speculation`")
+
+EXIT_USER_ERROR = 2  # a KilnError: the message, no traceback (argparse's own flag errors exit 2 too)
+EXIT_BUG = 1
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
 
 
 def step_model(args: argparse.Namespace, m):
-    """The compiled step model of a loaded model (kiln.compile.step; m.gm is rewritten in place)."""
+    """The compiled step model of a loaded model (kiln.compile.step; m.gm is rewritten in place).
+
+    With speculation (--speculation, else the spec's key) it also prepares the drafter first, as args.draft_plan
+    (the self drafter is cut from the Level-1 graph that compile_step rewrites); serving_engine builds it."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.step import compile_step
+    from kiln.speculation import prepare_drafter, resolve_speculation
 
+    spec = resolve_speculation(getattr(args, "speculation", None), m, "--speculation")
+    args.draft_plan = prepare_drafter(spec, m, seed=getattr(args, "seed", None) or 0) if spec is not None else None
     # Generated kernels on CUDA; on CPU the reference ops (Triton's interpreter is for testing codegen only).
     return compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda",
                         kv_cache_dtype=args.kv_cache_dtype)
 
 
 def serving_engine(args: argparse.Namespace, m, step=None, **kw):
-    """The serving engine over a loaded model (or an already compiled step model of it), from the shared
-    --num-blocks / --block-size / ... flags."""
+    """The serving engine over a loaded model (or an already compiled step model of it, from step_model), from the
+    shared --num-blocks / --block-size / --speculation ... flags."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.engine import Engine
+    from kiln.speculation import build_drafter
 
     step = step_model(args, m) if step is None else step
+    plan = getattr(args, "draft_plan", None)
+    if plan is not None:  # only then: without speculation the engine is built exactly as before
+        kw["drafter"] = build_drafter(plan, step)
     return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
                   gpu_memory_utilization=args.gpu_memory_utilization, **kw)
 
@@ -53,6 +70,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                    "dtype) or int8 with per-token, per-head scales (default: the spec's kv_cache dtype, else auto)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the weights and KV cache may use (default 0.9)")
+    p.add_argument("--speculation", type=speculation_arg, metavar="DRAFTER", help=SPECULATION_HELP)
 
 
 # ---- flag values and output paths ------------------------------------------------------------------------
@@ -69,6 +87,16 @@ def seed_arg(text: str) -> int:
     if not 0 <= seed <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"must be an integer from 0 to {SEED_MAX}, got {text}")
     return seed
+
+
+def speculation_arg(text: str) -> SpeculationConfig | str:
+    """argparse type of --speculation: a drafter in the spec syntax, checked now (errors point into the flag's
+    text), or "off"."""
+    try:
+        cfg = parse_speculation(text, "--speculation")
+    except SpecError as e:
+        raise argparse.ArgumentTypeError(f"\n{e}") from None
+    return OFF if cfg is None else cfg
 
 
 def positive_int(text: str) -> int:

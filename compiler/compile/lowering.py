@@ -23,12 +23,16 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
+import kiln.ir.ops_mod  # noqa: F401  (registers the Mixture-of-Depths ops)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
+import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
 from kiln import env
-from kiln.codegen import act, flash_attn, norm, paged, quant, rope, tiles
+from kiln.codegen import act, flash_attn, mod, norm, paged, quant, rope, spec_verify, tiles
 from kiln.codegen._host import BoundKernels, recording
 from kiln.errors import CodegenError
+from kiln.ir.ops_mod import mod_rows
+from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION, PAGED_ATTENTION
 from kiln.quant.formats import dequantize_parts
 
 kiln_ops = torch.ops.kiln
@@ -79,23 +83,31 @@ def k_act(x, kind):
     return act.act(_dense(x), kind)
 
 
+# The attention calls have their op's signature (kiln.ir.signatures, checked when defined) and pass it on by
+# name: codegen may not import kiln.ir, so its wrappers are checked against the same table here, at import.
+ATTENTION.implements(flash_attn.flash_attention, extra=("tile",))
+PAGED_ATTENTION.implements(paged.paged_attention)
+
+
+@ATTENTION.implements
 def k_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale):
-    return flash_attn.flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale)
+    return flash_attn.flash_attention(*ATTENTION.values(locals()))
 
 
-def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, warps, stages):
-    tile = tiles.TileConfig(block_m, block_n, warps, stages)
-    return flash_attn.flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile=tile)
+@FLASH_ATTENTION.implements
+def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, num_warps,
+                      num_stages):  # fmt: skip
+    tile = tiles.TileConfig(block_m, block_n, num_warps, num_stages)
+    return flash_attn.flash_attention(*ATTENTION.values(locals()), tile=tile)
 
 
+@PAGED_ATTENTION.implements(extra=("tile",))
 def k_paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
-                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales=None,
+                      max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales,
                       tile=None):  # fmt: skip
     # tile: (block_m, block_n, warps, stages) of a spec's fixed flash tile (compile_step pins it), else the default.
-    tile = tiles.TileConfig(*tile) if tile is not None else None
-    return paged.paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc,
-                                 max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale,
-                                 kv_scales=kv_scales, tile=tile)
+    fixed = tiles.TileConfig(*tile) if tile is not None else None
+    return paged.paged_attention(*PAGED_ATTENTION.values(locals()), tile=fixed)
 
 
 def k_linear_w8(x, qweight, scales, bias):
@@ -110,6 +122,48 @@ def k_embedding_q(qweight, scales, zeros, ids, bits, group, dtype):
     # A gather of a few rows then their dequantization: torch, like the unquantized embedding.
     z = zeros[ids] if zeros is not None else None
     return dequantize_parts(qweight[ids], scales[ids], z, bits, group).to(dtype)
+
+
+def k_spec_verify(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise):
+    return spec_verify.spec_verify(target_probs, draft_tokens, draft_probs, num_drafts, uniforms, noise)
+
+
+def k_mod_route(x, positions, weight, bias, threshold):
+    return mod.mod_route(x, positions, weight, bias, threshold)
+
+
+def k_mod_gather(x, positions, mask, capacity):
+    return mod.mod_gather(x, positions, mask, mod_rows(capacity, x.shape[1]))
+
+
+def k_mod_scatter(x, ys, r, index, count):
+    return mod.mod_scatter(x, ys, r, index, count)
+
+
+# Mixture-of-Depths ops that stay on torch: the router of the gather forms, the predictor (two small GEMMs), the
+# top-k and threshold masks, and the dense-masked layer (routed_attention, mod_combine) when mod_routing is off.
+def k_mod_router(x, weight, bias):
+    return torch.ops.kiln.mod_router.default(x, weight, bias)
+
+
+def k_mod_predictor(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+    return torch.ops.kiln.mod_predictor.default(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+
+
+def k_mod_topk_mask(score, capacity):
+    return torch.ops.kiln.mod_topk_mask.default(score, capacity)
+
+
+def k_mod_threshold_mask(score, threshold):
+    return torch.ops.kiln.mod_threshold_mask.default(score, threshold)
+
+
+def k_routed_attention(q, k, v, routed, num_heads, num_kv_heads, causal, window, scale):
+    return torch.ops.kiln.routed_attention.default(q, k, v, routed, num_heads, num_kv_heads, causal, window, scale)
+
+
+def k_mod_combine(x, y, r, mask):
+    return torch.ops.kiln.mod_combine.default(x, y, r, mask)
 
 
 KERNEL_TABLE: dict[Any, Callable] = {
@@ -129,6 +183,16 @@ KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.linear_w8.default: k_linear_w8,
     kiln_ops.linear_w4.default: k_linear_w4,
     kiln_ops.embedding_q.default: k_embedding_q,
+    kiln_ops.spec_verify.default: k_spec_verify,
+    kiln_ops.mod_route.default: k_mod_route,
+    kiln_ops.mod_gather.default: k_mod_gather,
+    kiln_ops.mod_scatter.default: k_mod_scatter,
+    kiln_ops.mod_router.default: k_mod_router,
+    kiln_ops.mod_predictor.default: k_mod_predictor,
+    kiln_ops.mod_topk_mask.default: k_mod_topk_mask,
+    kiln_ops.mod_threshold_mask.default: k_mod_threshold_mask,
+    kiln_ops.routed_attention.default: k_routed_attention,
+    kiln_ops.mod_combine.default: k_mod_combine,
 }
 
 

@@ -13,25 +13,62 @@ TRITON_INTERPRET=1) the graph is lowered to the generated kernels, paged attenti
 The spec's `kv_cache = paged(block = 16, dtype = int8)` (CompileConfig.extra["kv_cache"]) sets the cache dtype
 (kv_cache_dtype overrides it) and the model's preferred block_size (the engine's default pool block size); a
 fixed `attention = flash(block_m = ...)` tile is also the paged prefill kernel's tile.
+
+`model.verify` (a kiln.step.Verifier) is speculative decoding's verification, bound by the same rule as the
+graph: kiln::spec_verify's generated kernel (codegen/spec_verify.py, loaded now) with kernels, else the op itself.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
+from kiln.codegen import spec_verify as spec_verify_kernel
+from kiln.codegen._host import BoundKernels, recording
 from kiln.codegen.cache import default_cache
 from kiln.compile.driver import kernels_usable
-from kiln.compile.lowering import kernel_requests, lower
+from kiln.compile.lowering import k_spec_verify, kernel_requests, lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.errors import KilnError, PassError
 from kiln.model_config import CompileConfig, ModelConfig
-from kiln.step import KVCache, StepBatch
+from kiln.step import KVCache, StepBatch, Verifier, VerifyBatch
 from kiln.step import allocate_kv_cache as _allocate
+
+
+@dataclass
+class BatchVerifier:
+    """A kiln.step.Verifier over `fn`, which has kiln::spec_verify's signature (the op, or its kernel's wrapper)."""
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+    def __call__(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fn(batch.target_probs, batch.draft_tokens, batch.draft_probs, batch.num_drafts, batch.uniforms,
+                       batch.noise)  # fmt: skip
+
+
+def make_verifier(vocab: int, use_kernels: bool) -> BatchVerifier:
+    """kiln::spec_verify for a `vocab`-wide model: its reference op, or (use_kernels) its kernel, whose two
+    instances (with and without draft_probs) are rendered and imported now rather than on the first verify."""
+    if not use_kernels:
+        return BatchVerifier(torch.ops.kiln.spec_verify.default)
+    requests: list[tuple[str, str, dict]] = []
+    meta = {"device": "meta"}
+    with recording(lambda template, name, **params: requests.append((template, name, params))):
+        for draft_probs in (torch.empty(1, 1, vocab, **meta), None):
+            spec_verify_kernel.spec_verify(
+                torch.empty(1, 2, vocab, **meta), torch.empty(1, 1, dtype=torch.int64, **meta), draft_probs,
+                torch.empty(1, dtype=torch.int32, **meta), torch.empty(1, 1, **meta), torch.empty(1, vocab, **meta),
+            )  # fmt: skip
+    for template, name, params in requests:
+        default_cache().load(template, name, **params)
+    # Checked on every call: the runtime builds these tensors, no fake propagation has vetted them.
+    return BatchVerifier(BoundKernels(k_spec_verify, checked=True))
 
 
 @dataclass
@@ -49,9 +86,12 @@ class CompiledStep:
     passes: list[str] = field(default_factory=list)
     kv_dtype: torch.dtype | None = None  # the cache's element type: dtype (None means so) or torch.int8
     block_size: int = 16  # the pool block size the compile config asks for; the engine's default
+    verify: Verifier | None = None  # speculative decoding's verification (None: the reference op)
 
     def __post_init__(self) -> None:
         self.kv_dtype = self.kv_dtype or self.dtype
+        if self.verify is None:
+            self.verify = make_verifier(self.vocab, use_kernels=False)
 
     def _check_cache(self, cache: KVCache) -> None:
         data, scales = cache.data, cache.scales
@@ -106,6 +146,14 @@ def compile_step(
     dump_dir / KILN_DUMP_DIR: the graph after every pass. kv_cache_dtype: "auto" (the model's dtype) or "int8"
     (per token and head scales); None: the compile config's `kv_cache = paged(dtype = ...)`, else auto.
     """
+    if cfg.route is not None:  # never serve a routed model as if it were dense
+        raise KilnError(
+            f"model {cfg.name!r} routes layers with Mixture-of-Depths (route = mod(...)), and the engine's routed KV "
+            "cache (per routed layer, only that layer's routed tokens) is not built yet, so kiln run, LLM and kiln "
+            "serve cannot serve it. What works today: the uncached reference path (kiln.reference.generate over "
+            "kiln.ir.frontend.build_graph, the causal form) and `kiln compile` (the mod_routing pass and its kernels);"
+            " or remove the route setting from the spec to serve the dense model"
+        )
     if device is not None:
         gm = gm.to(device)
     use_kernels = kernels_usable() if use_kernels is None else use_kernels
@@ -136,7 +184,8 @@ def compile_step(
                 default_cache().load(req.template, req.name, **req.params)
         bound.meta["val"] = example
     return CompiledStep(gm, num_layers, kv_heads, head_dim, cfg.vocab, dtype, model_device, use_kernels,
-                        [p.name for p in passes], kv_dtype, kv_spec.get("block", 16))  # fmt: skip
+                        [p.name for p in passes], kv_dtype, kv_spec.get("block", 16),
+                        make_verifier(cfg.vocab, use_kernels))  # fmt: skip
 
 
 def allocate_kv_cache(model: CompiledStep, num_blocks: int, block_size: int) -> KVCache:

@@ -8,13 +8,16 @@ truncated, wrong magic, a tensor type the reader does not know) is one GGUFError
 from __future__ import annotations
 
 import functools
+import math
 import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kiln.errors import KilnError
 from kiln.hf.config import config_from_hf
-from kiln.model_config import ModelConfig
+from kiln.model_config import ModelConfig, RopeScaling
 
 MAGIC = b"GGUF"
 # GGUF architecture -> the HF model_type kiln's importer knows (its hyperparameter keys are prefixed by the arch).
@@ -92,9 +95,6 @@ def hf_config(reader: Any, path: str | os.PathLike) -> dict:
     """The config.json a Hugging Face checkpoint of this model would have (the keys kiln's importer reads)."""
     arch = architecture(reader, path)
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise GGUFError(f"{path}: the file carries rope_freqs (llama3-style rope scaling baked into a tensor), which "
-                        "kiln cannot read back yet; use the model's HF checkpoint with --weights DIR")
 
     def need(key: str) -> Any:
         value = field(reader, f"{arch}.{key}")
@@ -129,7 +129,12 @@ def hf_config(reader: Any, path: str | os.PathLike) -> dict:
         "attention_bias": "blk.0.attn_q.bias" in names and arch != "qwen2",
     }
     kind = field(reader, f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
+    llama3 = scaling_from_gguf(reader, path, arch, hf["rope_theta"], hf["head_dim"])
+    if llama3 is not None:
+        hf["rope_scaling"] = {"rope_type": "llama3", "factor": llama3.factor, "low_freq_factor": llama3.low_freq_factor,
+                              "high_freq_factor": llama3.high_freq_factor,
+                              "original_max_position_embeddings": llama3.original_context}
+    elif kind not in (None, "none"):
         factor = field(reader, f"{arch}.rope.scaling.factor")
         hf["rope_scaling"] = {"rope_type": kind, "factor": factor}
     window = field(reader, f"{arch}.attention.sliding_window")
@@ -154,10 +159,98 @@ def config_from_gguf(reader: Any, path: str | os.PathLike, name: str = "") -> Mo
 
 def _f32(value: float) -> float:
     """A float32 metadata value as the shortest decimal that reads back as it (1e-05, not 9.99999974e-06)."""
-    import numpy as np
-
     return float(str(np.float32(value)))
 
 
 def _slug(text: str) -> str:
     return "-".join(text.lower().replace("_", " ").split()) or "gguf-model"
+
+
+# ---- llama3 rope scaling --------------------------------------------------------------------------------------
+# llama.cpp's converter stores llama3 rope scaling as the tensor rope_freqs.weight (one divisor per rotary pair),
+# not as parameters. kiln maps it back onto RopeScaling("llama3", ...) and checks that those parameters produce the
+# tensor, so it is consumed, never silently dropped. GGUF has keys for the factor and the original context but none
+# for the low / high frequency factors: absent keys take what the converter assumes (factor: the largest divisor,
+# which the longest wavelengths get; low 1, high 4, original 8192: every Llama 3.x), or the non-standard
+# {arch}.rope.scaling.low_freq_factor / high_freq_factor when a file has them.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def rope_freqs(reader: Any) -> np.ndarray | None:
+    """The file's rope_freqs divisors as float64, or None when it has none."""
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return None
+    from gguf.quants import dequantize  # lazy, as GGUFReader above: the gguf package loads only to read a file
+
+    return np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float64).reshape(-1)
+
+
+def llama3_divisors(theta: float, head_dim: int, s: RopeScaling) -> np.ndarray:
+    """Per-pair divisors of the rotary frequencies under llama3 scaling (what the converter writes)."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32).astype(np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (s.original_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    mid = 1 / ((1 - smooth) / s.factor + smooth)
+    high, low = s.original_context / s.high_freq_factor, s.original_context / s.low_freq_factor
+    return np.where(wavelen < high, 1.0, np.where(wavelen > low, s.factor, mid))
+
+
+def _mismatch(have: np.ndarray, want: np.ndarray) -> str | None:
+    """None when the tensor is the divisors to float32 rounding, else where it differs most."""
+    if have.shape != want.shape:
+        return f"{have.size} values, {want.size} expected (head_dim / 2)"
+    err = np.abs(have - want) / np.abs(want)
+    if np.all(err <= 1e-5):
+        return None
+    i = int(np.argmax(err))
+    return f"rope_freqs[{i}] is {have[i]:.6g} where the parameters give {want[i]:.6g}"
+
+
+def _describe(s: RopeScaling) -> str:
+    return (f"llama3(factor = {s.factor:g}, low = {s.low_freq_factor:g}, high = {s.high_freq_factor:g}, "
+            f"original = {s.original_context})")
+
+
+def scaling_from_gguf(reader: Any, path: str | os.PathLike, arch: str, theta: float,
+                      head_dim: int) -> RopeScaling | None:
+    """The llama3 RopeScaling a file's rope_freqs stands for (None without the tensor); GGUFError naming the file
+    and the mismatch when the parameters do not produce the tensor."""
+    have = rope_freqs(reader)
+    if have is None:
+        return None
+    kind = field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        raise GGUFError(f"{path}: the file carries both {ROPE_FREQS} (llama3 rope scaling) and "
+                        f"{arch}.rope.scaling.type = {kind!r}; kiln applies one rope scaling; {_FIX}")
+
+    def key(name: str, default: float) -> float:
+        value = field(reader, f"{arch}.rope.scaling.{name}")
+        return _f32(value) if value is not None else default
+
+    s = RopeScaling("llama3", factor=key("factor", _f32(float(have.max())) if have.size else 1.0),
+                    low_freq_factor=key("low_freq_factor", 1.0), high_freq_factor=key("high_freq_factor", 4.0),
+                    original_context=int(key("original_context_length", 8192)))
+    problem = _mismatch(have, llama3_divisors(theta, head_dim, s))
+    if problem is not None:
+        raise GGUFError(f"{path}: {ROPE_FREQS} is not the llama3 rope scaling of the file's metadata (absent keys "
+                        f"read as llama.cpp's defaults), {_describe(s)}: {problem}; kiln cannot apply other "
+                        "per-frequency factors; re-convert the file with llama.cpp's convert_hf_to_gguf.py from a "
+                        "checkpoint with llama3 rope_scaling")
+    return s
+
+
+def check_rope_freqs(reader: Any, path: str | os.PathLike, cfg: ModelConfig) -> None:
+    """A model given by a spec must apply the scaling the file's rope_freqs holds (nothing to check without it)."""
+    have = rope_freqs(reader)
+    if have is None:
+        return
+    s = cfg.rope.scaling if cfg.rope is not None else None
+    fix = "drop the spec (kiln reads the model from the file), or give its rope the file's llama3 scaling"
+    if s is None or s.kind != "llama3":
+        raise GGUFError(f"{path}: {ROPE_FREQS} holds llama3 rope scaling but model {cfg.name!r} has "
+                        f"{'no rope scaling' if s is None else s.kind + ' rope scaling'}; {fix}")
+    problem = _mismatch(have, llama3_divisors(cfg.rope.theta, cfg.head_dim, s))
+    if problem is not None:
+        raise GGUFError(f"{path}: {ROPE_FREQS} does not match model {cfg.name!r}'s rope scaling {_describe(s)}: "
+                        f"{problem}; {fix}")

@@ -3,8 +3,10 @@
 Byte-level BPE vocabularies (tokenizer.ggml.model = gpt2: SmolLM2, Llama 3, Qwen2) are rebuilt as transformers'
 GGUF loader builds them: the token list as the BPE vocabulary (tokens outside the byte alphabet re-spelled in
 it), the file's merges, GPT-2's byte-level pre-tokenizer (or the split regex the file's pre-tokenizer names) and
-decoder, control tokens (type 3) as special tokens and user-defined ones (type 4) as added tokens. Decoding
-skips special tokens. The chat template (tokenizer.chat_template) is rendered with jinja2 in a sandbox.
+decoder. Sentencepiece vocabularies (tokenizer.ggml.model = llama: Llama 2, Mistral 7B v0.1) are rebuilt by
+kiln.gguf.spm. Either way control tokens (type 3) are special tokens and user-defined ones (type 4) added tokens;
+decoding skips special tokens and encoding adds BOS / EOS where the file asks for them. The chat template
+(tokenizer.chat_template) is rendered with jinja2 in a sandbox.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ import os
 from typing import Any
 
 from kiln.gguf.config import GGUFError, field
+from kiln.gguf.spm import spm_tokenizer
+from kiln.tokenizer import token_table
 
 CONTROL, USER_DEFINED = 3, 4
+# tokenizer.ggml.model -> what kiln rebuilds it as (others, like bert or rwkv, are refused by name).
+KINDS = {"gpt2": "byte-level BPE (gpt2)", "llama": "sentencepiece (llama)"}
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -38,22 +44,39 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 class GGUFTokenizer:
-    """A GGUF's tokenizer: encode without adding special tokens, decode skipping them, and the chat template."""
+    """A GGUF's tokenizer: encode adding BOS / EOS as the file says (tokenizer.ggml.add_bos_token / add_eos_token,
+    as llama.cpp and transformers do), decode skipping special tokens, and the chat template."""
 
     def __init__(self, tok: Any, eos_token_ids: tuple[int, ...], bos_token: str | None, eos_token: str | None,
-                 chat_template: str | None, path: str):
+                 chat_template: str | None, path: str, *, kind: str = "gpt2", bos_id: int | None = None,
+                 add_bos: bool = False, add_eos: bool = False):
         self._tok = tok
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_token, self.eos_token = bos_token, eos_token
         self.chat_template = chat_template
         self.path = path
+        self.kind = kind
+        self.bos_id = bos_id
+        self.add_bos = add_bos and bos_id is not None
+        self.add_eos = add_eos and bool(eos_token_ids)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        """Token ids of `text`; special=True adds the file's BOS / EOS, except a BOS the text already starts with
+        (a chat template that writes bos_token itself), which is not doubled."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if not special:
+            return ids
+        if self.add_bos and ids[:1] != [self.bos_id]:
+            ids = [self.bos_id, *ids]
+        return ids + [self.eos_token_ids[0]] if self.add_eos else ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_strings(self) -> list[str | None]:
+        """Every id's token string, in id order (what a draft model must share with its target)."""
+        return token_table(self._tok)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered from the file's chat template."""
@@ -79,16 +102,56 @@ class GGUFTokenizer:
 
 def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:
     """The tokenizer in a GGUF's metadata; a file without one, or of a kind kiln cannot rebuild, is a GGUFError."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
 
     kind = field(reader, "tokenizer.ggml.model")
     tokens = field(reader, "tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise GGUFError(f"{path}: the file carries no tokenizer (tokenizer.ggml.tokens); use --prompt-ids, or a "
                         "GGUF converted with its tokenizer")
-    if kind != "gpt2":
-        raise GGUFError(f"{path}: tokenizer kind {kind!r} is not supported yet; kiln rebuilds byte-level BPE "
-                        "(tokenizer.ggml.model = gpt2) vocabularies; use the HF checkpoint's tokenizer.json instead")
+    if kind not in KINDS:
+        raise GGUFError(f"{path}: tokenizer kind {kind!r} (tokenizer.ggml.model) is not supported; kiln rebuilds "
+                        f"{' and '.join(KINDS.values())} vocabularies; use the HF checkpoint (--weights DIR, with its "
+                        "tokenizer.json) or pass --prompt-ids")
+    types = field(reader, "tokenizer.ggml.token_type") or []
+
+    def token(key: str) -> tuple[int | None, str | None]:
+        i = field(reader, f"tokenizer.ggml.{key}")
+        return (int(i), tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else (None, None)
+
+    if kind == "gpt2":
+        tok, letters = _byte_level(reader, tokens, path)
+        # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips it, as we do.
+        special = [t for t, k in zip(tokens, types, strict=False) if k == CONTROL and set(t) <= letters]
+        vocab = tok.get_vocab()
+    else:
+        tok = spm_tokenizer(reader, tokens, path)
+        # transformers makes the unknown, BOS, EOS and padding pieces special too (<unk> is type UNKNOWN, not CONTROL).
+        named = {token(k)[1] for k in ("unknown_token_id", "bos_token_id", "eos_token_id", "padding_token_id")}
+        special = [t for t, k in zip(tokens, types, strict=False) if k == CONTROL or t in named]
+        vocab = {t: i for i, t in enumerate(tokens)}
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(special)])
+    # User-defined tokens (type 4, like <think>) are matched whole in the text, as llama.cpp does, but not special.
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=False)
+            if k == USER_DEFINED and t in vocab]
+    if user:
+        tok.add_tokens(user)
+
+    bos_id, bos = token("bos_token_id")
+    eos_id, eos = token("eos_token_id")
+    eot_id, _ = token("eot_token_id")
+    eos_ids = tuple(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
+    # A sentencepiece file that does not say gets BOS, as llama.cpp and transformers give it.
+    add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_eos = bool(field(reader, "tokenizer.ggml.add_eos_token", False))
+    return GGUFTokenizer(tok, eos_ids, bos, eos, field(reader, "tokenizer.chat_template"), str(path), kind=kind,
+                         bos_id=bos_id, add_bos=add_bos, add_eos=add_eos)
+
+
+def _byte_level(reader: Any, tokens: list[str], path: str | os.PathLike) -> tuple[Any, set[str]]:
+    """The byte-level BPE of a gpt2-kind vocabulary, and its byte alphabet."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     merges = field(reader, "tokenizer.ggml.merges")
     if not merges:
         raise GGUFError(f"{path}: the byte-level tokenizer has no tokenizer.ggml.merges; re-convert the file")
@@ -105,22 +168,4 @@ def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    types = field(reader, "tokenizer.ggml.token_type") or []
-    # A control token spelled outside the byte alphabet is a llama.cpp mislabel; transformers skips it, as we do.
-    control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=False)
-               if k == CONTROL and set(t) <= letters]
-    tok.add_special_tokens(control)
-    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=False)
-            if k == USER_DEFINED and t in vocab]
-    if user:
-        tok.add_tokens(user)
-
-    def token(key: str) -> tuple[int | None, str | None]:
-        i = field(reader, f"tokenizer.ggml.{key}")
-        return (int(i), tokens[int(i)]) if i is not None and 0 <= int(i) < len(tokens) else (None, None)
-
-    eos_id, eos = token("eos_token_id")
-    eot_id, _ = token("eot_token_id")
-    eos_ids = tuple(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
-    return GGUFTokenizer(tok, eos_ids, token("bos_token_id")[1], eos, field(reader, "tokenizer.chat_template"),
-                         str(path))
+    return tok, letters

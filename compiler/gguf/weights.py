@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.gguf.config import GGUFError
+from kiln.gguf.config import ROPE_FREQS, GGUFError, check_rope_freqs
 from kiln.model_config import ModelConfig, param_shapes
 from kiln.quant.formats import QuantizedWeight, pack_int4
 
@@ -148,7 +148,7 @@ def load_gguf_weights(
     for t in reader.tensors:
         name = kiln_name(t.name)
         if name is None:
-            if t.name != "rope_freqs.weight":
+            if t.name != ROPE_FREQS:  # not a weight: checked against the model's rope scaling below
                 problems.append(f"tensor {t.name} has no kiln counterpart")
             continue
         if name not in shapes:
@@ -159,6 +159,7 @@ def load_gguf_weights(
             problems.append(f"tensor {t.name} has shape {list(got)}, {name} needs {list(shapes[name])}")
         by_name[name] = t
     problems += [f"no tensor for {n}" for n in shapes if n not in by_name]
+    check_rope_freqs(reader, path, cfg)
     if problems:
         raise GGUFError(f"{path}: the tensors do not match model {cfg.name!r} ({len(problems)} problems):\n  "
                         + "\n  ".join(problems[:20]))

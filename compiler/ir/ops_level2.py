@@ -5,7 +5,7 @@ Each is a torch.library custom op whose reference implementation is written with
 kernel for FakeTensor propagation. Lowering (kiln.compile.lowering) maps each to one generated kernel.
 
 - kiln::flash_attention(q, k, v, H, Hkv, causal, window, scale, block_m, block_n, num_warps, num_stages):
-  kiln::attention with a tile config (made by flash_tiling)
+  kiln::attention with a tile config (made by flash_tiling); its signature is kiln.ir.signatures.FLASH_ATTENTION
 - kiln::add_rms_norm(x, residual, weight, eps) -> (normed, sum): rms_norm(x + residual) and the sum (norm_fusion)
 - kiln::add_layer_norm(x, residual, weight, bias, eps) -> (normed, sum): likewise for layer norm (norm_fusion)
 
@@ -19,11 +19,13 @@ import torch
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
 from kiln.ir.registry import kiln_op
+from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION
 
 kiln_ops = torch.ops.kiln
 
 
-@kiln_op("kiln::flash_attention", mutates_args=())
+@kiln_op(FLASH_ATTENTION.op, mutates_args=(), schema=FLASH_ATTENTION.schema())
+@FLASH_ATTENTION.implements
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -39,11 +41,11 @@ def flash_attention(
     num_stages: int,
 ) -> torch.Tensor:
     """kiln::attention computed tile by tile; the tile config changes the schedule, never the result."""
-    return kiln_ops.attention.default(q, k, v, num_heads, num_kv_heads, causal, window, scale)
+    return kiln_ops.attention.default(*ATTENTION.values(locals()))
 
 
 @flash_attention.register_fake
-def _(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, num_warps, num_stages):
+def _(q, *rest):
     return torch.empty_like(q)
 
 

@@ -32,6 +32,7 @@ import torch
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the reference calls)
 from kiln.errors import KilnError
 from kiln.ir.registry import kiln_op
+from kiln.ir.signatures import ATTENTION_PARAMS, PAGED_ATTENTION, take
 
 kiln_ops = torch.ops.kiln
 
@@ -91,7 +92,8 @@ def gather_kv(
     return out[0], out[1]
 
 
-@kiln_op("kiln::paged_attention", mutates_args=("kv_cache", "kv_scales"))
+@kiln_op(PAGED_ATTENTION.op, mutates_args=PAGED_ATTENTION.mutated, schema=PAGED_ATTENTION.schema())
+@PAGED_ATTENTION.implements
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,6 +115,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend each sequence's new queries over its cache."""
     write_kv(k, v, kv_cache, layer, slot_mapping, kv_scales)
+    attn = take(ATTENTION_PARAMS, locals())
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()  # the reference may sync with the host; the kernels never do
     for i, ctx in enumerate(context_lens.tolist()):
@@ -121,15 +124,12 @@ def paged_attention(
             continue
         keys, values = gather_kv(kv_cache, layer, block_tables[i], ctx, kv_scales)
         qs = q[:, lo:hi]
-        out[:, lo:hi] = kiln_ops.attention.default(
-            qs, keys.to(q.dtype), values.to(q.dtype), num_heads, num_kv_heads, causal, window, scale
-        )
+        out[:, lo:hi] = kiln_ops.attention.default(qs, keys.to(q.dtype), values.to(q.dtype), *attn)
     return out
 
 
 @paged_attention.register_fake
-def _(q, k, v, kv_cache, layer, slot_mapping, block_tables, context_lens, query_start_loc, max_query_len,
-      max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales):  # fmt: skip
+def _(q, *rest):
     return torch.empty_like(q)
 
 

@@ -28,12 +28,13 @@ def spec_verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_pr
     d = draft_tokens.long().clamp(0, v - 1)
     p_d = p[:, :k].gather(-1, d[..., None]).squeeze(-1)  # [B, K]: p_{j-1}(d_j)
     q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.float().gather(-1, d[..., None]).squeeze(-1)
-    valid = torch.arange(k, device=p.device)[None, :] < num_drafts.long()[:, None]
+    n = num_drafts.long().clamp(0, k)  # a count outside 0..K means "none" / "all K" (the kernel reads no further)
+    valid = torch.arange(k, device=p.device)[None, :] < n[:, None]
     accept = (uniforms.float() * q_d < p_d) & valid  # u < p / q without dividing (q > 0 for a drafted token)
     num_accepted = accept.int().cumprod(-1).sum(-1) if k > 0 else torch.zeros(b, dtype=torch.int32, device=p.device)
     a = num_accepted.long()
     dist = p[rows, a]  # [B, V]: the bonus distribution, or the target's at the first rejection
-    rejected = a < num_drafts.long()
+    rejected = a < n
     if k > 0:
         a_k = a.clamp(max=k - 1)
         if draft_probs is None:

@@ -15,10 +15,11 @@ from torch.library import custom_op
 REFERENCE: dict[str, Callable] = {}  # "kiln::name" -> the reference function
 
 
-def kiln_op(name: str, *, mutates_args: Iterable[str] | str = ()) -> Callable[[Callable], object]:
+def kiln_op(name: str, *, mutates_args: Iterable[str] | str = (), schema: str | None = None
+            ) -> Callable[[Callable], object]:
     def register(fn: Callable) -> object:
         assert name not in REFERENCE, f"{name} is registered twice"
         REFERENCE[name] = fn
-        return custom_op(name, mutates_args=mutates_args)(fn)
+        return custom_op(name, mutates_args=mutates_args, schema=schema)(fn)
 
     return register

@@ -1,4 +1,4 @@
-"""The compile block: `dtype`, `quantize`, `kv_cache`, `attention` -> CompileConfig (dtype + extra)."""
+"""The compile block: `dtype`, `quantize`, `kv_cache`, `attention`, `speculation` -> CompileConfig (dtype + extra)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from pathlib import Path
 from kiln.model_config import DTYPES, INT4_GROUPS, KV_BLOCK_MAX, KV_DTYPES, CompileConfig
 from kiln.spec.ast import CompileBlock, Expr, Num, Str
 from kiln.spec.formatter import format_expr
+from kiln.spec.speculation import speculation_value
 from kiln.spec.values import _bool, _config_call, _enum, _int, _Report, _unique
 
-COMPILE_KEYS = ("dtype", "quantize", "kv_cache", "attention")
-PLANNED_COMPILE_KEYS = ("routing", "speculation")
+COMPILE_KEYS = ("dtype", "quantize", "kv_cache", "attention", "speculation")
+PLANNED_COMPILE_KEYS = ("routing",)
 TILE_WARPS = (1, 2, 4, 8, 16)
 _QUANT_COMMON = ("method", "calibration", "tokens", "lm_head", "embeddings")
 QUANT_FUNCS = {"int8": _QUANT_COMMON, "int4": ("group", "symmetric", *_QUANT_COMMON)}
@@ -121,7 +122,8 @@ def _attention(r: _Report, e: Expr) -> dict | None:
     return {"kind": kind, "tile": tile} if not missing and None not in tile.values() else None
 
 
-def compile_config(r: _Report, block: CompileBlock | None) -> CompileConfig:
+def compile_config(r: _Report, block: CompileBlock | None, model_layers: int | None = None) -> CompileConfig:
+    """The compile block's settings; model_layers (the model's, when it resolved) bounds self(layers = L)."""
     if block is None:
         return CompileConfig()
     s = _unique(r, block.settings, "compile setting", COMPILE_KEYS, PLANNED_COMPILE_KEYS)
@@ -133,4 +135,9 @@ def compile_config(r: _Report, block: CompileBlock | None) -> CompileConfig:
         extra["kv_cache"] = _kv_cache(r, s["kv_cache"].value)
     if "attention" in s:
         extra["attention"] = _attention(r, s["attention"].value)
+    if "speculation" in s:
+        base = Path(r.spec.path).parent if r.spec.path not in ("", "<spec>") else None
+        spec_cfg = speculation_value(r, s["speculation"].value, base_dir=base, model_layers=model_layers)
+        if spec_cfg is not None:  # None: `off`, or an error already reported
+            extra["speculation"] = spec_cfg
     return CompileConfig(dtype=dtype or "fp32", extra=extra)

@@ -10,6 +10,7 @@ reaches Python's recursion limit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import unicodedata
@@ -62,11 +63,14 @@ def _on_comment(tok: Token) -> Token:
     return tok
 
 
-@lru_cache(maxsize=1)
-def _lark() -> Lark:
+@lru_cache(maxsize=2)
+def _lark(start: str = "start") -> Lark:
+    """The parser of a whole file (`start`), or of one value (`value`: a flag or API argument in the spec syntax).
+    Two instances rather than two start symbols in one: a shared LALR table would merge states and change what
+    a file's syntax errors say was expected."""
     grammar = files("kiln.spec").joinpath("grammar.lark").read_text(encoding="utf-8")
     return Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=False,
-                lexer_callbacks={"COMMENT": _on_comment})
+                lexer_callbacks={"COMMENT": _on_comment}, start=start)
 
 
 class _CallError(Exception):
@@ -119,6 +123,9 @@ def _too_deep(tree: Tree) -> Tree | None:
 class _ToAst(Transformer):
     def start(self, meta, children):
         return children[0], (children[1] if len(children) > 1 else None)
+
+    def value(self, meta, children):
+        return children[0]
 
     def model_block(self, meta, children):
         name = self.string(meta, [children[0]]).value
@@ -188,11 +195,33 @@ def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
     comments: list[Comment] = []
     token = _comment_sink.set(comments)
     try:
-        tree: Tree = _lark().parse(text)
-    except UnexpectedInput as e:
-        raise SpecError([_syntax_diagnostic(e, text, path)]) from None
+        model, compile_block = _parse(text, path, "start")
     finally:
         _comment_sink.reset(token)
+    return SpecFile(model=model, compile=compile_block, path=path, source=text, comments=tuple(comments))
+
+
+_VALUE_HINT = ("write one value in the spec syntax: a name, a number, a \"string\" or a call like "
+               "f(key = value, key = \"text\")")
+
+
+def parse_expr(text: str, path: str = "<value>") -> Expr:
+    """Parse one value in the spec syntax (e.g. a flag's `ngram(n = 3, k = 4)`); errors point into `text`, with
+    `path` (the flag's name) where a file name would be."""
+    try:
+        return _parse(text.removeprefix(_BOM), path, "value")
+    except SpecError as e:  # a file's wording ("end of file", hints about settings) -> a value's
+        d = e.diagnostics[0]
+        keep = d.hint if d.hint.startswith(("strings", "a string", "remove it")) else _VALUE_HINT
+        raise SpecError([dataclasses.replace(d, message=d.message.replace("end of file", "end of text"),
+                                             hint=keep)]) from None
+
+
+def _parse(text: str, path: str, start: str):
+    try:
+        tree: Tree = _lark(start).parse(text)
+    except UnexpectedInput as e:
+        raise SpecError([_syntax_diagnostic(e, text, path)]) from None
     deep = _too_deep(tree)
     if deep is not None:
         line, col = deep.meta.line, deep.meta.column
@@ -200,14 +229,13 @@ def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
                                     "split it up: no spec needs this many calls or operators inside one another",
                                     source_line(text, line))])
     try:
-        model, compile_block = _ToAst().transform(tree)
+        return _ToAst().transform(tree)
     except VisitError as e:
         err = e.orig_exc
         if not isinstance(err, _CallError):
             raise
         line, col = err.span.line, err.span.column
         raise SpecError([Diagnostic(path, line, col, err.message, err.hint, source_line(text, line))]) from None
-    return SpecFile(model=model, compile=compile_block, path=path, source=text, comments=tuple(comments))
 
 
 def source_line(text: str, line: int) -> str:

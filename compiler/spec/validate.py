@@ -24,7 +24,6 @@ from kiln.model_config import (
     LayerAssign,
     LayerExpr,
     MlpCall,
-    ModConfig,
     ModelConfig,
     NormCall,
     NormConfig,
@@ -34,9 +33,10 @@ from kiln.model_config import (
     param_shapes,
 )
 from kiln.model_config import Add as AddExpr
-from kiln.spec.ast import BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Num, Setting, SpecFile
+from kiln.spec.ast import BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Setting, SpecFile
 from kiln.spec.compile_keys import COMPILE_KEYS, PLANNED_COMPILE_KEYS, compile_config
 from kiln.spec.formatter import format_expr
+from kiln.spec.route import describe_route, route_setting
 from kiln.spec.values import _bool, _config_call, _enum, _float, _int, _kwargs, _Report, _suggest, _unique
 
 __all__ = ["COMPILE_KEYS", "MAX_WEIGHT_BYTES", "MODEL_KEYS", "PLANNED_COMPILE_KEYS", "SIZE_LIMITS", "describe_route",
@@ -54,7 +54,6 @@ SIZE_LIMITS = {  # key -> (largest value, why)
     "head_dim": (256, "the attention kernels take head_dim up to 256 (e.g. 64, 80, 96, 128, 256)"),
     "window": (1 << 24, "window is at most the largest context, 16777216"),
     "original": (1 << 24, "original is a context length: at most 16777216"),
-    "hidden": (1 << 17, "hidden is the router predictor's width, a small MLP: e.g. hidden = 128"),
 }
 FLOAT_LIMITS = {  # key -> (largest value, why): beyond these the fp32 arithmetic overflows or means nothing
     "eps": (1.0, "eps keeps the norm's division finite and is tiny, e.g. eps = 1e-5"),
@@ -102,51 +101,6 @@ def _rope(r: _Report, e: Expr) -> RopeConfig | None:
             return None
         scaling = RopeScaling(kind, vals["factor"], vals.get("low", 1.0), vals.get("high", 4.0), original)
     return RopeConfig(theta, scaling) if theta is not None else None
-
-
-_ROUTE_EXAMPLE = "mod(capacity = 0.125, every = 2, decide = threshold)"
-
-
-def _route(r: _Report, e: Expr, layers: int | None) -> ModConfig | None:
-    """`route = mod(capacity = 0.125, every = 2, decide = threshold | predictor(hidden = 128))` -> ModConfig."""
-    found = _config_call(r, e, "route", {"mod": ("capacity", "every", "decide")}, _ROUTE_EXAMPLE)
-    if found is None:
-        return None
-    _, kw = found
-    capacity = None
-    if "capacity" not in kw:
-        r.error(e, "mod() needs `capacity = ...`", f"capacity is the fraction of tokens a routed layer processes, "
-                f"in (0, 1]: e.g. route = {_ROUTE_EXAMPLE}")
-    else:
-        c = kw["capacity"]
-        if isinstance(c, Num) and not isinstance(c.value, bool) and 0 < c.value <= 1:
-            capacity = float(c.value)
-        else:
-            r.error(c, f"capacity must be a number in (0, 1], got {format_expr(c)}",
-                    "capacity is the fraction of tokens a routed layer processes, e.g. capacity = 0.125")
-    every = 2
-    if "every" in kw:
-        v = kw["every"]
-        every = _int(r, v, "every")
-        if every is not None and layers and every > layers:
-            r.error(v, f"every = {every} is above layers ({layers}), so no layer would be routed",
-                    f"every = N routes layers N-1, 2N-1, ...: use every <= {layers}, e.g. every = 2")
-            every = None
-    decide, hidden = "threshold", 0
-    if "decide" in kw:
-        dfound = _config_call(r, kw["decide"], "decide", {"threshold": (), "predictor": ("hidden",)},
-                              "predictor(hidden = 128)")
-        decide = dfound[0] if dfound is not None else None
-        if decide == "predictor":
-            if "hidden" not in dfound[1]:
-                r.error(kw["decide"], "predictor() needs `hidden = ...`",
-                        "hidden is the width of the predictor MLP: e.g. decide = predictor(hidden = 128)")
-                hidden = None
-            else:
-                hidden = _int(r, dfound[1]["hidden"], "hidden", *SIZE_LIMITS["hidden"])
-    if capacity is None or every is None or decide is None or hidden is None:
-        return None
-    return ModConfig(capacity=capacity, every=every, decide=decide, hidden=hidden)
 
 
 # ---- the layer block -------------------------------------------------------------------------------------
@@ -273,10 +227,7 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
                 "a model has exactly one layer block: merge them")
     layer = _Layer(r)
     body = layer.body(layer_blocks[0]) if layer_blocks else ()
-    route = _route(r, s["route"].value, ints.get("layers")) if "route" in s else None
-    if route is not None and any(isinstance(site, AttentionCall) and not site.causal for site in _sites(body)):
-        r.error(s["route"], "route = mod(...) needs causal attention, but the layer block has causal = false",
-                "Mixture-of-Depths routes the tokens of a causal decoder: drop causal = false or the route setting")
+    route = route_setting(r, s["route"], ints.get("layers"), body) if "route" in s else None
     if layer.uses_mlp and "ffn" not in s:
         r.error(block, f"model `{block.name}` is missing the setting `ffn`, which mlp() needs",
                 "add `ffn = <hidden size of the MLP>` to the model block")
@@ -290,24 +241,11 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
     )
 
 
-def _sites(body: tuple[LayerAssign, ...]) -> list[LayerExpr]:
-    """Every call in the layer program (ModelConfig.sites without a ModelConfig)."""
-    todo, found = [a.value for a in body], []
-    while todo:
-        e = todo.pop()
-        if isinstance(e, AddExpr):
-            todo += [e.left, e.right]
-        elif not isinstance(e, Var):
-            found.append(e)
-            todo.append(e.arg)
-    return found
-
-
 def resolve(spec: SpecFile) -> tuple[ModelConfig, CompileConfig]:
     """Validate `spec` and resolve it; raises one SpecError listing every problem found."""
     r = _Report(spec)
     model = _model(r, spec.model)
-    comp = compile_config(r, spec.compile)
+    comp = compile_config(r, spec.compile, model.layers if model is not None else None)
     if model is not None:
         size = param_count(model) * DTYPE_BYTES[comp.dtype]
         if size > MAX_WEIGHT_BYTES:
@@ -342,17 +280,6 @@ def param_count(model: ModelConfig) -> int:
         routed = sum(model.route.routed(i) for i in range(model.layers))
         total += routed * (count(one) - count(dataclasses.replace(dense, layers=every)))
     return total
-
-
-def describe_route(model: ModelConfig) -> str:
-    """The routed layers in words (kiln check, kiln compile), or "" for a dense model."""
-    route = model.route
-    if route is None:
-        return ""
-    layers = [i for i in range(model.layers) if route.routed(i)]
-    shown = ", ".join(map(str, layers[:8])) + (f", ... ({len(layers)} in all)" if len(layers) > 8 else "")
-    decide = "threshold" if route.decide == "threshold" else f"predictor(hidden = {route.hidden})"
-    return f"Mixture-of-Depths routes layers {shown} (capacity {route.capacity:g}, decide = {decide})"
 
 
 def format_count(n: int) -> str:

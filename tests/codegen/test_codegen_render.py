@@ -16,6 +16,8 @@ from kiln.codegen.render import render, template_names
 from kiln.errors import CodegenError
 
 RENDER_CASES = {
+    "mod_route": dict(op="mod_route", tile={"BLOCK_T": 32, "BLOCK_D": 128, "num_warps": 4}, params={"SCORE": True}),
+    "mod_scatter": dict(op="mod_scatter", tile={"BLOCK_C": 32, "BLOCK_D": 128, "num_warps": 4}, params={}),
     "norm": dict(
         op="rms_norm",
         tile={"BLOCK_D": 128, "num_warps": 4},
@@ -53,6 +55,7 @@ RENDER_CASES = {
         params={"BITS": 8, "GROUP": 32, "HAS_ZEROS": False, "HAS_BIAS": True, "INPUT_PRECISION": None,
                 "DOT_FP32": False, "ZERO_IS_MIN": False, "GROUP_SCALES8": True},
     ),
+    "spec_verify": dict(op="spec_verify", tile={"BLOCK_V": 4096, "num_warps": 8}, params={"HAS_DRAFT_PROBS": True}),
 }
 
 

@@ -57,7 +57,33 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         qweight, scales, zeros, qw = _quantized(g, 97, k4, f"int4-g{group}", device)
         return qweight, scales, zeros, ids(5), 4, group, dtype
 
+    def verify():  # fp32 whatever the model dtype (kiln.step.VerifyBatch); outputs are token ids, compared exactly
+        b, k, v = (3, 2, 33) if small else (64, 4, 32000)
+        probs = lambda *s: torch.softmax(torch.randn(*s, generator=g) * 3, -1).to(device)  # noqa: E731
+        tokens = torch.randint(0, v, (b, k), generator=g).to(device)
+        num = torch.randint(0, k + 1, (b,), generator=g).to(device=device, dtype=torch.int32)
+        noise = torch.empty(b, v).exponential_(generator=g).to(device)
+        return probs(b, k + 1, v), tokens, probs(b, k, v), num, torch.rand(b, k, generator=g).to(device), noise
+
+    def routed_mask(n: int):
+        return (torch.rand(n, seq, generator=g) < 0.5).to(device)
+
+    def routed_rows():  # a consistent (x, ys, r, index, count) for mod_scatter
+        x, pos2 = r(2, seq, d), torch.arange(seq, device=device).expand(2, seq).contiguous()
+        score, index, count, xs, _ = kiln_ops.mod_route(x, pos2, r(1, d, scale=d**-0.5), r(1), r(1, scale=0.0))
+        return x, xs + r(*xs.shape), score, index, count
+
+    pos2 = torch.arange(seq, device=device).expand(2, seq).contiguous()
     return {
+        kiln_ops.mod_route.default: lambda: (r(2, seq, d), pos2, r(1, d, scale=d**-0.5), r(1), r(1, scale=0.0)),
+        kiln_ops.mod_gather.default: lambda: (r(2, seq, d), pos2, routed_mask(2), 1.0),
+        kiln_ops.mod_scatter.default: routed_rows,
+        kiln_ops.mod_router.default: lambda: (r(2, seq, d), r(1, d, scale=d**-0.5), r(1)),
+        kiln_ops.mod_predictor.default: lambda: (r(2, seq, d), r(8, d, scale=d**-0.5), r(8), r(1, 8), r(1)),
+        kiln_ops.mod_topk_mask.default: lambda: (r(2, seq), 0.3),
+        kiln_ops.mod_threshold_mask.default: lambda: (r(2, seq), r(1)),
+        kiln_ops.routed_attention.default: lambda: (*qkv(), routed_mask(1), *attn),
+        kiln_ops.mod_combine.default: lambda: (r(2, seq, d), r(2, seq, d), r(2, seq), routed_mask(2)),
         kiln_ops.embedding.default: lambda: (r(97, d), ids(seq)),
         kiln_ops.linear.default: lambda: (r(rows, d), r(24, d, scale=d**-0.5), r(24)),
         kiln_ops.add.default: lambda: (r(rows, d), r(rows, d)),
@@ -74,6 +100,7 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         kiln_ops.linear_w8.default: w8,
         kiln_ops.linear_w4.default: w4,
         kiln_ops.embedding_q.default: emb_q,
+        kiln_ops.spec_verify.default: verify,
     }
 
 
@@ -91,6 +118,9 @@ def _check(op, size: str, dtype: torch.dtype, device: str, tol: float) -> None:
     want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
     for w, o in zip(want, got, strict=True):
         assert o.shape == w.shape and o.dtype == w.dtype, f"{op}: {o.dtype}{list(o.shape)} vs {w.dtype}{list(w.shape)}"
+        if not w.is_floating_point():  # token ids, indices, counts and masks: exact at any size
+            assert torch.equal(o, w), f"{op}: integer outputs differ"
+            continue
         assert torch.isfinite(o).all()
         err = (o.float() - w.float()).abs().max().item()
         assert err <= tol * max(w.float().abs().max().item(), 1.0), f"{op}: max error {err}"

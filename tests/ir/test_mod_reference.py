@@ -244,3 +244,39 @@ def test_checkpoint_without_routers_is_refused_naming_them(tmp_path):
     assert load_hf_weights(tmp_path, dense, model_type="llama").keys() == param_shapes(dense).keys()
     with pytest.raises(WeightError, match="layers.1.router.weight"):  # the same for weights given in Python
         build_graph(cfg, {n: t for n, t in weights.items() if ".router." not in n})
+
+
+# ---- the engine path: refused until the routed KV cache exists -----------------------------------------------
+
+
+def test_llm_and_kiln_run_refuse_a_routed_model(capsys):
+    from kiln import LLM
+    from kiln.cli.commands import main
+    from kiln.compile.step import compile_step
+
+    with pytest.raises(KilnError) as info:
+        LLM("tiny-mistral-mod", device="cpu")
+    msg = str(info.value)
+    assert "model 'tiny-mistral-mod' routes layers with Mixture-of-Depths" in msg
+    assert "routed KV cache" in msg and "not built yet" in msg
+    assert "uncached reference path" in msg and "`kiln compile`" in msg
+    loaded = load_spec("tiny-llama-mod")
+    with pytest.raises(KilnError, match="'tiny-llama-mod' routes layers"):
+        compile_step(build_graph(loaded.model), loaded.model, loaded.compile)
+    assert main(["run", "tiny-llama-mod", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--device", "cpu"]) == 2
+    assert "routed KV cache" in capsys.readouterr().err
+
+
+def test_the_uncached_reference_path_generates_with_routing():
+    from kiln.reference import generate
+    from kiln.runtime.sampler import SamplingParams
+
+    cfg = load_spec("tiny-llama-mod").model
+    params = SamplingParams(temperature=0, max_tokens=6)
+    routed = generate(build_graph(cfg, seed=2), [5, 9, 13, 2], params, context=cfg.context)
+    dense_cfg = dataclasses.replace(cfg, route=None)
+    dense_weights = {n: t for n, t in random_weights(cfg, seed=2).items() if ".router." not in n}
+    dense = generate(build_graph(dense_cfg, dense_weights), [5, 9, 13, 2], params, context=cfg.context)
+    assert len(routed.token_ids) == 6 and routed.finish_reason == "length"
+    assert routed.token_ids == generate(build_graph(cfg, seed=2), [5, 9, 13, 2], params, context=cfg.context).token_ids
+    assert routed.token_ids != dense.token_ids  # routing changes the model: it is not the dense one

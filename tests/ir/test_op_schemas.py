@@ -17,6 +17,7 @@ import kiln.ir.ops  # noqa: F401
 import kiln.ir.ops_level2  # noqa: F401
 import kiln.ir.ops_paged  # noqa: F401
 import kiln.ir.ops_quant  # noqa: F401
+import kiln.ir.ops_spec  # noqa: F401
 
 
 def _kiln_schemas() -> list[torch._C.FunctionSchema]:
@@ -39,7 +40,7 @@ def _written(arg: torch._C.Argument) -> bool:
 
 def test_the_op_set_is_registered():
     names = {s.name for s in SCHEMAS}
-    assert {"kiln::attention", "kiln::linear", "kiln::paged_attention", "kiln::linear_w4"} <= names
+    assert {"kiln::attention", "kiln::linear", "kiln::paged_attention", "kiln::linear_w4", "kiln::spec_verify"} <= names
     assert "kiln::paged_attention" in {s.name for s in MUTABLE}
 
 

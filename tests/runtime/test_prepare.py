@@ -1,13 +1,15 @@
 """ModelRunner.prepare on persistent buffers gives the same inputs as the list-building version it replaced.
 
-`legacy_prepare` is that version (before the persistent buffers), kept here as the oracle. Random workloads on
-a small pool (preemption), with shared prompt prefixes (prefix-cache hits), chunked prefills, aborts and padded
-decode batches compare every step's tensors.
+`legacy_prepare` is that version (before the persistent buffers): bench/legacy_prepare.py, the oracle here and
+bench/prepare.py's baseline. Random workloads on a small pool (preemption), with shared prompt prefixes
+(prefix-cache hits), chunked prefills, aborts and padded decode batches compare every step's tensors.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,45 +17,22 @@ import torch
 from kiln.runtime.block_manager import NULL_BLOCK
 from kiln.runtime.engine import Engine
 from kiln.runtime.input_batch import BlockTableRows
-from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampler import SamplingParams
-from kiln.runtime.scheduler import Schedule
 from tests.support.fake_step import FakeStepModel, fake_config
 
 V = 97
 
 
-def legacy_prepare(runner: ModelRunner, sched: Schedule) -> tuple[dict, int]:
-    bs = runner.block_size
-    tokens, positions, slots, tables, context_lens, qsl, sample_rows = [], [], [], [], [], [0], []
-    for s in sched.seqs:
-        req, end = s.request, s.start + s.num_new
-        table = runner.bm.table(req.request_id)
-        tokens += req.token_slice(s.start, end)
-        positions += range(s.start, end)
-        slots += [table[p // bs] * bs + p % bs for p in range(s.start, end)]
-        tables.append(table)
-        context_lens.append(end)
-        qsl.append(qsl[-1] + s.num_new)
-        if s.sample:
-            sample_rows.append(qsl[-1] - 1)
-    padded = runner._pad_size(sched)
-    width = runner.max_blocks_per_seq if padded else max(len(t) for t in tables)
-    if padded:
-        extra = padded - len(sched.seqs)
-        tokens += [0] * extra
-        positions += [0] * extra
-        slots += [NULL_BLOCK * bs] * extra
-        tables += [[]] * extra
-        context_lens += [1] * extra
-        qsl += range(qsl[-1] + 1, qsl[-1] + 1 + extra)
-        sample_rows = list(range(padded))
-    block_tables = [t + [NULL_BLOCK] * (width - len(t)) for t in tables]
-    out = {"tokens": tokens, "positions": positions, "slot_mapping": slots, "block_tables": block_tables,
-           "context_lens": context_lens, "query_start_loc": qsl, "sample_indices": sample_rows,
-           "max_query_len": 1 if padded else max(s.num_new for s in sched.seqs),
-           "max_context_len": runner.max_model_len if padded else max(context_lens)}  # fmt: skip
-    return out, padded
+def _load_legacy():
+    # bench/ is a folder of scripts, not a package: load the one module by its path.
+    path = Path(__file__).resolve().parents[2] / "bench" / "legacy_prepare.py"
+    spec = importlib.util.spec_from_file_location("bench_legacy_prepare", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+legacy_prepare = _load_legacy().legacy_prepare
 
 
 def checked_engine(pad: bool, **kw) -> tuple[Engine, list[int]]:

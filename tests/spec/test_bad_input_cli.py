@@ -246,7 +246,7 @@ def test_an_internal_error_is_a_bug_not_exit_2(monkeypatch, capsys):
     def broken(ref):
         raise ZeroDivisionError("boom inside kiln")
 
-    monkeypatch.setattr("kiln.cli.commands.load_spec", broken)
+    monkeypatch.setattr("kiln.cli.spec_files.load_spec", broken)
     code, _, err = run_main(["check", "tiny-llama"], capsys)
     assert code == 1 and code != 2
     assert "Traceback" in err and "ZeroDivisionError: boom inside kiln" in err

@@ -36,16 +36,19 @@ def check_pass(
     gm_factory: Callable[[], fx.GraphModule],
     example_inputs: Sequence[torch.Tensor],
     expected_node_delta: dict,
+    reference: Callable[[], fx.GraphModule] | None = None,
 ) -> fx.GraphModule:
     """Run `pass_` on a fresh graph from gm_factory and check it; returns the passed graph.
+
+    reference: a factory of the graph whose output the passed graph must equal, for a pass that changes what the
+    graph computes on purpose (self_draft: the model cut to its first layers); default gm_factory (no change).
 
     expected_node_delta maps a call target (torch.ops.kiln.linear.default, operator.getitem, ...) to the change
     in its node count; targets not named must not change. An empty dict means nothing matches: the pass must
     then report modified=False and leave the graph text as it was.
     """
-    reference = gm_factory()
     with torch.no_grad():
-        expected = reference(*example_inputs)
+        expected = (reference or gm_factory)()(*example_inputs)
 
     gm = gm_factory()
     before_text, before = format_graph(gm), op_counts(gm)

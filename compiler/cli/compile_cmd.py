@@ -1,0 +1,119 @@
+"""`kiln compile`: build a spec's graph on meta tensors, run the passes, render and compile its kernels, report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, staged_dir
+from kiln.errors import KilnError, UsageError
+from kiln.spec.loader import load_spec
+from kiln.spec.route import describe_route
+
+
+def _report_gguf_paths(args: argparse.Namespace, comp, dtype) -> None:
+    """With GGUF weights (--weights FILE.gguf, or a bundled spec's package), say which tensors loading keeps as
+    int4 / int8 and which it dequantizes, as `kiln run`'s load line does: from the tensor types, no data read."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.gguf.config import open_gguf
+    from kiln.gguf.files import bundled_weights, is_gguf
+    from kiln.gguf.weights import gguf_paths, paths_summary
+
+    weights = args.weights
+    if weights is None:
+        try:
+            weights = bundled_weights(args.spec)
+        except KilnError as e:  # compiling needs no weights: note it and go on
+            print(f"kiln: note: {e}", file=sys.stderr)
+            return
+    if weights is None:
+        return
+    if not is_gguf(weights):
+        raise UsageError(f"--weights {weights}: kiln compile reports a .gguf's load paths only; give a .gguf file "
+                         "or leave --weights out (compiling needs no weights)")
+    # compile targets the generated kernels, where Q4_0 / Q4_1 / Q8_0 linears stay quantized unless a scheme is set
+    keep = "quantize" not in comp.extra
+    paths = gguf_paths(open_gguf(weights), keep=keep, dtype=dtype)
+    then = "" if keep else f"; then requantized by {args.quantize or 'the spec'}'s scheme"
+    print(f"kiln: {Path(weights).name}: {paths_summary(paths)}{then}", file=sys.stderr)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    import tempfile
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.compile.driver import compile_model, emit
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.ir.frontend import TORCH_DTYPES, build_graph
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.ir.text import weight_bytes
+
+    emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
+    loaded = load_spec(args.spec)
+    dtype_name = args.dtype or loaded.compile.dtype
+    comp = loaded.compile
+    if args.quantize:
+        # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+        from kiln.quant.formats import parse_scheme
+
+        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(args.quantize)})
+
+    # Meta tensors: the graph and every shape are real, the weights cost no memory (an 8B spec builds instantly).
+    def graph():
+        return build_graph(loaded.model, dtype=TORCH_DTYPES[dtype_name], device="meta")
+
+    gm = graph()
+    n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    if emit_dir is not None:
+        with staged_dir("--emit", emit_dir) as stage:
+            written = emit(gm, stage, comp)
+        print(f"kiln: wrote {len(written)} files under {args.emit} (graphs/ after every pass, kernels/)",
+              file=sys.stderr)
+        gm = graph()
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = compile_model(gm, comp, use_kernels=True, dump_dir=dump if args.dump_ir else None)
+        if args.dump_ir:
+            # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+            from kiln.ir.text import format_graph
+
+            sys.stdout.write(format_graph(graph(), title=f"{loaded.model.name}: Level-1 graph (frontend)"))
+            for path in sorted(Path(dump).glob("*.txt")):
+                sys.stdout.write("\n" + path.read_text())
+    size = weight_bytes(compiled.gm)  # after the passes: quantized weights count at their packed size
+    if "quantize" in compiled.passes:
+        # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+        from kiln.cli.quality import weight_breakdown
+
+        parts = weight_breakdown(compiled.gm)
+        print(f"kiln: weights {parts['quantized'] / 2**20:.1f} MiB quantized + {parts['scales_zeros'] / 2**20:.1f} "
+              f"MiB scales/zeros + {parts['dense'] / 2**20:.1f} MiB dense (embeddings, norms, unquantized); "
+              f"{size / weight_bytes(graph()):.2f}x the {dtype_name} size", file=sys.stderr)
+    _report_gguf_paths(args, comp, TORCH_DTYPES[dtype_name])
+    if loaded.model.route is not None:  # build_graph's default form: the one serving and `kiln run` use
+        print(f"kiln: {describe_route(loaded.model)}; compiled in the causal form (router score > threshold, or "
+              "predictor logit > 0; the training form, top capacity per sequence, is for training and perplexity)",
+              file=sys.stderr)
+    print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
+          f"passes: {', '.join(compiled.passes) or 'none'}; {len(compiled.kernels)} kernels "
+          f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled)", file=sys.stderr)
+    return 0
+
+
+def add_compile_parser(sub: argparse._SubParsersAction) -> None:
+    k = sub.add_parser("compile", help="build a spec's graph and show it",
+                       description="Build a spec's graph on meta tensors (no weight memory), run the passes, "
+                       "render and compile its kernels (cached on disk), and report it.")
+    k.add_argument("spec", metavar="SPEC")
+    k.add_argument("--dump-ir", action="store_true",
+                   help="print the graph after the frontend and after every pass, one op per line with shapes")
+    k.add_argument("--emit", metavar="DIR", help="write the graph after every pass and every generated kernel "
+                   "(a .py file with a header naming op, shapes, dtypes and tile config) under DIR")
+    dtype_flag(k)
+    k.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    k.add_argument("--weights", metavar="FILE.gguf", help="a GGUF whose tensors' load paths (kept int4 / int8 or "
+                   "dequantized) to report (default: a bundled spec's own GGUF)")
+    k.set_defaults(func=cmd_compile)

@@ -1,0 +1,93 @@
+"""`kiln run`: compile a spec (or a checkpoint) and generate text from one prompt through the serving engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, seed_arg, serving_engine
+from kiln.cli.gguf import chat_prompt
+from kiln.errors import KilnError
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
+    return ids
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.build import load_model, say
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.runtime.sampler import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+    )
+    params.validate()
+    t0 = time.perf_counter()
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,
+                   quantize=args.quantize)
+    prompt = args.prompt
+    if args.chat and args.prompt_ids is None:
+
+        prompt = chat_prompt(m.tokenizer, prompt)
+    prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(prompt)
+    # One request: the pool only needs room for it (a longer one is refused below with the model's context).
+    total = len(prompt_ids) + params.max_tokens
+    engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
+    say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}) in {time.perf_counter() - t0:.2f}s")
+    engine.add_request(prompt_token_ids=prompt_ids, params=params)
+    final = None
+    for out in engine.stream():
+        if not args.json:
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        final = out
+    assert final is not None and final.finished
+    if final.outputs[0].finish_reason == "error":  # e.g. NaN logits: the engine says why; no traceback
+        raise KilnError(final.error or "generation failed")
+    gen, metrics = final.outputs[0], final.metrics
+    n = len(gen.token_ids)
+    decode_s = metrics.finish_time - metrics.first_token_time
+    timings = {"ttft_s": metrics.ttft_s, "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0}
+    if args.json:
+        out = {"token_ids": gen.token_ids, "text": gen.text, "prompt_token_ids": list(prompt_ids),
+               "finish_reason": gen.finish_reason, "model": m.model.name, "device": str(m.device), **timings}
+        print(json.dumps(out))
+    else:
+        print()
+    say(f"{n} tokens, time to first token {timings['ttft_s'] * 1e3:.1f} ms, "
+        f"{timings['decode_tokens_per_s']:.1f} tokens/s (paged KV cache engine)")
+    return 0
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="compile a spec and generate text", description="Compile a spec and generate.")
+    r.add_argument("spec", nargs="?", help="a .kiln file or bundled spec name (default: from --weights, else "
+                   "the bundled tiny-llama with seeded random weights)")
+    r.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (config.json + *.safetensors) "
+                   "or a .gguf file")
+    r.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (one user turn)")
+    g = r.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", metavar="TEXT", help="prompt text (tokenized with the checkpoint's tokenizer)")
+    g.add_argument("--prompt-ids", metavar="1,2,3", type=_ids, help="prompt as comma-separated token ids")
+    r.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    r.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
+    r.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
+    r.add_argument("--seed", type=seed_arg, default=None, help="seed for sampling and random weights")
+    r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    dtype_flag(r)
+    r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
+    r.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    engine_flags(r)
+    r.set_defaults(func=cmd_run)

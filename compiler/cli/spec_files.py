@@ -1,0 +1,102 @@
+"""The spec-file commands, none of which loads torch: `kiln check` (validate, every error reported), `kiln fmt`
+(the canonical form) and `kiln import` (a spec from a Hugging Face config.json or a GGUF file's metadata)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kiln.cli.common import EXIT_USER_ERROR, check_output_file, write_file_atomic
+from kiln.errors import KilnError, SpecError, UsageError
+from kiln.hf.config import import_spec
+from kiln.spec.formatter import format_spec
+from kiln.spec.loader import load_spec, read_spec_file
+from kiln.spec.parser import parse_spec
+from kiln.spec.speculation import describe as describe_speculation
+from kiln.spec.validate import DTYPE_BYTES, describe_route, format_bytes, format_count, param_count
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    failed = 0
+    for ref in args.specs:
+        try:
+            loaded = load_spec(ref)
+        except SpecError as e:
+            failed += 1
+            n = len(e.diagnostics)
+            print(f"{e}\n{ref}: {n} error{'s' if n != 1 else ''}", file=sys.stderr)
+        except KilnError as e:  # unreadable, a directory, no such spec: report it and check the rest
+            failed += 1
+            print(f"kiln: error: {e}", file=sys.stderr)
+        else:
+            n, dtype = param_count(loaded.model), loaded.compile.dtype
+            route = describe_route(loaded.model)
+            spec_cfg = loaded.compile.extra.get("speculation")
+            speculation = f", speculation {describe_speculation(spec_cfg)}" if spec_cfg else ""
+            print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers, {format_count(n)} "
+                  f"parameters, {format_bytes(n * DTYPE_BYTES[dtype])} of weights in {dtype}{speculation})"
+                  + (f"; {route}" if route else ""))
+    return EXIT_USER_ERROR if failed else 0
+
+
+def cmd_fmt(args: argparse.Namespace) -> int:
+    status = 0
+    for ref in args.specs:
+        path = Path(ref)
+        if not path.is_file():
+            raise UsageError(f"{ref}: no such spec file; check the path")
+        source = read_spec_file(path)
+        text = format_spec(parse_spec(source, str(path)))
+        if args.check:
+            if text != source:
+                print(f"{path}: would be reformatted", file=sys.stderr)
+                status = 1
+        elif args.write:
+            if text != source:
+                write_file_atomic("--write", path, text)
+                print(f"{path}: reformatted", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+    return status
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    src = Path(args.hf_dir)
+    if src.suffix == ".gguf":
+        from kiln.cli.gguf import cmd_import_gguf  # lazy: reading a GGUF loads torch and numpy
+
+        return cmd_import_gguf(args)
+    out = check_output_file("-o", args.output) if args.output else None
+    notes: list[str] = []
+    cfg, text = import_spec(args.hf_dir, args.name or "", notes)  # resolved in-process: always passes `kiln check`
+    for note in notes:
+        print(f"kiln: note: {note}", file=sys.stderr)
+    if out is not None:
+        write_file_atomic("-o", out, text)
+        print(f"kiln: wrote {args.output} ({cfg.name}, {cfg.layers} layers)", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def add_spec_file_parsers(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("check", help="validate spec files, reporting every error",
+                       description="Validate spec files; every error in each file is reported.")
+    c.add_argument("specs", nargs="+", metavar="SPEC")
+    c.set_defaults(func=cmd_check)
+
+    f = sub.add_parser("fmt", help="print the canonical form of spec files", description="Format spec files.")
+    f.add_argument("specs", nargs="+", metavar="SPEC")
+    mode = f.add_mutually_exclusive_group()
+    mode.add_argument("--write", "-w", action="store_true", help="rewrite the files in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a file is not in canonical form")
+    f.set_defaults(func=cmd_fmt)
+
+    i = sub.add_parser("import", help="write a spec for a Hugging Face checkpoint or a GGUF file",
+                       description="Read a HF checkpoint's config.json (or a GGUF file's metadata) and write the "
+                       "matching .kiln spec.")
+    i.add_argument("hf_dir", metavar="HF_DIR|FILE.gguf")
+    i.add_argument("-o", "--output", metavar="FILE.kiln", help="output file (default: stdout)")
+    i.add_argument("--name", help="model name in the spec (default: the directory name)")
+    i.set_defaults(func=cmd_import)

@@ -1,0 +1,185 @@
+"""Speculative decoding's drafter, from a SpeculationConfig and the loaded target (kiln.llm and the CLI use this).
+
+    plan = prepare_drafter(cfg, loaded)            # before the target's compile_step, which rewrites loaded.gm
+    target = compile_step(loaded.gm, ...)
+    engine = Engine(target, ..., drafter=build_drafter(plan, target))
+
+ngram(n, k) -> NgramDrafter(n, k). self(layers = L) -> the target's first L layers, final norm and head
+(passes/speculative.py cuts them from the Level-1 graph, sharing the weights), compiled by the target's own
+compile_step path and config (dtype, KV dtype, block size, passes) -> ModelDrafter(step, k,
+shares_target_cache=True); after compiling, every draft weight equal to the target's (the fused projections, the
+quantized codes) is replaced by the target's tensor, so the self drafter costs no weight memory. draft(spec,
+weights) -> the draft model loaded by kiln.build.load_model in the target's dtype and on its device, checked to
+share the target's tokenizer, compiled with the target's KV cache settings -> ModelDrafter(step, k).
+
+The plan compiles the draft step model once; every build_drafter call (one per engine) makes a fresh drafter
+over it, as the CLI's benchmark builds one engine per policy over one target step model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from kiln.build import LoadedModel, load_model, say
+from kiln.compile.step import compile_step
+from kiln.errors import InternalError, KilnError, UsageError
+from kiln.ir.attrs import owner
+from kiln.model_config import ModelConfig, SpeculationConfig
+from kiln.passes.speculative import self_draft_graph
+from kiln.spec.speculation import check_layers, describe, speculation_config
+from kiln.step import StepModel
+
+
+@dataclass
+class DraftPlan:
+    """What build_drafter needs, made before the target is compiled."""
+
+    config: SpeculationConfig
+    target: LoadedModel
+    graph: fx.GraphModule | None = None  # self: the cut Level-1 graph, compiled on the first build_drafter
+    model: ModelConfig | None = None  # self / draft: the draft step model's config
+    draft: LoadedModel | None = None  # draft: the loaded draft model
+    step: StepModel | None = None  # self / draft: compiled once, on the first build_drafter
+
+
+def resolve_speculation(value: object, loaded: LoadedModel, source: str = "speculation") -> SpeculationConfig | None:
+    """The speculation to use: `value` (a flag's or LLM's: a SpeculationConfig, its text, a dict, or "off") wins over
+    the spec's `speculation` key; None takes the spec's. A self drafter is checked against the model's layers."""
+    cfg = loaded.compile.extra.get("speculation") if value is None else speculation_config(value, source)
+    if cfg is not None:
+        check_layers(cfg, loaded.model, source)
+    return cfg
+
+
+def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 0) -> DraftPlan:
+    """Cut the self drafter's graph from the target's Level-1 graph, or load the draft model (its tokenizer checked
+    against the target's); nothing for n-gram. Call it before compile_step rewrites loaded.gm."""
+    if cfg.kind == "ngram":
+        return DraftPlan(cfg, loaded)
+    if cfg.kind == "self":
+        check_layers(cfg, loaded.model, "speculation")
+        graph = self_draft_graph(loaded.gm, cfg.layers)
+        return DraftPlan(cfg, loaded, graph=graph, model=dataclasses.replace(loaded.model, layers=cfg.layers))
+    try:
+        draft = load_model(cfg.spec or None, cfg.weights or None, dtype=loaded.compile.dtype,
+                           device=str(loaded.device), seed=seed)
+    except UsageError as e:  # no such file, a directory, ...: say which setting named it
+        raise UsageError(f"speculation {describe(cfg)}: cannot load the draft model: {e}") from None
+    check_same_tokenizer(loaded, draft)
+    say(f"draft model {draft.model.name} ({draft.model.layers} layers) from {draft.source}")
+    return DraftPlan(cfg, loaded, model=draft.model, draft=draft)
+
+
+def compile_draft(plan: DraftPlan, target: StepModel, *, use_kernels: bool | None = None) -> StepModel:
+    """The draft step model (compiled on the first call, then reused): with the target's dtype, KV cache dtype and
+    block size, on its device."""
+    if plan.step is not None:
+        return plan.step
+    if plan.config.kind == "ngram":
+        raise InternalError("compile_draft: an n-gram drafter has no model")
+    kv_dtype = "int8" if target.kv_dtype == torch.int8 else "auto"
+    use_kernels = getattr(target, "use_kernels", None) if use_kernels is None else use_kernels
+    comp = plan.target.compile
+    if plan.config.kind == "draft":
+        assert plan.draft is not None and plan.model is not None
+        own = plan.draft.compile  # its own passes and quantization; the target's dtype and KV cache settings
+        extra = {k: v for k, v in own.extra.items() if k not in ("kv_cache", "speculation")}
+        if "kv_cache" in comp.extra:
+            extra["kv_cache"] = comp.extra["kv_cache"]
+        comp = dataclasses.replace(own, dtype=comp.dtype, extra=extra)
+        gm = plan.draft.gm
+    else:
+        assert plan.graph is not None and plan.model is not None
+        gm = plan.graph
+    step = compile_step(gm, plan.model, comp, device=target.device, use_kernels=use_kernels, kv_cache_dtype=kv_dtype)
+    _check_draft_step(plan, step, target)
+    if plan.config.kind == "self" and isinstance(getattr(target, "gm", None), torch.nn.Module):
+        share_weights(step.gm, target.gm)
+    plan.graph = None  # compiled: the step holds what it needs
+    plan.step = step
+    return step
+
+
+def build_drafter(plan: DraftPlan, target: StepModel, *, use_kernels: bool | None = None):
+    """A fresh NgramDrafter or ModelDrafter (kiln.runtime.speculative) for one engine over `target`."""
+    # lazy: kiln.runtime.speculative arrives with the speculative runtime; loading it only when a drafter is asked
+    # for keeps every path without speculation independent of it
+    from kiln.runtime.speculative import ModelDrafter, NgramDrafter
+
+    cfg = plan.config
+    if cfg.kind == "ngram":
+        return NgramDrafter(n=cfg.n, k=cfg.k)
+    step = compile_draft(plan, target, use_kernels=use_kernels)
+    return ModelDrafter(step, cfg.k, shares_target_cache=cfg.kind == "self")
+
+
+def _check_draft_step(plan: DraftPlan, step: StepModel, target: StepModel) -> None:
+    if step.vocab != target.vocab:  # check_same_tokenizer compared the configs; this is the compiled result
+        raise InternalError(f"draft step model has vocab {step.vocab}, the target {target.vocab}")
+    if plan.config.kind != "self":
+        return
+    same = (step.num_kv_heads, step.head_dim, step.kv_dtype) == (target.num_kv_heads, target.head_dim, target.kv_dtype)
+    if step.num_layers > target.num_layers or not same:
+        raise InternalError(
+            f"self drafter {describe(plan.config)} compiled to {step.num_layers} cache layers x {step.num_kv_heads} "
+            f"kv heads x {step.head_dim} ({step.kv_dtype}); it must use the first layers of the target's cache "
+            f"({target.num_layers} x {target.num_kv_heads} x {target.head_dim}, {target.kv_dtype})")
+
+
+def share_weights(draft: torch.nn.Module, target: torch.nn.Module) -> int:
+    """Point every parameter and buffer of `draft` that equals the target's of the same name at the target's
+    tensor; returns how many. The passes after the cut (projection fusion, quantization) make new tensors in
+    each model, equal in value, that would otherwise be held twice."""
+    theirs = dict(target.named_parameters()) | dict(target.named_buffers())
+    shared = 0
+    for name, mine in [*draft.named_parameters(), *draft.named_buffers()]:
+        other = theirs.get(name)
+        if other is None or other is mine:
+            continue
+        if (other.shape, other.dtype, other.device) != (mine.shape, mine.dtype, mine.device):
+            continue
+        if not torch.equal(other, mine):
+            continue
+        mod, leaf = owner(draft, name)
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = other  # type: ignore[assignment]
+        else:
+            mod._buffers[leaf] = other
+        shared += 1
+    return shared
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """KilnError unless the draft model scores the target's vocabulary: the same size, and the same token for every
+    id (speculation compares token ids and probabilities over them)."""
+    t, d = target.model, draft.model
+    t_tokens, d_tokens = _tokens(target.tokenizer), _tokens(draft.tokenizer)
+    where = f"the draft model {d.name!r} ({draft.source}) and the target {t.name!r} ({target.source})"
+    fix = ("speculation compares token ids, so the draft model needs the target's tokenizer: use a smaller model of "
+           "the same family, or ngram(...) / self(...)")
+    if d.vocab != t.vocab:
+        raise KilnError(f"{where} have different vocabularies: {d.vocab} ids in the draft's, {t.vocab} in the "
+                        f"target's; {fix}")
+    if t_tokens is None or d_tokens is None:
+        return  # a tokenizer that cannot list its tokens: the sizes are all that can be compared
+    for i in range(max(len(t_tokens), len(d_tokens))):
+        a = d_tokens[i] if i < len(d_tokens) else None
+        b = t_tokens[i] if i < len(t_tokens) else None
+        if a != b:
+            raise KilnError(
+                f"{where} have different tokenizers: token {i} is {_shown(a)} in the draft's vocabulary "
+                f"({len(d_tokens)} tokens, {type(draft.tokenizer).__name__}) and {_shown(b)} in the target's "
+                f"({len(t_tokens)} tokens, {type(target.tokenizer).__name__}); {fix}")
+
+
+def _tokens(tok: object) -> list[str | None] | None:
+    table = getattr(tok, "token_strings", None)
+    return table() if callable(table) else None
+
+
+def _shown(token: str | None) -> str:
+    return "missing" if token is None else repr(token)

@@ -36,7 +36,7 @@ def cmd_train_router(args: argparse.Namespace) -> int:
                           steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
     opts.mod()  # bad settings fail before the model loads
     t0 = time.perf_counter()
-    m = load_model(args.spec, args.weights, dtype="fp32", device=args.device, quantize="none")
+    m = load_model(args.spec, args.weights, dtype="fp32", device=args.device)  # a GGUF is dequantized off CUDA
     weights = {n: p.detach() for n, p in m.gm.named_parameters()}
     ids = m.tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
     say(f"distilling routers into {m.model.name} (capacity {args.capacity}, every {args.every}, decide "

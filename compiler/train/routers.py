@@ -45,6 +45,7 @@ class RouterTraining:
     lr: float = 3e-3
     predictor_steps: int = 300
     seed: int = 0
+    init_bias: float = 1.0  # the routers' starting score (1: the student starts as the dense model at capacity 1)
 
     def mod(self) -> ModConfig:
         if not 0 < self.capacity <= 1:
@@ -64,18 +65,23 @@ class RouterResult:
     routed_fraction: dict[int, float] = field(default_factory=dict)  # causal form, per routed layer, calibration text
 
 
-def initial_routers(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Routers that start at the dense model: score about 1 for every token (bias 1, small random weight)."""
+def initial_routers(cfg: ModelConfig, seed: int = 0, bias: float = 1.0) -> dict[str, torch.Tensor]:
+    """Routers that start at the dense model: score exactly 1 for every token (weight 0, bias 1), so at capacity 1
+    the student is the dense model and distillation starts from it. (A small random weight would not do: a trained
+    model's residual stream is large, so even tiny weights move the scores far from 1.) The predictor's matrices
+    are small random, its biases 0."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
         if not _ROUTER.match(name):
             continue
         if name.endswith("router.bias"):
-            out[name] = torch.ones(shape)
+            out[name] = torch.full(shape, bias)
         elif name.endswith("threshold"):
             out[name] = torch.zeros(shape)
         elif name.endswith(".bias"):
+            out[name] = torch.zeros(shape)
+        elif name.endswith("router.weight"):
             out[name] = torch.zeros(shape)
         else:
             out[name] = torch.randn(shape, generator=gen) * (0.02 / math.sqrt(shape[1]))
@@ -114,10 +120,10 @@ def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int
     mcfg = dataclasses.replace(cfg, route=opts.mod())
     gen = torch.Generator().manual_seed(opts.seed)
     teacher = build_graph(cfg, weights)
-    student_weights = {**weights, **initial_routers(mcfg, opts.seed)}
+    student_weights = {**weights, **initial_routers(mcfg, opts.seed, opts.init_bias)}
     student = _graph(mcfg, student_weights, "training")
-    params = _freeze_but_routers(student, None)
-    opt = torch.optim.Adam(params, lr=opts.lr)
+    _freeze_but_routers(student, None)
+    opt = torch.optim.Adam(_router_groups(student, windows(ids, opts.seq_len, opts.batch, gen), opts.lr))
     run = Differentiable(student)
     losses = []
     from tqdm import tqdm  # lazy: progress only
@@ -139,6 +145,26 @@ def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int
     result = RouterResult(mcfg, trained, losses)
     calibrate(result, weights, calib)
     return result
+
+
+def _router_groups(student: fx.GraphModule, batch: torch.Tensor, lr: float) -> list[dict]:
+    """Adam parameter groups: each router.weight's learning rate divided by dim x the mean |x| of its layer's input.
+
+    Adam moves every element by about lr per step, so a weight step moves the score r = x @ w.T + b by about
+    lr * sum(|x|) while a bias step moves it by lr. The residual stream of a trained model is large (SmolLM2's
+    elements reach the hundreds), and at one lr for both the scores, which scale the layer's output, swing wildly
+    and distillation diverges; scaled, both move r by about lr per step."""
+    seen = _scores(student, batch)
+    groups = []
+    for name, p in student.named_parameters():
+        if not p.requires_grad:
+            continue
+        scale = 1.0
+        if name.endswith("router.weight"):
+            x = seen[name][0]
+            scale = 1.0 / max(float(x.float().abs().mean()) * x.shape[-1], 1e-6)
+        groups.append({"params": [p], "lr": lr * scale})
+    return groups
 
 
 def _positions(batch: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The `kiln` command line: the parser (one subcommand per family module) and main(), which keeps the error
 contract. The commands live by family: run.py (`kiln run`), spec_files.py (`check`, `fmt`, `import`; no torch),
-compile_cmd.py (`compile`), quantize.py (`quantize`), bench.py (`bench throughput | quality | perplexity`,
-`bench serve` from serve.py), serve.py (`serve`); common.py holds what they share.
+compile_cmd.py (`compile`), quantize.py (`quantize`), train_router.py (`train-router`), bench.py (`bench
+throughput | quality | perplexity`, `bench serve` from serve.py), serve.py (`serve`); common.py holds what they
+share.
 
 The error contract: only KilnError is a user error: one message naming the file, flag or value and the fix, no
 traceback, exit 2 (argparse's own flag errors exit 2 too). Any other exception is a bug in kiln: its traceback
@@ -26,6 +27,7 @@ from kiln.cli.quantize import add_quantize_parser
 from kiln.cli.run import add_run_parser
 from kiln.cli.serve import add_serve_parser
 from kiln.cli.spec_files import add_spec_file_parsers
+from kiln.cli.train_router import add_train_router_parser
 from kiln.errors import KilnError, SpecError
 
 REPORT_BUGS = "the kiln issue tracker"
@@ -44,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_file_parsers(sub)  # check, fmt, import
     add_compile_parser(sub)
     add_quantize_parser(sub)
+    add_train_router_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
     return p

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.library import custom_op
 
 from kiln.errors import KilnError
+from kiln.ir.registry import kiln_op
 from kiln.ir.signatures import ATTENTION
 
 _ACTS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -33,7 +33,7 @@ def _act(x: torch.Tensor, kind: str) -> torch.Tensor:
     raise KilnError(f"unknown activation {kind!r}; expected one of {_ACTS}")
 
 
-@custom_op("kiln::embedding", mutates_args=())
+@kiln_op("kiln::embedding", mutates_args=())
 def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)
 
@@ -43,7 +43,7 @@ def _(weight, ids):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
-@custom_op("kiln::rms_norm", mutates_args=())
+@kiln_op("kiln::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -56,7 +56,7 @@ def _(x, weight, eps):
     return torch.empty_like(x)
 
 
-@custom_op("kiln::layer_norm", mutates_args=())
+@kiln_op("kiln::layer_norm", mutates_args=())
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
 
@@ -66,7 +66,7 @@ def _(x, weight, bias, eps):
     return torch.empty_like(x)
 
 
-@custom_op("kiln::linear", mutates_args=())
+@kiln_op("kiln::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
@@ -83,7 +83,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return emb.cos(), emb.sin()
 
 
-@custom_op("kiln::rope", mutates_args=())
+@kiln_op("kiln::rope", mutates_args=())
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (rotate-half form) on flat heads: x [B, T, H * D], positions [B, T], inv_freq [D / 2]."""
     head_dim = 2 * inv_freq.shape[0]
@@ -115,7 +115,7 @@ def attention_mask(q_len: int, k_len: int, causal: bool, window: int, device: to
     return mask
 
 
-@custom_op(ATTENTION.op, mutates_args=(), schema=ATTENTION.schema())
+@kiln_op(ATTENTION.op, mutates_args=(), schema=ATTENTION.schema())
 @ATTENTION.implements
 def attention(
     q: torch.Tensor,
@@ -154,7 +154,7 @@ def _(q, *rest):
     return torch.empty_like(q)
 
 
-@custom_op("kiln::act", mutates_args=())
+@kiln_op("kiln::act", mutates_args=())
 def act(x: torch.Tensor, kind: str) -> torch.Tensor:
     """Elementwise activation: kind in silu, gelu, gelu_tanh, relu."""
     return _act(x, kind)
@@ -165,7 +165,7 @@ def _(x, kind):
     return torch.empty_like(x)
 
 
-@custom_op("kiln::gated_act", mutates_args=())
+@kiln_op("kiln::gated_act", mutates_args=())
 def gated_act(gate: torch.Tensor, up: torch.Tensor, kind: str) -> torch.Tensor:
     """act(gate) * up: silu is SwiGLU, gelu / gelu_tanh are GeGLU."""
     return _act(gate, kind) * up
@@ -176,7 +176,7 @@ def _(gate, up, kind):
     return torch.empty_like(up)
 
 
-@custom_op("kiln::add", mutates_args=())
+@kiln_op("kiln::add", mutates_args=())
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Residual add (its own op so fusion passes can match norm(x + residual))."""
     return a + b

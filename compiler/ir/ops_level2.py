@@ -16,15 +16,15 @@ by aten.split_with_sizes.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
+from kiln.ir.registry import kiln_op
 from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION
 
 kiln_ops = torch.ops.kiln
 
 
-@custom_op(FLASH_ATTENTION.op, mutates_args=(), schema=FLASH_ATTENTION.schema())
+@kiln_op(FLASH_ATTENTION.op, mutates_args=(), schema=FLASH_ATTENTION.schema())
 @FLASH_ATTENTION.implements
 def flash_attention(
     q: torch.Tensor,
@@ -49,7 +49,7 @@ def _(q, *rest):
     return torch.empty_like(q)
 
 
-@custom_op("kiln::add_rms_norm", mutates_args=())
+@kiln_op("kiln::add_rms_norm", mutates_args=())
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +63,7 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@custom_op("kiln::add_layer_norm", mutates_args=())
+@kiln_op("kiln::add_layer_norm", mutates_args=())
 def add_layer_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

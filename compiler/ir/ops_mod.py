@@ -32,10 +32,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.library import custom_op
 
 import kiln.ir.ops  # noqa: F401  (kiln::attention, which the compact form uses)
 from kiln.errors import KilnError
+from kiln.ir.registry import kiln_op
 
 
 def mod_rows(capacity: float, seq: int) -> int:
@@ -45,7 +45,7 @@ def mod_rows(capacity: float, seq: int) -> int:
     return min(seq, max(1, math.ceil(capacity * seq - 1e-9))) if seq > 0 else 0
 
 
-@custom_op("kiln::mod_router", mutates_args=())
+@kiln_op("kiln::mod_router", mutates_args=())
 def mod_router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return (x.float() @ weight.float().t())[..., 0] + bias.float()
 
@@ -55,7 +55,7 @@ def _(x, weight, bias):
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@custom_op("kiln::mod_predictor", mutates_args=())
+@kiln_op("kiln::mod_predictor", mutates_args=())
 def mod_predictor(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor, fc2_weight: torch.Tensor,
                   fc2_bias: torch.Tensor) -> torch.Tensor:
     h = F.silu(F.linear(x.float(), fc1_weight.float(), fc1_bias.float()))
@@ -67,7 +67,7 @@ def _(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
     return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@custom_op("kiln::mod_topk_mask", mutates_args=())
+@kiln_op("kiln::mod_topk_mask", mutates_args=())
 def mod_topk_mask(score: torch.Tensor, capacity: float) -> torch.Tensor:
     k = mod_rows(capacity, score.shape[-1])
     # A stable descending sort keeps equal scores in position order: ties go to the earlier token.
@@ -80,7 +80,7 @@ def _(score, capacity):
     return score.new_empty(score.shape, dtype=torch.bool)
 
 
-@custom_op("kiln::mod_threshold_mask", mutates_args=())
+@kiln_op("kiln::mod_threshold_mask", mutates_args=())
 def mod_threshold_mask(score: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
     return score > (threshold.float() if threshold is not None else 0.0)
 
@@ -90,7 +90,7 @@ def _(score, threshold):
     return score.new_empty(score.shape, dtype=torch.bool)
 
 
-@custom_op("kiln::routed_attention", mutates_args=())
+@kiln_op("kiln::routed_attention", mutates_args=())
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routed: torch.Tensor, num_heads: int,
                      num_kv_heads: int, causal: bool, window: int, scale: float) -> torch.Tensor:
     b, t, _ = q.shape
@@ -110,9 +110,12 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routed: 
         gap = rank[:, :, None] - rank[:, None, :]
         allowed &= (gap < window) if causal else (gap.abs() < window)
     scores = (qh @ kh.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    seen = allowed.any(-1)
+    # A query with no visible key gives 0. Its row is unmasked before the softmax and zeroed after, so neither
+    # the output nor its gradient (kiln.train differentiates this reference) meets a softmax over nothing: NaN.
+    scores = scores.masked_fill(~(allowed | ~seen[..., None])[:, None], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vh
-    out = torch.where(allowed.any(-1)[:, None, :, None], out, 0.0)  # a query with no visible key: 0, not NaN
+    out = torch.where(seen[:, None, :, None], out, 0.0)
     return out.transpose(1, 2).reshape(b, t, num_heads * d).to(q.dtype)
 
 
@@ -121,7 +124,7 @@ def _(q, k, v, routed, num_heads, num_kv_heads, causal, window, scale):
     return torch.empty_like(q)
 
 
-@custom_op("kiln::mod_combine", mutates_args=())
+@kiln_op("kiln::mod_combine", mutates_args=())
 def mod_combine(x: torch.Tensor, y: torch.Tensor, r: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return torch.where(mask[..., None], xf + r[..., None] * (y.float() - xf), xf).to(x.dtype)
@@ -152,7 +155,7 @@ def _gather_fake(x: torch.Tensor, rows: int):
     return index, x.new_empty((b,), dtype=torch.int64), x.new_empty((b, rows, d)), torch.empty_like(index)
 
 
-@custom_op("kiln::mod_gather", mutates_args=())
+@kiln_op("kiln::mod_gather", mutates_args=())
 def mod_gather(x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, capacity: float
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _gather(x, positions, mask, mod_rows(capacity, x.shape[1]))
@@ -163,7 +166,7 @@ def _(x, positions, mask, capacity):
     return _gather_fake(x, mod_rows(capacity, x.shape[1]))
 
 
-@custom_op("kiln::mod_route", mutates_args=())
+@kiln_op("kiln::mod_route", mutates_args=())
 def mod_route(x: torch.Tensor, positions: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
               threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     r = mod_router(x, weight, bias)
@@ -175,7 +178,7 @@ def _(x, positions, weight, bias, threshold):
     return (x.new_empty(x.shape[:-1], dtype=torch.float32), *_gather_fake(x, x.shape[1]))
 
 
-@custom_op("kiln::mod_scatter", mutates_args=())
+@kiln_op("kiln::mod_scatter", mutates_args=())
 def mod_scatter(x: torch.Tensor, ys: torch.Tensor, r: torch.Tensor, index: torch.Tensor, count: torch.Tensor
                 ) -> torch.Tensor:
     b, rows, d = ys.shape

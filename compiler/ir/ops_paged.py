@@ -28,10 +28,10 @@ quantizes, the gather dequantizes; the kernels do the same arithmetic, so the wr
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the reference calls)
 from kiln.errors import KilnError
+from kiln.ir.registry import kiln_op
 from kiln.ir.signatures import ATTENTION_PARAMS, PAGED_ATTENTION, take
 
 kiln_ops = torch.ops.kiln
@@ -92,7 +92,7 @@ def gather_kv(
     return out[0], out[1]
 
 
-@custom_op(PAGED_ATTENTION.op, mutates_args=PAGED_ATTENTION.mutated, schema=PAGED_ATTENTION.schema())
+@kiln_op(PAGED_ATTENTION.op, mutates_args=PAGED_ATTENTION.mutated, schema=PAGED_ATTENTION.schema())
 @PAGED_ATTENTION.implements
 def paged_attention(
     q: torch.Tensor,

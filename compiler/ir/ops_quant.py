@@ -12,15 +12,15 @@ linears to the generated GEMV / GEMM kernels (codegen/quant.py) and the embeddin
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
+from kiln.ir.registry import kiln_op
 from kiln.quant.formats import dequantize_parts
 
 kiln_ops = torch.ops.kiln
 
 
-@custom_op("kiln::linear_w8", mutates_args=())
+@kiln_op("kiln::linear_w8", mutates_args=())
 def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """kiln::linear with an int8 per-output-channel weight (W8A16)."""
     w = dequantize_parts(qweight, scales, None, 8, 0).to(x.dtype)
@@ -32,7 +32,7 @@ def _(x, qweight, scales, bias):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
-@custom_op("kiln::linear_w4", mutates_args=())
+@kiln_op("kiln::linear_w4", mutates_args=())
 def linear_w4(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -51,7 +51,7 @@ def _(x, qweight, scales, zeros, group, bias):
     return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 
 
-@custom_op("kiln::embedding_q", mutates_args=())
+@kiln_op("kiln::embedding_q", mutates_args=())
 def embedding_q(
     qweight: torch.Tensor,
     scales: torch.Tensor,

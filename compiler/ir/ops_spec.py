@@ -13,10 +13,11 @@ agree with it token for token on the same uniforms and noise.
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
+
+from kiln.ir.registry import kiln_op
 
 
-@custom_op("kiln::spec_verify", mutates_args=())
+@kiln_op("kiln::spec_verify", mutates_args=())
 def spec_verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                 num_drafts: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

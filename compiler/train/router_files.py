@@ -1,0 +1,66 @@
+"""Trained routers on disk: one safetensors file of router tensors (kiln names) whose metadata records the routing
+(capacity, every, decide, hidden), so a dense checkpoint plus this file is the routed model."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kiln.errors import KilnError, WeightError
+from kiln.ir.frontend import build_graph
+from kiln.model_config import ModConfig, ModelConfig, param_shapes
+
+_KEYS = ("capacity", "every", "decide", "hidden")
+
+
+def save_routers(path: str | os.PathLike, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write the router tensors of the routed `cfg` (cfg.route set) with the routing in the file's metadata."""
+    assert cfg.route is not None, "save_routers needs a routed config"
+    meta = {k: str(getattr(cfg.route, k)) for k in _KEYS} | {"model": cfg.name, "format": "kiln-mod-routers"}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().float().contiguous().cpu() for n, t in sorted(tensors.items())}, str(path), meta)
+    return path
+
+
+def load_routers(path: str | os.PathLike) -> tuple[ModConfig, dict[str, torch.Tensor]]:
+    path = Path(path)
+    if not path.is_file():
+        raise KilnError(f"--routers {path}: no such file; give the routers.safetensors `kiln train-router` wrote")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    except Exception as e:  # safetensors raises its own errors for a damaged file
+        raise WeightError(f"--routers {path}: not a readable safetensors file ({e})") from e
+    if meta.get("format") != "kiln-mod-routers":
+        raise WeightError(f"--routers {path}: no kiln routing metadata; it was not written by `kiln train-router`")
+    route = ModConfig(float(meta["capacity"]), int(meta["every"]), meta["decide"], int(meta["hidden"]))
+    return route, tensors
+
+
+def attach_routers(cfg: ModelConfig, gm: torch.fx.GraphModule, path: str | os.PathLike,
+                   mod_form: str = "causal") -> tuple[ModelConfig, torch.fx.GraphModule]:
+    """The routed model from a dense model's graph and a routers file: its config and Level-1 graph."""
+    if cfg.route is not None:
+        raise KilnError(f"{cfg.name} is already routed (route = mod(...) in its spec); --routers adds routers to a "
+                        "dense model: drop the route setting or the --routers flag")
+    route, routers = load_routers(path)
+    routed = dataclasses.replace(cfg, route=route)
+    want = {n: s for n, s in param_shapes(routed).items() if ".router." in n}
+    missing = sorted(set(want) - set(routers))
+    wrong = sorted(n for n in want if n in routers and tuple(routers[n].shape) != want[n])
+    if missing or wrong:
+        raise WeightError(f"--routers {path} does not fit {cfg.name}: missing {missing[:4]}, wrong shape {wrong[:4]}; "
+                          "train the routers on this model with `kiln train-router`")
+    params = {n: p.detach() for n, p in gm.named_parameters()}
+    if any(p.device.type == "meta" for p in params.values()) or len(params) != len(param_shapes(cfg)):
+        raise KilnError("--routers needs the dense model's weights in full precision; load it with --quantize none")
+    ref = next(iter(params.values()))
+    weights = params | {n: routers[n].to(ref.device, ref.dtype) for n in want}
+    return routed, build_graph(routed, weights, dtype=ref.dtype, device=ref.device, mod_form=mod_form)

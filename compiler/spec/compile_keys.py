@@ -11,7 +11,11 @@ from kiln.spec.speculation import speculation_value
 from kiln.spec.values import _bool, _config_call, _enum, _int, _Report, _unique
 
 COMPILE_KEYS = ("dtype", "quantize", "kv_cache", "attention", "speculation")
-PLANNED_COMPILE_KEYS = ("routing",)
+# Keys that belong elsewhere: the message and the hint a compile block using one gets.
+PLANNED_COMPILE_KEYS = {
+    "routing": ("Mixture-of-Depths routing is a model setting, `route`, not a compile setting: it changes what the "
+                "model computes", "move it into the model block, e.g. route = mod(capacity = 0.125, every = 2)"),
+}
 TILE_WARPS = (1, 2, 4, 8, 16)
 _QUANT_COMMON = ("method", "calibration", "tokens", "lm_head", "embeddings")
 QUANT_FUNCS = {"int8": _QUANT_COMMON, "int4": ("group", "symmetric", *_QUANT_COMMON)}

@@ -38,15 +38,15 @@ def _suggest(word: str, choices) -> str:
     return f"; did you mean `{close[0]}`?" if close else ""
 
 
-def _unique(r: _Report, settings, what: str, known, planned=()) -> dict[str, Setting]:
+def _unique(r: _Report, settings, what: str, known, planned: dict | None = None) -> dict[str, Setting]:
     """Known settings by key; duplicates, reserved and unknown keys are reported."""
     seen: dict[str, Setting] = {}
     for s in settings:
         if s.key in seen:
             r.error(s, f"duplicate {what} `{s.key}` (first set on line {seen[s.key].span.line})",
                     "remove one of the two")
-        elif s.key in planned:
-            r.error(s, f"`{s.key}` is not implemented yet by this kiln version", "remove it from the compile block")
+        elif planned and s.key in planned:  # a key that belongs elsewhere: planned maps it to (message, hint)
+            r.error(s, *planned[s.key])
         elif s.key not in known:
             r.error(s, f"unknown {what} `{s.key}`{_suggest(s.key, known)}", f"{what}s are: {', '.join(known)}")
         else:

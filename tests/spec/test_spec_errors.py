@@ -73,9 +73,10 @@ CASES = {
                              "add `context = "),
     "unknown enum": (("act = swiglu", "act = swiglo"), "unknown activation `swiglo`; did you mean `swiglu`?", 13, 32,
                      "act is one of"),
-    "not-implemented compile key": (("  dtype = fp32\n", "  dtype = fp32\n  routing = mod(capacity = 0.5)\n"),
-                                    "`routing` is not implemented yet by this kiln version", 18, 3,
-                                    "remove it from the compile block"),
+    "model key in the compile block": (("  dtype = fp32\n", "  dtype = fp32\n  routing = mod(capacity = 0.5)\n"),
+                                       "Mixture-of-Depths routing is a model setting, `route`, not a compile "
+                                       "setting: it changes what the model computes", 18, 3,
+                                       "move it into the model block"),
     "undefined name": (("mlp(norm(x)", "mlp(norm(h)"), "undefined name `h` in the layer block", 13, 22,
                        "assigned before it is used"),
     "unknown compile key": (("dtype = fp32", "dtyp = fp32"), "unknown compile setting `dtyp`; did you mean `dtype`?",

@@ -85,7 +85,7 @@ def run_distil(args: argparse.Namespace) -> dict:
     cfg, tok = m.model, m.tokenizer
     weights = {n: p.detach() for n, p in m.gm.named_parameters()}
     train_ids = tok.encode(TRAIN_TEXT.read_text())
-    eval_ids = tok.encode(EVAL_TEXT.read_text())[: args.eval_tokens]
+    eval_ids = tok.encode(EVAL_TEXT.read_text())[: args.eval_tokens or None]
     rows = [row(cfg, weights, eval_ids, args.window, {"seconds": 0.0})]
     for c in args.capacities:
         t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def run_scratch(args: argparse.Namespace) -> dict:
     text = EVAL_TEXT.read_bytes()
     held = 8192
     train_ids = list(TRAIN_TEXT.read_bytes()) + list(text[:-held])
-    eval_ids = list(text[-held:])
+    eval_ids = list(text[-held:])[: args.eval_tokens]
     opts = ScratchTraining(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr)
     rows = []
     for c in [None, *args.capacities]:
@@ -144,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--eval-tokens", type=int, default=None, help="held-out tokens scored (default: distil 4096, "
+                    "scratch all 8192 bytes)")
     ap.add_argument("--out-dir", default=str(HERE / "results"))
     args = ap.parse_args(argv)
     if args.mode == "distil":
         args.capacities = args.capacities or [1.0, 0.5, 0.25, 0.125]
         args.steps = args.steps or 40
+        args.eval_tokens = args.eval_tokens or 4096
         result = run_distil(args)
     else:
         args.capacities = args.capacities or [0.5, 0.25, 0.125]

@@ -44,6 +44,10 @@ class ServerMetrics:
         self.batch = Histogram("kiln_running_requests_per_step", "Running requests in each engine step",
                                labelnames=["model_name"], buckets=_BATCH, registry=r).labels(**label)
         self.max_batch = gauge("kiln_max_running_requests_per_step", "The largest running batch of any step")
+        self.spec_proposed = gauge("kiln_spec_draft_tokens_proposed", "Speculative draft tokens proposed so far")
+        self.spec_accepted = gauge("kiln_spec_draft_tokens_accepted", "Speculative draft tokens accepted so far")
+        self.spec_mean_len = gauge("kiln_spec_mean_accepted_length",
+                                   "Tokens emitted per speculative decode per step (1: no draft accepted)")
         self._max = 0
 
     def engine_stats(self, st: EngineStats) -> None:
@@ -52,6 +56,9 @@ class ServerMetrics:
         self.kv_used.set(st.num_blocks - st.num_free_blocks)
         self.kv_total.set(st.num_blocks)
         self.preemptions.set(st.num_preemptions)
+        self.spec_proposed.set(st.spec_proposed)
+        self.spec_accepted.set(st.spec_accepted)
+        self.spec_mean_len.set(st.mean_accepted_length)
 
     def step(self, num_running: int) -> None:
         self.steps.inc()

@@ -1,0 +1,19 @@
+"""The /metrics gauges follow the engine's stats, speculation counters included."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.runtime.engine import EngineStats
+from kiln.server.metrics import ServerMetrics
+
+
+def test_engine_stats_reach_the_gauges():
+    m = ServerMetrics("tiny")
+    st = EngineStats(num_steps=3, num_preemptions=1, prefix_cache_queries=0, prefix_cache_hits=0,
+                     prefix_cache_evictions=0, num_shared_blocks=0, num_free_blocks=5, num_blocks=9, kv_waste_slots=0,
+                     num_running=2, num_waiting=1, num_batched_tokens=10, num_generated_tokens=7, spec_proposed=8,
+                     spec_accepted=6, spec_rows=2, spec_emitted=8)
+    m.engine_stats(st)
+    got = {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert got["kiln_kv_blocks_used"] == 4 and got["kiln_num_requests_running"] == 2
+    assert got["kiln_spec_draft_tokens_proposed"] == 8 and got["kiln_spec_draft_tokens_accepted"] == 6
+    assert got["kiln_spec_mean_accepted_length"] == 4.0

@@ -26,12 +26,13 @@ from kiln.runtime.sampler import processed_probs
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepModel, Verifier, VerifyBatch, kv_bytes_per_block
 
-# Speculate only while at most this many decodes run. Measured by bench/speculative.py on the development CPU
-# (bench/results/speculative-cpu--x86-64--2-threads-2026-11-23.json, "crossover"): with SmolLM2-135M the n-gram
-# drafter beat plain decoding at batch 1 (6x on a copying prompt) but not at 8 or 32, where the k + 1 rows per
-# request cost CPU compute; the self drafter (8 of 30 layers) won at none. A GPU, where decode is bound by weight
-# reads, should measure its own crossover (higher); Engine(speculation_max_batch=...) overrides this.
-DEFAULT_SPECULATION_MAX_BATCH = 1
+# Speculate only while at most this many decodes run. Measured by bench/speculative.py on the development CPU, on an
+# otherwise idle machine (bench/results/speculative-cpu--x86-64--2-threads-2026-11-23.json, "crossover"): with
+# SmolLM2-135M the n-gram drafter beat plain decoding at every batch measured (3.0x at 1, 2.3x at 8, 1.3x at 32 on a
+# copying prompt); the self drafter (8 of 30 layers, ~1% of drafts accepted) lost at 1 and 32. The default follows
+# the drafter that pays, up to the largest batch measured; a GPU should measure its own crossover, and
+# Engine(speculation_max_batch=...) overrides this.
+DEFAULT_SPECULATION_MAX_BATCH = 32
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 
 from kiln.ir.frontend import random_weights
 from kiln.model_config import ModelConfig
-from tests.support.gguf_helper import _GGUF_NAMES, _permute
+from tests.support.gguf_helper import _GGUF_NAMES, _permute, write_hparams
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
 CHARS = list("abcdefghijklmnopqrstuvwxyzHTW0123456789,.!?'-é") + ["\u2581"]
@@ -91,15 +91,7 @@ def write_spm_gguf(path: Path, *, seed: int = 0, add_bos: bool | None = True, ad
     weights = {k: (v * weight_scale if v.ndim == 2 else v) for k, v in weights.items()}
     w = GGUFWriter(str(path), "llama")
     w.add_name("tiny spm")
-    w.add_block_count(cfg.layers)
-    w.add_context_length(cfg.context)
-    w.add_embedding_length(cfg.dim)
-    w.add_feed_forward_length(cfg.ffn)
-    w.add_head_count(cfg.heads)
-    w.add_head_count_kv(cfg.kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(cfg.head_dim)
+    write_hparams(w, cfg)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model(kind)
     w.add_token_list(tokens)

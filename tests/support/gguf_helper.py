@@ -47,15 +47,8 @@ _GGUF_NAMES = {"norm0.weight": "attn_norm", "norm1.weight": "ffn_norm", "attn0.q
                "mlp0.gate.weight": "ffn_gate", "mlp0.up.weight": "ffn_up", "mlp0.down.weight": "ffn_down"}
 
 
-def write_tiny_gguf(path: Path, *, linear_type: str = "Q4_1", arch: str = "llama", seed: int = 0) -> dict:
-    """Write the tiny model; returns its weights in kiln's names and HF order (what the GGUF stores, dequantized)."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import dequantize, quantize
-
-    cfg = tiny_config()
-    weights = {k: v.float().numpy() for k, v in random_weights(cfg, seed=seed).items()}
-    qtype = GGMLQuantizationType[linear_type]
-    writer = GGUFWriter(str(path), arch)
+def write_hparams(writer, cfg) -> None:
+    """A llama-family ModelConfig's hyperparameters as GGUF metadata (rope theta 10000, rms eps 1e-5)."""
     writer.add_block_count(cfg.layers)
     writer.add_context_length(cfg.context)
     writer.add_embedding_length(cfg.dim)
@@ -65,6 +58,18 @@ def write_tiny_gguf(path: Path, *, linear_type: str = "Q4_1", arch: str = "llama
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(cfg.head_dim)
+
+
+def write_tiny_gguf(path: Path, *, linear_type: str = "Q4_1", arch: str = "llama", seed: int = 0) -> dict:
+    """Write the tiny model; returns its weights in kiln's names and HF order (what the GGUF stores, dequantized)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    cfg = tiny_config()
+    weights = {k: v.float().numpy() for k, v in random_weights(cfg, seed=seed).items()}
+    qtype = GGMLQuantizationType[linear_type]
+    writer = GGUFWriter(str(path), arch)
+    write_hparams(writer, cfg)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     toks = tokens()

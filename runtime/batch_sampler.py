@@ -34,6 +34,12 @@ NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; like
                     "`kiln check` on the spec and check the checkpoint for NaN/inf")
 
 
+def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
+    """bool [R]: rows of [R, V] logits that cannot be sampled. -inf entries are legitimate (masked tokens); NaN,
+    +inf or a row of nothing but -inf are not."""
+    return rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1)
+
+
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -57,8 +63,7 @@ def sample_batch(
     errors: list[str | None] = [None] * n
     if n == 0:
         return BatchSample([], errors, [])
-    # -inf entries are legitimate (masked tokens); NaN, +inf or a row of nothing but -inf are not.
-    finite = ~(rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1))
+    finite = ~nonfinite_rows(rows)
     rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
     argmax = rows.argmax(dim=-1)  # every plain greedy row's token, in one kernel and without an index upload
     toks = argmax

@@ -317,8 +317,7 @@ class Engine:
                     self.spec["emitted"] += 1
                     if req.status.done:
                         break  # a stop token, stop string or max_tokens: the rest is dropped
-                if not req.status.done:
-                    self.block_manager.truncate(req.request_id, req.num_computed_tokens)
+                if not req.status.done:  # the unused draft slots are freed with the step's other reservations
                     self._commit(req, s.start)
                 outputs.append(req.make_output())
             except Exception as e:  # a detokenizer or stop-string failure ends this request only

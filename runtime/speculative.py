@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.errors import KilnError
+from kiln.runtime.batch_sampler import nonfinite_rows
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
@@ -185,7 +186,7 @@ def verify_rows(verifier: Verifier, logits: torch.Tensor, items: Sequence[SpecRo
     b, k = len(items), max(ns)
     idx = torch.tensor([it.row + j for it, n in zip(items, ns, strict=True) for j in range(n + 1)], device=dev)
     rows = logits.index_select(0, idx)
-    bad = rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1)
+    bad = nonfinite_rows(rows)
     rows = rows.masked_fill(bad[:, None], 0.0)
     p = processed_probs(rows, [it.seq.request.params for it, n in zip(items, ns, strict=True) for _ in range(n + 1)])
     target = p.new_full((b, k + 1, vocab), 1.0 / vocab)
@@ -205,7 +206,8 @@ def verify_rows(verifier: Verifier, logits: torch.Tensor, items: Sequence[SpecRo
         if not req.params.greedy:
             uniforms[i, :n] = torch.rand(n, generator=req.generator, device=dev)
             noise[i] = torch.empty(vocab, device=dev).exponential_(generator=req.generator).clamp_(min=1e-30)
-    finite = ~torch.stack([bad[sum(ns[:i]) + i : sum(ns[: i + 1]) + i + 1].any() for i in range(b)])
+    owner = torch.repeat_interleave(torch.arange(b, device=dev), torch.tensor(ns, device=dev) + 1)
+    finite = torch.zeros(b, device=dev).index_add_(0, owner, bad.float()) == 0  # no bad row among the item's n + 1
     batch = VerifyBatch(target, tokens.to(dev), q, torch.tensor(ns, dtype=torch.int32, device=dev), uniforms, noise)
     accepted, nxt = verifier(batch)
     host = torch.stack([accepted.long(), nxt.long(), finite.long()]).tolist()  # the one device -> host copy

@@ -101,15 +101,10 @@ def _graph(cfg: ModelConfig, weights: dict[str, torch.Tensor], form: str) -> fx.
     return build_graph(cfg, weights, mod_form=form)
 
 
-def _freeze_but_routers(gm: fx.GraphModule, decide: str | None) -> list[torch.nn.Parameter]:
-    trained = []
+def _train_only_routers(gm: fx.GraphModule) -> None:
+    """requires_grad on router.weight / router.bias only: every other weight stays the dense model's."""
     for name, p in gm.named_parameters():
-        want = bool(_ROUTER.match(name)) and (name.endswith(("router.weight", "router.bias")) if decide is None
-                                              else ".predictor." in name)
-        p.requires_grad_(want)
-        if want:
-            trained.append(p)
-    return trained
+        p.requires_grad_(bool(_ROUTER.match(name)) and name.endswith(("router.weight", "router.bias")))
 
 
 def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int], opts: RouterTraining,
@@ -122,7 +117,7 @@ def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int
     teacher = build_graph(cfg, weights)
     student_weights = {**weights, **initial_routers(mcfg, opts.seed, opts.init_bias)}
     student = _graph(mcfg, student_weights, "training")
-    _freeze_but_routers(student, None)
+    _train_only_routers(student)
     opt = torch.optim.Adam(_router_groups(student, windows(ids, opts.seq_len, opts.batch, gen), opts.lr))
     run = Differentiable(student)
     losses = []
@@ -194,14 +189,6 @@ def routed_layers(cfg: ModelConfig) -> list[int]:
     return [i for i in range(cfg.layers) if cfg.route is not None and cfg.route.routed(i)]
 
 
-def _topk_member(r: torch.Tensor, capacity: float) -> torch.Tensor:
-    """[B, T] bool: the training form's selection, top ceil(capacity * T) per sequence (ties to the earlier)."""
-    r = r.reshape(r.shape[0], -1)
-    k = math.ceil(capacity * r.shape[1])
-    order = torch.sort(r, dim=1, descending=True, stable=True).indices[:, :k]
-    return torch.zeros_like(r, dtype=torch.bool).scatter_(1, order, True)
-
-
 def _train_predictors(student: fx.GraphModule, calib: torch.Tensor, opts: RouterTraining,
                       gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Per routed layer, fit fc2(silu(fc1(x))) to the top-k membership of its router scores (BCE)."""
@@ -211,7 +198,7 @@ def _train_predictors(student: fx.GraphModule, calib: torch.Tensor, opts: Router
         if not name.endswith(".router.weight"):
             continue
         p = name[: -len("weight")] + "predictor."
-        label = _topk_member(r, opts.capacity).flatten().float()
+        label = torch.ops.kiln.mod_topk_mask(r, opts.capacity).flatten().float()
         feats = x.reshape(label.shape[0], -1).float()
         fc1 = torch.nn.Linear(feats.shape[1], opts.hidden)
         fc2 = torch.nn.Linear(opts.hidden, 1)

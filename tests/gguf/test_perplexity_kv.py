@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 
 from kiln.cli.perplexity import run_perplexity, step_window_nll, window_nll
-from tests.support.gguf_helper import write_tiny_gguf
+from tests.support.gguf_helper import tiny_gguf_and_text
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ppl-kv")
-    path, text = d / "tiny.Q4_1.gguf", d / "text.txt"
-    write_tiny_gguf(path)
-    text.write_text("the other one in the north, then another one over the river. " * 6)
-    return path, text
+    return tiny_gguf_and_text(tmp_path_factory.mktemp("ppl-kv"))
 
 
 def _step(path, kv: str):

@@ -112,3 +112,11 @@ def write_tiny_gguf(path: Path, *, linear_type: str = "Q4_1", arch: str = "llama
     writer.write_tensors_to_file()
     writer.close()
     return stored
+
+
+def tiny_gguf_and_text(d: Path) -> tuple[Path, Path]:
+    """A tiny Q4_1 GGUF and a short text file in `d`: what the perplexity tests score."""
+    path, text = d / "tiny.Q4_1.gguf", d / "text.txt"
+    write_tiny_gguf(path)
+    text.write_text("the other one in the north, then another one over the river. " * 6)
+    return path, text

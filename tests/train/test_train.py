@@ -15,7 +15,7 @@ from kiln.model_config import ModConfig
 from kiln.spec.loader import load_spec
 from kiln.train.differentiable import Differentiable
 from kiln.train.flops import flops_per_token, layer_flops
-from kiln.train.routers import RouterTraining, _scores, _topk_member, distil, initial_routers, windows
+from kiln.train.routers import RouterTraining, _scores, distil, initial_routers, windows
 from kiln.train.scratch import ScratchTraining, train_from_scratch
 
 TEXT = (Path(__file__).resolve().parents[2] / "bench" / "data" / "shakespeare-calibration.txt").read_bytes()[:6000]
@@ -87,7 +87,7 @@ def test_predictors_beat_a_constant_guess():
     # predictor's guesses and the router scores whose top-k the predictor was trained to guess.
     gm = build_graph(res.cfg, {**weights, **res.tensors}, mod_form="causal")
     seen = _scores(gm, windows(IDS, 48, 8, torch.Generator().manual_seed(5)))
-    label = _topk_member(seen["layers.1.router.weight"][1], 0.25).flatten()
+    label = torch.ops.kiln.mod_topk_mask(seen["layers.1.router.weight"][1], 0.25).flatten()
     guess = (seen["layers.1.router.predictor.fc1.weight"][1] > 0).flatten()
     assert (guess == label).float().mean() > 0.75 + 0.03  # 0.75: always predicting "skip"
 

@@ -139,7 +139,7 @@ class Engine:
         self.drafter = drafter
         if drafter is not None:
             drafter.bind(step_model, self.block_manager, self.runner.kv_cache, max_num_seqs=max_num_seqs,
-                         max_model_len=self.max_model_len)
+                         max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens)
             self.scheduler.spec_k = drafter.k
             self.scheduler.spec_max_batch = (DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None
                                              else speculation_max_batch)

@@ -55,7 +55,7 @@ class NgramDrafter:
         return 0
 
     def bind(self, target: StepModel, bm: BlockManager, cache: KVCache, *, max_num_seqs: int,
-             max_model_len: int) -> None:
+             max_model_len: int, max_num_batched_tokens: int | None = None) -> None:
         pass
 
     def propose(self, seqs: Sequence[ScheduledSeq]) -> list[Draft]:
@@ -90,7 +90,9 @@ class ModelDrafter:
     and head dim, and uses layers [0, L) of the target's cache, which always holds what the draft needs up to the
     target's computed tokens. False: its own pool (one block per target block, same block size) addressed by the
     same block tables; per request it tracks how many tokens that pool holds and computes the rest first (the
-    whole prompt on a request's first speculative step; 0 again after preemption).
+    whole prompt on a request's first speculative step; 0 again after preemption). That catch-up is bounded by the
+    engine's token budget (max_num_batched_tokens) per step: a request further behind catches up a chunk and
+    decodes without drafts this step, so a long prompt never makes one step's draft work unbounded.
     """
 
     def __init__(self, step_model: StepModel, k: int = 4, *, shares_target_cache: bool = False):
@@ -99,13 +101,15 @@ class ModelDrafter:
         self.model, self.k, self.shares = step_model, k, shares_target_cache
         self.runner: ModelRunner | None = None
         self.cached: dict[str, int] = {}  # own pool: tokens of each request whose draft K/V is written
+        self.catchup_budget: int | None = None  # own pool: prompt tokens the draft may catch up per step (bind)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 0 if self.shares else kv_bytes_per_block(self.model, block_size)
 
     def bind(self, target: StepModel, bm: BlockManager, cache: KVCache, *, max_num_seqs: int,
-             max_model_len: int) -> None:
+             max_model_len: int, max_num_batched_tokens: int | None = None) -> None:
         d = self.model
+        self.catchup_budget = max_num_batched_tokens
         if d.vocab != target.vocab:
             raise KilnError(f"the draft model's vocabulary ({d.vocab} tokens) differs from the target's "
                             f"({target.vocab}); a drafter must share the target's tokenizer")
@@ -131,23 +135,45 @@ class ModelDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for r in reqs:
             r.draft_tokens = []
-        for j in range(max((s.num_drafts for s in seqs), default=0)):
-            active = [i for i, s in enumerate(seqs) if s.num_drafts > j]
-            sched = Schedule()
-            for i in active:
-                s = seqs[i]
-                if j == 0:  # everything the draft has not cached, up to and including the last known token
-                    c = s.start if self.shares else min(self.cached.get(s.request.request_id, 0), s.start)
-                    sched.seqs.append(ScheduledSeq(s.request, c, s.start + 1 - c, True))
-                else:
-                    sched.seqs.append(ScheduledSeq(s.request, s.start + j, 1, True))
+        drafting, first, caught_up = self._first_step(seqs)
+        for j in range(max((seqs[i].num_drafts for i in drafting), default=0)):
+            active = [i for i in drafting if seqs[i].num_drafts > j]
+            if j == 0:
+                sched = first
+            else:
+                sched = Schedule([ScheduledSeq(seqs[i].request, seqs[i].start + j, 1, True) for i in active])
             logits, _ = self.runner.execute(sched)
             q = processed_probs(logits, [reqs[i].params for i in active])
             toks = draw(q, [reqs[i] for i in active]).tolist()
             for row, i in enumerate(active):
                 reqs[i].draft_tokens.append(toks[row])
                 probs[i].append(q[row])
+        if not drafting and first.seqs:  # only catch-up chunks this step
+            self.runner.execute(first)
+        self.cached.update(caught_up)  # only now: a failed step leaves the draft's bookkeeping as it was
         return [Draft(list(r.draft_tokens), torch.stack(p) if p else None) for r, p in zip(reqs, probs, strict=True)]
+
+    def _first_step(self, seqs: Sequence[ScheduledSeq]) -> tuple[list[int], Schedule, dict[str, int]]:
+        """The sequences that draft this step, and the draft's first step: for each of them, everything the draft
+        has not cached up to and including the last known token (sampled); within the catch-up budget, so a
+        sequence further behind gets an unsampled chunk of its missing tokens instead and no drafts (the third
+        result: its draft-cached length once the step has run)."""
+        drafting, first, caught_up = [], Schedule(), {}
+        budget = self.catchup_budget
+        for i, s in enumerate(seqs):
+            rid = s.request.request_id
+            c = s.start if self.shares else min(self.cached.get(rid, 0), s.start)
+            need = s.start + 1 - c
+            if budget is None or need <= max(budget, 1):
+                drafting.append(i)
+                first.seqs.append(ScheduledSeq(s.request, c, need, True))
+                budget = None if budget is None else budget - need
+            elif budget > 0:  # catch up a chunk (never the last known token: that one is sampled when drafting)
+                m = min(budget, need - 1)
+                first.seqs.append(ScheduledSeq(s.request, c, m, False))
+                caught_up[rid] = c + m
+                budget -= m
+        return drafting, first, caught_up
 
     def verified(self, req: Request, start: int, num_drafts: int, num_accepted: int) -> None:
         """The draft cache holds positions up to start + n - 1; those up to start + a are still valid."""

@@ -152,3 +152,30 @@ def test_generated_kernels_verify_a_speculative_chunk(sm):
     eng = Engine(step, None, m.model, max_num_seqs=2, drafter=drafter, speculation_max_batch=2)
     assert run(eng, [(prompt, 6)]) == want
     assert eng.stats.spec_rows > 0
+
+
+def test_a_draft_model_catches_up_long_prompts_within_the_token_budget(sm):
+    """A draft model with its own pool computes a prompt it has not seen before drafting; with prompts longer than
+    the engine's token budget that catch-up comes in chunks of at most the budget (those steps decode plainly),
+    and the tokens are still exactly the plain ones."""
+    m = sm.loaded
+    rng = random.Random(5)
+    phrase = [rng.randrange(512) for _ in range(9)]
+    trace = [((phrase * 12)[: 70 + 9 * i], 12) for i in range(4)]
+    want = run(Engine(sm.target, m.tokenizer, m.model, max_num_seqs=8), trace)
+    budget = 24
+    d = ModelDrafter(other_draft(sm, seed=7, layers=1), k=2)
+    engine = Engine(sm.target, m.tokenizer, m.model, max_num_seqs=8, max_num_batched_tokens=budget, drafter=d,
+                    speculation_max_batch=8)
+    sizes = []
+    execute = d.runner.execute
+
+    def counted(sched):
+        sizes.append(sched.num_tokens)
+        return execute(sched)
+
+    d.runner.execute = counted
+    assert run(engine, trace) == want
+    assert sizes and max(sizes) <= budget + 2 * len(trace)  # the catch-up budget, plus one sampled token per row
+    assert any(n == budget for n in sizes)  # the budget was reached: the prompts did need chunks
+    assert engine.stats.spec_proposed > 0 and engine.stats.spec_drafter_failures == 0  # drafting followed

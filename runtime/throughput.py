@@ -91,6 +91,10 @@ def run_trace(engine: Engine, trace: list[TraceRequest], *, label: str = "",
         "preemptions": st.num_preemptions,
         "prefix_cache_hits": st.prefix_cache_hits,
         "batched_tokens": st.num_batched_tokens,
+        **({"speculation": {"proposed": st.spec_proposed, "accepted": st.spec_accepted,
+                            "acceptance_rate": st.acceptance_rate, "mean_accepted_length": st.mean_accepted_length,
+                            "verify_steps": st.spec_verify_steps, "off_steps": st.spec_off_steps}}
+           if engine.drafter is not None else {}),
     }
 
 

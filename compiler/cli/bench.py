@@ -17,6 +17,7 @@ from kiln.cli.common import (
 )
 from kiln.cli.serve import add_bench_serve_parser
 from kiln.errors import KilnError, UsageError
+from kiln.spec.speculation import describe
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -52,6 +53,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype,
                          "kv_cache_dtype": args.kv_cache_dtype}}
     step = step_model(args, m)  # compiled once; each policy gets its own engine and KV pool over it
+    plan = getattr(args, "draft_plan", None)
+    result["config"]["speculation"] = describe(plan.config) if plan is not None else "off"
     for policy in ("continuous", "static"):
         engine = serving_engine(args, m, step, max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=policy)

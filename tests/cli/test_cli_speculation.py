@@ -122,3 +122,16 @@ def test_llm_with_speculation_is_greedy_identical(tmp_path, speculation):
     assert llm.speculation is not None
     fast = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_bench_throughput_records_the_drafter_and_its_acceptance(capsys):
+    argv = ["bench", "throughput", "tiny-llama", "--num-requests", "3", "--input-len", "8", "--output-len", "6",
+            "--json", "--num-blocks", "32"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["config"]["speculation"] == "off" and "speculation" not in plain["continuous"]
+    assert main([*argv, "--speculation", "ngram(n = 2, k = 3)"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["speculation"] == "ngram(n = 2, k = 3)"
+    spec = result["continuous"]["speculation"]
+    assert spec["proposed"] >= spec["accepted"] >= 0 and spec["verify_steps"] > 0

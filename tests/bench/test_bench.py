@@ -63,3 +63,22 @@ def test_kv_cache_bench_writes_its_json(tmp_path, monkeypatch):
     r = json.loads(files[0].read_text())
     assert r["same_tokens"] and r["tokens"] == 12 and r["ratio"] > 0
     assert {"torch", "triton", "commit", "date", "device"} <= set(r)
+
+
+def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch):
+    """The GPU run's form (a spec without a tokenizer: seeded copying prompts), at the tiniest setting."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("speculative_bench", ROOT / "bench" / "speculative.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = ["--spec", "tiny-llama", "--batches", "2", "--new-tokens", "4", "--self-layers", "1", "--repeats",
+            "1", "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert mod.main(argv) == 0
+    r = json.loads(next(tmp_path.glob("speculative-*.json")).read_text())
+    assert "random weights" in r["workload"] and r["prompt_tokens"] == [128] * 4
+    rows = r["results"]
+    assert {(x["batch"], x["drafter"]) for x in rows} == {(b, d) for b in (2,) for d in ("none", "ngram", "self")}
+    assert all(x["same_tokens_as_plain"] for x in rows)
+    # Random weights rarely copy, so n-gram lookup may find nothing to propose; the self drafter always drafts.
+    assert all(x["proposed"] > 0 for x in rows if x["drafter"] == "self")
+    assert all(x["proposed"] == 0 for x in rows if x["drafter"] == "none")

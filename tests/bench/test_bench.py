@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,18 @@ def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch
     # Random weights rarely copy, so n-gram lookup may find nothing to propose; the self drafter always drafts.
     assert all(x["proposed"] > 0 for x in rows if x["drafter"] == "self")
     assert all(x["proposed"] == 0 for x in rows if x["drafter"] == "none")
+
+
+def test_host_step_bench_times_the_runtime_without_a_model(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("host_step_bench", ROOT / "bench" / "host_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "host_step_bench", mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    prof = tmp_path / "prof.txt"
+    result = mod.main(["--seqs", "1", "3", "--steps", "5", "--prompt-len", "9", "--vocab", "300", "--detokenize",
+                       "--profile", str(prof), "--out-dir", str(tmp_path)])
+    assert [r["seqs"] for r in result["rows"]] == [1, 3]
+    assert all(r["step_ms_median"] > 0 and r["step_ms_p90"] >= r["step_ms_median"] for r in result["rows"])
+    assert "engine.py" in prof.read_text()  # the profile covers the engine's step
+    assert json.loads(next(tmp_path.glob("host_step-*.json")).read_text())["rows"] == result["rows"]

@@ -76,12 +76,16 @@ def flash_attention_varlen(
         capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
         tile = default_tile(head_dim, q.dtype, capability)
     tile.validate()
+    if not scale > 0:
+        raise CodegenError(f"scale={scale} must be > 0 (the kernels fold it into exp2 after the row max)")
+    block_d = max(16, next_power_of_2(head_dim))
     consts = {
         "BLOCK_M": tile.block_m,
         "BLOCK_N": tile.block_n,
-        "BLOCK_D": max(16, next_power_of_2(head_dim)),
+        "BLOCK_D": block_d,
         "CAUSAL": bool(causal),
         "HAS_WINDOW": window > 0,
+        "EVEN_D": head_dim == block_d,  # no head-dim bound on the K/V loads
         # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
         "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else None,
     }

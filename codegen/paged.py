@@ -120,7 +120,7 @@ def paged_kv_write(
     launch("paged_kv_write", "paged_kv_write", (k.shape[0],), args, consts, options)
 
 
-def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads):
+def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads, scale):
     q = _rows(q, "q")
     k_cache, v_cache = _check_cache(kv_cache, layer)
     _check_index(block_tables, "block_tables", 2)
@@ -139,6 +139,8 @@ def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start
         )
     if not 16 <= head_dim <= 256:
         raise CodegenError(f"head_dim {head_dim} is outside the supported 16..256")
+    if not scale > 0:
+        raise CodegenError(f"scale={scale} must be > 0 (the kernels fold it into exp2 after the row max)")
     if q.dtype != kv_cache.dtype and kv_cache.dtype != torch.int8:
         raise CodegenError(f"q has dtype {q.dtype} but kv_cache has {kv_cache.dtype}; use one dtype (or an int8 cache)")
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, context_lens=context_lens,
@@ -178,7 +180,7 @@ def paged_attention_decode(
     kv_scales: the scales of an int8 kv_cache.
     """
     q, k_cache, v_cache, head_dim, group = _check_attention(
-        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
+        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads, scale
     )
     scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
@@ -197,7 +199,7 @@ def paged_attention_decode(
     part_lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, next_power_of_2(head_dim))
     consts = {"BLOCK_G": max(16, next_power_of_2(group)), "BLOCK_N": block_n, "BLOCK_D": block_d,
-              "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
+              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, "INPUT_PRECISION": _precision(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     (stride_pt, stride_ph, stride_ps), (stride_lt, stride_lh) = part_o.stride()[:3], part_lse.stride()[:2]
     partials = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, stride_pt=stride_pt, stride_ph=stride_ph,
@@ -227,7 +229,7 @@ def paged_attention_prefill(
     kv_scales: the scales of an int8 kv_cache.
     """
     q, k_cache, v_cache, head_dim, group = _check_attention(
-        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
+        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads, scale
     )
     scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
@@ -238,8 +240,9 @@ def paged_attention_prefill(
     num_seqs = context_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": max(16, next_power_of_2(head_dim)),
-              "CAUSAL": bool(causal), "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
+    block_d = max(16, next_power_of_2(head_dim))
+    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": block_d, "CAUSAL": bool(causal),
+              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, "INPUT_PRECISION": _precision(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     args = dict(q_ptr=q, **_cache_args(k_cache, v_cache), **scale_args, o_ptr=out, block_tables_ptr=block_tables,
                 context_lens_ptr=context_lens, query_start_loc_ptr=query_start_loc, stride_qt=q.stride(0),

@@ -159,13 +159,39 @@ def _sm_count(index: int) -> int:
 
 
 def choose_splits(num_seqs: int, kv_heads: int, span: int, block_n: int, device: torch.device) -> int:
-    """Splits per sequence for decode over `span` visible keys: enough programs to fill the GPU (two per SM),
-    each split at least _MIN_SPLIT_KEYS long."""
+    """Splits per sequence for split-KV decode over `span` visible keys (the batch's max_context_len, or the
+    window), by FlashAttention-2's wave heuristic: programs are (sequence, kv head, split), two resident per SM.
+    A batch that fills most of a wave alone takes 1; otherwise, among the useful split counts (each split at
+    least _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS, and each count changing the tiles per split), the smallest
+    whose wave efficiency (programs / slots of the waves they take) is within 85% of the best."""
     sms = 1
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    slots, base = 2 * sms, max(1, num_seqs * kv_heads)
+    if base >= 0.8 * slots:
+        return 1
+    tiles = cdiv(max(span, 1), block_n)
     useful = max(1, min(_MAX_SPLITS, cdiv(span, max(_MIN_SPLIT_KEYS, block_n))))
-    return max(1, min(useful, cdiv(2 * sms, max(1, num_seqs * kv_heads))))
+    counts = [s for s in range(1, useful + 1) if s == 1 or cdiv(tiles, s) != cdiv(tiles, s - 1)]
+    efficiency = {s: base * s / (cdiv(base * s, slots) * slots) for s in counts}
+    best = max(efficiency.values())
+    return next(s for s in counts if efficiency[s] >= 0.85 * best)
+
+
+def decode_block_n(head_dim: int, device: torch.device) -> int:
+    """Keys per step of the decode kernel: 64 on a GPU (32 for head dims above 128, and in the interpreter)."""
+    return 64 if device.type == "cuda" and head_dim <= 128 else 32
+
+
+def decode_splits(num_seqs: int, kv_heads: int, max_context_len: int, window: int, head_dim: int,
+                  device: torch.device, num_splits: int | None = None) -> int:
+    """The split count paged_attention_decode launches: choose_splits over the visible span (the batch's
+    max_context_len, or the window), or the asked num_splits, less any split that would lie wholly past it."""
+    block_n = decode_block_n(head_dim, device)
+    span = max(1, min(max_context_len, window) if window > 0 else max_context_len)
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs, kv_heads, span, block_n, device)
+    return cdiv(span, cdiv(cdiv(span, num_splits), block_n) * block_n)
 
 
 def paged_attention_decode(
@@ -185,14 +211,11 @@ def paged_attention_decode(
     scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     n, num_seqs = q.shape[0], context_lens.shape[0]
-    block_n = 64 if q.is_cuda and head_dim <= 128 else 32
-    span = max(1, min(max_context_len, window) if window > 0 else max_context_len)
+    block_n = decode_block_n(head_dim, q.device)
     # An explicit num_splits splits as asked; the default keeps every split at least _MIN_SPLIT_KEYS long (the
     # kernel sizes splits per sequence, from its own context length).
     min_split = block_n if num_splits is not None else cdiv(_MIN_SPLIT_KEYS, block_n) * block_n
-    if num_splits is None:
-        num_splits = choose_splits(num_seqs, k_cache.shape[2], span, block_n, q.device)
-    num_splits = cdiv(span, cdiv(cdiv(span, num_splits), block_n) * block_n)  # no split wholly past the bound
+    num_splits = decode_splits(num_seqs, k_cache.shape[2], max_context_len, window, head_dim, q.device, num_splits)
     if n == 0 or num_seqs == 0:
         return out
     part_o = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)

@@ -46,8 +46,10 @@ def tuning_shape(num_heads: int, device: torch.device) -> tuple[int, int]:
     return 1, TUNE_SEQ_INTERPRETER
 
 
-def _tune(device: torch.device, dtype: torch.dtype, head_dim: int, args: tuple) -> TileConfig:
-    num_heads, num_kv_heads, causal, window, scale = args
+def tuned_tile(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+               causal: bool, window: int, scale: float) -> TileConfig:
+    """The fastest candidate tile for flash attention with these parameters on `device` (a tuning device, see
+    codegen.autotune.tuning_device): loaded from the tuning cache, or timed now on tuning_shape inputs."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     problem = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "causal": bool(causal),
                "window": window > 0}  # fmt: skip
@@ -73,7 +75,7 @@ def choose_tile(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int) ->
     scale): tuned (or loaded from the tuning cache) where tuning_device allows, else the heuristic default."""
     device = autotune.tuning_device(q.device)
     if device is not None:
-        return _tune(device, q.dtype, head_dim, args)
+        return tuned_tile(device, q.dtype, head_dim, *args)
     return default_tile(head_dim, q.dtype, _capability(q.device))
 
 

@@ -19,8 +19,10 @@ import functools
 
 import torch
 
+from kiln import env
+from kiln.codegen import autotune
 from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
-from kiln.codegen.tiles import TileConfig, default_tile
+from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile
 from kiln.errors import CodegenError
 
 _INDEX = (torch.int32, torch.int64)
@@ -241,6 +243,21 @@ def paged_attention_decode(
     return out
 
 
+@functools.cache
+def prefill_tile(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, has_window: bool) -> TileConfig:
+    """The paged prefill's tile when none is pinned: on CUDA the flash kernel's tuned tile for this problem if a
+    compile or benchmark tuned it on this GPU (read from the tuning cache, never timed here: prefill runs inside
+    serving steps), else the default table's. Memoized: a step pays no lookup."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and env.autotune():
+        problem = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "causal": causal,
+                   "window": has_window}  # fmt: skip
+        tuned = autotune.lookup("flash_attn", device, problem, candidate_tiles(head_dim, dtype, capability))
+        if tuned is not None:
+            return tuned
+    return default_tile(head_dim, dtype, capability)
+
+
 def paged_attention_prefill(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
     query_start_loc: torch.Tensor, max_query_len: int, num_heads: int, causal: bool, window: int, scale: float,
@@ -257,8 +274,7 @@ def paged_attention_prefill(
     scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     if tile is None:
-        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-        tile = default_tile(head_dim, q.dtype, capability)
+        tile = prefill_tile(q.device, q.dtype, head_dim, bool(causal), window > 0)
     tile.validate()
     num_seqs = context_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:

@@ -4,8 +4,8 @@
 | --- | --- |
 | KILN_DEBUG | 1: every pass is followed by lint, fake propagation and an IR check; kernel wrappers check every tensor |
 | KILN_DUMP_DIR | a directory: the graph after every pass (and `kiln compile --emit`'s kernels) are written there |
-| KILN_CACHE_DIR | where generated kernels are cached (default ~/.cache/kiln/kernels) |
-| KILN_AUTOTUNE | 0: flash_tiling picks tiles by heuristic instead of timing them on the GPU (default 1) |
+| KILN_CACHE_DIR | where generated kernels are cached (default ~/.cache/kiln/kernels); tuned tiles go to its autotune/ |
+| KILN_AUTOTUNE | 0: tiles from the heuristic table, never timed on the GPU nor read from autotune/ (default 1) |
 | TRITON_INTERPRET | 1: Triton runs kernels in its interpreter on CPU; triton reads it once, when first imported |
 """
 

@@ -170,3 +170,29 @@ def test_a_second_process_renders_and_tunes_nothing(tmp_path):
     assert "autotune: 0 tuned (0 configs timed), 1 loaded from the cache" in err2
     assert "0 rendered and compiled" in err2 and int(out2.split("renders=")[1]) == 0
     assert json.loads(path.read_text()) == first  # read, not rewritten
+
+
+def test_paged_prefill_takes_the_tuned_flash_tile_on_the_gpu_it_was_tuned_on(tuner, monkeypatch):
+    """Serving's paged prefill (no tile pinned) reads the flash kernel's tuning cache, never times anything."""
+    import kiln.codegen.paged as paged
+
+    gpu = {"cap": (9, 0), "name": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu["cap"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu["name"])
+    cuda = torch.device("cuda", 0)
+    candidates = candidate_tiles(128, torch.bfloat16, (9, 0))
+    paged.prefill_tile.cache_clear()
+    assert paged.prefill_tile(cuda, torch.bfloat16, 128, True, False) == default_tile(128, torch.bfloat16, (9, 0))
+    problem = {"dtype": "bfloat16", "head_dim": 128, "causal": True, "window": False}
+    times = {tile: 1.0 + i for i, tile in enumerate(candidates)}
+    times[candidates[-1]] = 0.5
+    monkeypatch.setattr(autotune, "_timer", lambda fn: times[fn()])
+    assert autotune.tune("flash_attn", cuda, problem, candidates, _make_call) == candidates[-1]
+    monkeypatch.setattr(autotune, "_memo", {})
+    paged.prefill_tile.cache_clear()
+    assert paged.prefill_tile(cuda, torch.bfloat16, 128, True, False) == candidates[-1]
+    assert paged.prefill_tile(cuda, torch.bfloat16, 128, True, True) == default_tile(128, torch.bfloat16, (9, 0))
+    gpu["name"] = "NVIDIA A100-SXM4-80GB"  # another GPU (same capability key aside): its own tuning
+    paged.prefill_tile.cache_clear()
+    assert paged.prefill_tile(cuda, torch.bfloat16, 128, True, False) == default_tile(128, torch.bfloat16, (9, 0))
+    paged.prefill_tile.cache_clear()

@@ -58,13 +58,31 @@ def gathered(cache: torch.Tensor, tables: torch.Tensor, ctx: int) -> tuple[torch
     return k, v
 
 
-def measure(cfg: dict, batch: int, ctx: int, time_ms, copy_bw: float, device: str) -> dict:
-    from kiln.codegen.paged import decode_splits, paged_attention_decode
+def tune(cfg: dict, batch: int, ctx: int, device: str):
+    """The decode tile for cfg, tuned at (batch, ctx) on this device (or loaded from the tuning cache)."""
+    from kiln.codegen.paged import paged_attention_decode
+    from kiln.codegen.paged_tiles import tune_decode
+
+    h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    q, cache, tables, context_lens, qsl = paged_problem(batch, ctx, cfg, device, seed=1)
+    out = torch.empty_like(q)
+
+    def make_call(tile):
+        return partial(paged_attention_decode, q, cache, 0, tables, context_lens, qsl, ctx, h, 0, d**-0.5, out=out,
+                       tile=tile)  # fmt: skip
+
+    return tune_decode(torch.device(device), q.dtype, cache.dtype, d, h // hkv, make_call)
+
+
+def measure(cfg: dict, batch: int, ctx: int, tile, time_ms, copy_bw: float, device: str) -> dict:
+    from kiln.codegen.paged import paged_attention_decode
+    from kiln.codegen.paged_tiles import decode_splits
 
     h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     q, cache, tables, context_lens, qsl = paged_problem(batch, ctx, cfg, device, seed=batch * 7919 + ctx + d)
     out = torch.empty_like(q)
-    kiln = partial(paged_attention_decode, q, cache, 0, tables, context_lens, qsl, ctx, h, 0, d**-0.5, out=out)
+    kiln = partial(paged_attention_decode, q, cache, 0, tables, context_lens, qsl, ctx, h, 0, d**-0.5, out=out,
+                   tile=tile)  # fmt: skip
     k, v = gathered(cache, tables, ctx)
     q4 = q.view(batch, h, 1, d)
     sdpa = partial(torch.nn.functional.scaled_dot_product_attention, q4, k, v, enable_gqa=True)
@@ -80,7 +98,7 @@ def measure(cfg: dict, batch: int, ctx: int, time_ms, copy_bw: float, device: st
         "kiln_gb_s": kv_bytes / (t_kiln * 1e-3) / 1e9, "sdpa_gb_s": kv_bytes / (t_sdpa * 1e-3) / 1e9,
         "kiln_of_copy_bw": kv_bytes / (t_kiln * 1e-3) / copy_bw,
         "sdpa_of_copy_bw": kv_bytes / (t_sdpa * 1e-3) / copy_bw,
-        "num_splits": decode_splits(batch, hkv, ctx, 0, d, q.device), "max_abs_err": err,
+        "num_splits": decode_splits(batch, hkv, ctx, 0, tile.block_n, q.device), "max_abs_err": err,
     }  # fmt: skip
 
 
@@ -95,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--max-tokens", type=int, default=2 << 20, help="skip points with batch x context above this")
     p.add_argument("--copy-mib", type=int, default=1024)
+    p.add_argument("--no-tune", action="store_true", help="the default (or previously tuned) decode tile")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks kiln against SDPA, writes nothing")
@@ -110,18 +129,39 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device, time_ms = "cuda", cuda_time_ms
 
+    from kiln.codegen import autotune
+
+    prev_timer = autotune.set_timer(wall_time_ms if args.smoke else None)  # the interpreter needs a timer to tune
+    try:
+        return _run(args, device, time_ms)
+    finally:
+        autotune.set_timer(prev_timer)
+
+
+def _run(args: argparse.Namespace, device: str, time_ms) -> int:
+    from kiln.codegen import autotune
+    from kiln.codegen.paged_tiles import decode_tile
+
     copy_bw = copy_bandwidth(time_ms, device, args.copy_mib << 20)
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
-    rows, skipped = [], []
+    rows, skipped, tiles = [], [], {}
+    tune_at = (3, 77) if args.smoke else (64, 4096)  # the issue's target point
     for d in _ints(args.head_dims):
         cfg = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": d, "block_size": args.block_size,
                "dtype": args.dtype}  # fmt: skip
+        if args.no_tune:
+            dtype = DTYPES[args.dtype]
+            tile = decode_tile(torch.device(device), dtype, dtype, d, args.heads // args.kv_heads)
+        else:
+            tile = tune(cfg, *tune_at, device)
+        tiles[d] = tile.__dict__
+        print(f"d{d}: decode tile {tile}", flush=True)
         for batch in _ints(args.batches):
             for ctx in _ints(args.contexts):
                 if batch * ctx > args.max_tokens:
                     skipped.append({"batch": batch, "context": ctx, "head_dim": d})
                     continue
-                row = measure(cfg, batch, ctx, time_ms, copy_bw, device)
+                row = measure(cfg, batch, ctx, tile, time_ms, copy_bw, device)
                 rows.append(row)
                 print(f"d{d} batch {batch:3d} ctx {ctx:5d}: kiln {row['kiln_ms'] * 1e3:8.1f} us "
                       f"({row['kiln_of_copy_bw']:.0%} of copy BW, {row['num_splits']} splits)  sdpa "
@@ -134,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         **run_metadata(),
         "benchmark": "decode_attention",
         "config": {"heads": args.heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
-                   "dtype": args.dtype, "sdpa": "enable_gqa over K/V gathered contiguously"},  # fmt: skip
+                   "dtype": args.dtype, "sdpa": "enable_gqa over K/V gathered contiguously",
+                   "tiles_by_head_dim": tiles, "tuned_at": {"batch": tune_at[0], "context": tune_at[1]}},
+        "autotune": autotune.stats().summary(),  # fmt: skip
         "copy_bandwidth_gb_s": copy_bw / 1e9,
         "rows": rows,
         "skipped_over_max_tokens": skipped,
@@ -142,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_met": bool(target_rows) and all(r["kiln_of_copy_bw"] >= 0.7 for r in target_rows),
     }
     if args.smoke:
-        print(f"smoke: {len(rows)} rows equal SDPA ({len(skipped)} skipped); no figure written")
+        print(f"smoke: {len(rows)} rows equal SDPA ({len(skipped)} skipped); {result['autotune']}; no figure written")
         return 0
     path = write_json(result_path(args.out, "decode_attention"), result)
     print(f"wrote {path}")

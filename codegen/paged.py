@@ -15,19 +15,14 @@ columns by the K scales, the probabilities by the V scales) and accumulate in fp
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kiln import env
-from kiln.codegen import autotune
 from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
-from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile
+from kiln.codegen.paged_tiles import MIN_SPLIT_KEYS, decode_splits, decode_tile, prefill_tile
+from kiln.codegen.tiles import TileConfig
 from kiln.errors import CodegenError
 
 _INDEX = (torch.int32, torch.int64)
-_MAX_SPLITS = 32
-_MIN_SPLIT_KEYS = 128  # fewer keys per split than this and the merge costs more than the parallelism gains
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -155,57 +150,18 @@ def _precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def choose_splits(num_seqs: int, kv_heads: int, span: int, block_n: int, device: torch.device) -> int:
-    """Splits per sequence for split-KV decode over `span` visible keys (the batch's max_context_len, or the
-    window), by FlashAttention-2's wave heuristic: programs are (sequence, kv head, split), two resident per SM.
-    A batch that fills most of a wave alone takes 1; otherwise, among the useful split counts (each split at
-    least _MIN_SPLIT_KEYS keys, at most _MAX_SPLITS, and each count changing the tiles per split), the smallest
-    whose wave efficiency (programs / slots of the waves they take) is within 85% of the best."""
-    sms = 1
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    slots, base = 2 * sms, max(1, num_seqs * kv_heads)
-    if base >= 0.8 * slots:
-        return 1
-    tiles = cdiv(max(span, 1), block_n)
-    useful = max(1, min(_MAX_SPLITS, cdiv(span, max(_MIN_SPLIT_KEYS, block_n))))
-    counts = [s for s in range(1, useful + 1) if s == 1 or cdiv(tiles, s) != cdiv(tiles, s - 1)]
-    efficiency = {s: base * s / (cdiv(base * s, slots) * slots) for s in counts}
-    best = max(efficiency.values())
-    return next(s for s in counts if efficiency[s] >= 0.85 * best)
-
-
-def decode_block_n(head_dim: int, device: torch.device) -> int:
-    """Keys per step of the decode kernel: 64 on a GPU (32 for head dims above 128, and in the interpreter)."""
-    return 64 if device.type == "cuda" and head_dim <= 128 else 32
-
-
-def decode_splits(num_seqs: int, kv_heads: int, max_context_len: int, window: int, head_dim: int,
-                  device: torch.device, num_splits: int | None = None) -> int:
-    """The split count paged_attention_decode launches: choose_splits over the visible span (the batch's
-    max_context_len, or the window), or the asked num_splits, less any split that would lie wholly past it."""
-    block_n = decode_block_n(head_dim, device)
-    span = max(1, min(max_context_len, window) if window > 0 else max_context_len)
-    if num_splits is None:
-        num_splits = choose_splits(num_seqs, kv_heads, span, block_n, device)
-    return cdiv(span, cdiv(cdiv(span, num_splits), block_n) * block_n)
-
-
 def paged_attention_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
     query_start_loc: torch.Tensor, max_context_len: int, num_heads: int, window: int, scale: float,
     *, num_splits: int | None = None, out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
+    tile: TileConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of one new query per sequence (at its last key's position) over its paged context, split-KV.
 
     q [N, H * D] or [1, N, H * D]; every sequence has at most one new row (query_start_loc). num_splits
     overrides choose_splits; splits partition the visible keys (the last `window` ones when window > 0).
-    kv_scales: the scales of an int8 kv_cache.
+    kv_scales: the scales of an int8 kv_cache. tile: the decode tile (paged_tiles.decode_tile's otherwise;
+    its block_m must be the group's rows, max(16, next_power_of_2(num_heads // kv_heads))).
     """
     q, k_cache, v_cache, head_dim, group = _check_attention(
         q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads, scale
@@ -213,17 +169,22 @@ def paged_attention_decode(
     scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     n, num_seqs = q.shape[0], context_lens.shape[0]
-    block_n = decode_block_n(head_dim, q.device)
-    # An explicit num_splits splits as asked; the default keeps every split at least _MIN_SPLIT_KEYS long (the
+    if tile is None:
+        tile = decode_tile(q.device, q.dtype, kv_cache.dtype, head_dim, group)
+    rows = max(16, next_power_of_2(group))
+    if tile.validate().block_m != rows:
+        raise CodegenError(f"decode tile {tile} must have block_m = {rows} (the {group} query heads of a kv head)")
+    block_n = tile.block_n
+    # An explicit num_splits splits as asked; the default keeps every split at least MIN_SPLIT_KEYS long (the
     # kernel sizes splits per sequence, from its own context length).
-    min_split = block_n if num_splits is not None else cdiv(_MIN_SPLIT_KEYS, block_n) * block_n
-    num_splits = decode_splits(num_seqs, k_cache.shape[2], max_context_len, window, head_dim, q.device, num_splits)
+    min_split = block_n if num_splits is not None else cdiv(MIN_SPLIT_KEYS, block_n) * block_n
+    num_splits = decode_splits(num_seqs, k_cache.shape[2], max_context_len, window, block_n, q.device, num_splits)
     if n == 0 or num_seqs == 0:
         return out
     part_o = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, next_power_of_2(head_dim))
-    consts = {"BLOCK_G": max(16, next_power_of_2(group)), "BLOCK_N": block_n, "BLOCK_D": block_d,
+    consts = {"BLOCK_G": rows, "BLOCK_N": block_n, "BLOCK_D": block_d,
               "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, "INPUT_PRECISION": _precision(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     (stride_pt, stride_ph, stride_ps), (stride_lt, stride_lh) = part_o.stride()[:3], part_lse.stride()[:2]
@@ -235,27 +196,12 @@ def paged_attention_decode(
                 block_size=k_cache.shape[1], num_splits=num_splits, min_split=min_split, HEAD_DIM=head_dim,
                 GROUP=group)  # fmt: skip
     grid = (num_seqs, k_cache.shape[2], num_splits)
-    launch("paged_decode", "paged_attention_decode", grid, args, consts, {"num_warps": 4, "num_stages": 2})
+    launch("paged_decode", "paged_attention_decode", grid, args, consts, tile.options())
     merge_args = dict(**partials, o_ptr=out, stride_ot=out.stride(0), stride_oh=head_dim, num_splits=num_splits,
                       HEAD_DIM=head_dim)  # fmt: skip
     merge_consts = {"BLOCK_S": next_power_of_2(num_splits), "BLOCK_D": block_d}
     launch("paged_merge", "split_kv_merge", (n, num_heads), merge_args, merge_consts, {"num_warps": 4})
     return out
-
-
-@functools.cache
-def prefill_tile(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, has_window: bool) -> TileConfig:
-    """The paged prefill's tile when none is pinned: on CUDA the flash kernel's tuned tile for this problem if a
-    compile or benchmark tuned it on this GPU (read from the tuning cache, never timed here: prefill runs inside
-    serving steps), else the default table's. Memoized: a step pays no lookup."""
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if capability is not None and env.autotune():
-        problem = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "causal": causal,
-                   "window": has_window}  # fmt: skip
-        tuned = autotune.lookup("flash_attn", device, problem, candidate_tiles(head_dim, dtype, capability))
-        if tuned is not None:
-            return tuned
-    return default_tile(head_dim, dtype, capability)
 
 
 def paged_attention_prefill(

@@ -103,11 +103,12 @@ def test_paged_prefill_split_loop_matches_reference(case):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-# (heads, kv_heads, head_dim, block_size, context lengths, window, num_splits)
+# (heads, kv_heads, head_dim, block_size, context lengths, window, num_splits, block_n of the decode tile)
 DECODE = {
-    "gqa4-tails-3splits": (4, 1, 64, 16, [77, 33, 5], 0, 3),
-    "gqa2-d128-1split": (4, 2, 128, 16, [70, 32], 0, 1),
-    "gqa1-window45-2splits": (2, 2, 64, 8, [90, 12], 45, 2),
+    "gqa4-tails-3splits": (4, 1, 64, 16, [77, 33, 5], 0, 3, None),
+    "gqa2-d128-1split": (4, 2, 128, 16, [70, 32], 0, 1, None),
+    "gqa1-window45-2splits": (2, 2, 64, 8, [90, 12], 45, 2, None),
+    "gqa4-16-key-tiles-window20": (8, 2, 64, 16, [61, 40], 20, 2, 16),
 }
 
 
@@ -115,13 +116,26 @@ DECODE = {
 def test_paged_decode_split_loop_matches_reference(case):
     from kiln.codegen.paged import paged_attention_decode
 
-    heads, kv_heads, d, bs, ctx, window, splits = DECODE[case]
+    heads, kv_heads, d, bs, ctx, window, splits, block_n = DECODE[case]
+    tile = TileConfig(16, block_n, 4, 1) if block_n else None
     cache, tables, bt = _poisoned_cache(kv_heads, d, bs, ctx, seed=len(case) + 2)
     q = torch.randn(len(ctx), heads * d, generator=torch.Generator().manual_seed(4))
     qsl = torch.arange(len(ctx) + 1, dtype=torch.int32)
     cl = torch.tensor(ctx, dtype=torch.int32)
     out = torch.full_like(q, NAN)
     got = paged_attention_decode(q, cache, 0, bt, cl, qsl, max(ctx), heads, window, d**-0.5, num_splits=splits,
-                                 out=out)  # fmt: skip
+                                 out=out, tile=tile)  # fmt: skip
     want = _expected(q, cache, tables, [1] * len(ctx), ctx, heads, kv_heads, True, window, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_tile_must_cover_the_head_group():
+    from kiln.codegen.paged import paged_attention_decode
+    from kiln.errors import CodegenError
+
+    cache, _, bt = _poisoned_cache(2, 64, 16, [20], seed=1)
+    q = torch.randn(1, 4 * 64)
+    args = (q, cache, 0, bt, torch.tensor([20], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 20, 4,
+            0, 0.125)  # fmt: skip
+    with pytest.raises(CodegenError, match="block_m = 16 .the 2 query heads of a kv head"):
+        paged_attention_decode(*args, tile=TileConfig(32, 32, 4, 1))

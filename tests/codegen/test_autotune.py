@@ -174,7 +174,7 @@ def test_a_second_process_renders_and_tunes_nothing(tmp_path):
 
 def test_paged_prefill_takes_the_tuned_flash_tile_on_the_gpu_it_was_tuned_on(tuner, monkeypatch):
     """Serving's paged prefill (no tile pinned) reads the flash kernel's tuning cache, never times anything."""
-    import kiln.codegen.paged as paged
+    import kiln.codegen.paged_tiles as paged
 
     gpu = {"cap": (9, 0), "name": "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: gpu["cap"])

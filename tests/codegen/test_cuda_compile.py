@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.codegen.paged_tiles import decode_candidates
 from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile, shared_memory_limit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,11 +59,14 @@ def _prefill(arch, d, tile: TileConfig, dtype="bf16", quant=False):
             "divisible": _DIVISIBLE}
 
 
-def _decode(arch, d, dtype="bf16", quant=False, window=False):
-    consts = {"BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": d, "HAS_WINDOW": window, "EVEN_D": True,
+_DECODE_DEFAULT = TileConfig(16, 64, 4, 2)
+
+
+def _decode(arch, d, dtype="bf16", quant=False, window=False, tile=_DECODE_DEFAULT):
+    consts = {"BLOCK_G": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, "HAS_WINDOW": window, "EVEN_D": True,
               "INPUT_PRECISION": None, "KV_QUANT": quant}
     return {"template": "paged_decode", "name": "paged_decode_kernel", "op": "paged_attention_decode",
-            "consts": consts, "options": {"num_warps": 4, "num_stages": 2}, "arch": arch,
+            "consts": consts, "options": tile.options(), "arch": arch,
             "dtypes": _paged_dtypes(dtype, quant), "divisible": _DIVISIBLE}
 
 
@@ -102,6 +106,7 @@ def test_attention_kernels_compile_pipelined_for_h100_and_a100():
 def test_every_h100_candidate_tile_compiles_and_fits():
     h100 = (9, 0)
     tiles = candidate_tiles(128, torch.bfloat16, h100)
-    results = _compile([_flash(90, 128, tile) for tile in tiles])
-    for tile, res in zip(tiles, results, strict=True):
+    decode = decode_candidates(128, 4, torch.bfloat16, h100)
+    results = _compile([_flash(90, 128, tile) for tile in tiles] + [_decode(90, 128, tile=tile) for tile in decode])
+    for tile, res in zip(tiles + decode, results, strict=True):
         assert res["shared"] <= shared_memory_limit(h100), (tile, res)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kiln.codegen.paged as paged
+import kiln.codegen.paged_tiles as paged
 
 H100 = torch.device("cuda", 0)
 
@@ -30,7 +30,7 @@ def test_small_batches_split_long_contexts_to_fill_the_gpu(h100):
     slots = 2 * 132
     for batch, ctx in ((1, 4096), (1, 32768), (16, 4096), (4, 8192)):
         s = paged.choose_splits(batch, 8, ctx, 64, H100)
-        assert s > 1 and ctx / s >= paged._MIN_SPLIT_KEYS and s <= paged._MAX_SPLITS
+        assert s > 1 and ctx / s >= paged.MIN_SPLIT_KEYS and s <= paged.MAX_SPLITS
         waves = _programs(batch, 8, s) / slots
         assert waves / -(-waves // 1) >= 0.8  # the last wave is mostly full
     # More keys never mean fewer splits for one sequence, and a short context is split less than a long one.
@@ -41,7 +41,7 @@ def test_small_batches_split_long_contexts_to_fill_the_gpu(h100):
 def test_cpu_and_window_bound_the_span(h100):
     assert paged.choose_splits(1, 8, 32768, 32, torch.device("cpu")) == 1  # the interpreter: one program set
     # A window bounds the keys a split can take, whatever the context.
-    windowed = paged.decode_splits(1, 8, 32768, 256, 128, H100)
-    assert windowed == paged.decode_splits(1, 8, 256, 0, 128, H100) <= 2
-    assert paged.decode_splits(2, 8, 4096, 0, 128, H100, num_splits=7) == 7  # asked for: as asked
-    assert paged.decode_splits(2, 8, 100, 0, 128, H100, num_splits=7) == 2  # no split wholly past the keys
+    windowed = paged.decode_splits(1, 8, 32768, 256, 64, H100)
+    assert windowed == paged.decode_splits(1, 8, 256, 0, 64, H100) <= 2
+    assert paged.decode_splits(2, 8, 4096, 0, 64, H100, num_splits=7) == 7  # asked for: as asked
+    assert paged.decode_splits(2, 8, 100, 0, 64, H100, num_splits=7) == 2  # no split wholly past the keys

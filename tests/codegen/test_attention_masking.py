@@ -33,8 +33,11 @@ FLASH = {
 }
 
 
-@pytest.mark.parametrize("case", list(FLASH))
-def test_flash_attention_split_loop_matches_reference(case):
+TMA_CASES = ["t45-causal-gqa4-16x16", "prefix-t19-s50-window7", "t41-full-window20", "t50-window5-32x16"]
+
+
+@pytest.mark.parametrize(("case", "tma"), [(c, False) for c in FLASH] + [(c, True) for c in TMA_CASES])
+def test_flash_attention_split_loop_matches_reference(case, tma):
     from kiln.codegen.flash_attn import flash_attention
 
     t, s, heads, kv_heads, d, causal, window, (bm, bn) = FLASH[case]
@@ -47,7 +50,8 @@ def test_flash_attention_split_loop_matches_reference(case):
     v_buf[:, :s] = torch.randn(1, s, kv_heads * d, generator=g)
     k, v = k_buf[:, :s], v_buf[:, :s]
     out = torch.full_like(q, NAN)
-    got = flash_attention(q, k, v, heads, kv_heads, causal, window, d**-0.5, TileConfig(bm, bn, 4, 1), out=out)
+    got = flash_attention(q, k, v, heads, kv_heads, causal, window, d**-0.5, TileConfig(bm, bn, 4, 1), out=out,
+                          tma=tma)  # fmt: skip
     ref = ops.attention(q, k.contiguous(), v.contiguous(), heads, kv_heads, causal, window, d**-0.5)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
@@ -139,3 +143,38 @@ def test_decode_tile_must_cover_the_head_group():
             0, 0.125)  # fmt: skip
     with pytest.raises(CodegenError, match="block_m = 16 .the 2 query heads of a kv head"):
         paged_attention_decode(*args, tile=TileConfig(32, 32, 4, 1))
+
+
+def test_flash_attention_varlen_through_tma_descriptors():
+    """Descriptor tiles run past a sequence into the next one's rows (or zeros past the tensor): masked."""
+    from kiln.codegen.flash_attn import flash_attention_varlen
+
+    heads, kv_heads, d = 4, 2, 64
+    q_lens, k_lens = [5, 17, 30], [5, 25, 30]
+    g = torch.Generator().manual_seed(11)
+    qs = [torch.randn(n, heads * d, generator=g) * 3 for n in q_lens]
+    ks = [torch.randn(n, kv_heads * d, generator=g) * 3 for n in k_lens]
+    vs = [torch.randn(n, kv_heads * d, generator=g) for n in k_lens]
+    cu_q = torch.tensor([0, 5, 22, 52], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 30, 60], dtype=torch.int32)
+    q = torch.cat(qs)
+    for causal, window in ((True, 0), (False, 9)):
+        got = flash_attention_varlen(q, torch.cat(ks), torch.cat(vs), cu_q, cu_k, 30, 30, heads, kv_heads, causal,
+                                     window, 0.1, TileConfig(16, 16, 4, 1), out=torch.full_like(q, NAN), tma=True)
+        for i in range(3):
+            ref = ops.attention(qs[i][None], ks[i][None], vs[i][None], heads, kv_heads, causal, window, 0.1)[0]
+            torch.testing.assert_close(got[cu_q[i] : cu_q[i + 1]], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_tma_refuses_what_it_cannot_load():
+    from kiln.codegen.flash_attn import flash_attention
+    from kiln.errors import CodegenError
+
+    q = torch.randn(1, 9, 2 * 80)
+    with pytest.raises(CodegenError, match="head_dim 80 is not a power of two"):
+        flash_attention(q, q, q, 2, 2, True, 0, 0.1, tma=True)
+    odd = torch.randn(1, 9, 2 * 64 + 1)[..., 1:]  # rows start 4 bytes off a 16-byte boundary
+    with pytest.raises(CodegenError, match="q's rows are not 16-byte aligned"):
+        flash_attention(odd, odd, odd, 2, 2, True, 0, 0.1, tma=True)
+    got = flash_attention(odd, odd, odd, 2, 2, True, 0, 0.1)  # None: falls back to pointer loads
+    torch.testing.assert_close(got, ops.attention(odd, odd, odd, 2, 2, True, 0, 0.1), rtol=1e-4, atol=1e-5)

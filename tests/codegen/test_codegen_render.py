@@ -28,7 +28,7 @@ RENDER_CASES = {
     "flash_attn": dict(
         op="attention",
         tile={"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
-        params={"CAUSAL": True, "HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None},
+        params={"CAUSAL": True, "HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None, "USE_TMA": False},
     ),
     "paged_kv_write": dict(op="paged_kv_write", tile={"BLOCK_H": 8, "BLOCK_D": 128, "num_warps": 1},
                            params={"QUANT": False}),

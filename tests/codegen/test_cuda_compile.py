@@ -34,13 +34,18 @@ pytestmark = pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA ba
 _DIVISIBLE = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
               "stride_cb", "stride_co", "stride_ch", "HEAD_DIM", "block_size"]
 _FLAGS = {"CAUSAL": True, "HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None}
+_DESCS = ("q_desc", "k_desc", "v_desc")
 
 
 def _flash(arch, d, tile: TileConfig, dtype="bf16", **flags):
-    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, **_FLAGS, **flags}
+    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, **_FLAGS, "USE_TMA": False, **flags}
+    dtypes = {"*": f"*{dtype}", "cu_seqlens_q_ptr": "*i32", "cu_seqlens_k_ptr": "*i32"}
+    if consts["USE_TMA"]:
+        rows = {"q_desc": tile.block_m, "k_desc": tile.block_n, "v_desc": tile.block_n}
+        dtypes |= {name: f"tensordesc<{dtype}[{rows[name]},{d}]>" for name in _DESCS}
     return {"template": "flash_attn", "name": "flash_attn_kernel", "op": "attention", "consts": consts,
-            "options": tile.options(), "arch": arch, "dtypes": {"*": f"*{dtype}", "cu_seqlens_q_ptr": "*i32",
-            "cu_seqlens_k_ptr": "*i32"}, "divisible": _DIVISIBLE}
+            "options": tile.options(), "arch": arch, "dtypes": dtypes, "divisible": _DIVISIBLE,
+            "none": () if consts["USE_TMA"] else _DESCS}  # fmt: skip
 
 
 _PAGED_INDEX = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "query_start_loc_ptr": "*i32"}
@@ -89,6 +94,8 @@ def test_attention_kernels_compile_pipelined_for_h100_and_a100():
         _flash(90, 64, default_tile(64, torch.float16, h100), "fp16", HAS_WINDOW=True),
         _flash(80, 128, default_tile(128, torch.bfloat16, a100), CAUSAL=False),
         _flash(90, 128, default_tile(80, torch.bfloat16, h100), EVEN_D=False),  # head dim 80 in a 128 tile
+        _flash(90, 128, default_tile(128, torch.bfloat16, h100), USE_TMA=True),  # KILN_FLASH_TMA=1
+        _flash(90, 64, default_tile(64, torch.float16, h100), "fp16", USE_TMA=True, HAS_WINDOW=True),
         _prefill(90, 128, default_tile(128, torch.bfloat16, h100)),
         _prefill(90, 128, default_tile(128, torch.float16, h100), "fp16", quant=True),
         _decode(90, 128),
@@ -99,8 +106,10 @@ def test_attention_kernels_compile_pipelined_for_h100_and_a100():
         arch = req["arch"]
         assert res["shared"] <= shared_memory_limit((arch // 10, arch % 10)), (req, res)
         assert res["mma"] > 0, (req, res)  # tensor cores: wgmma on sm90, mma.sync on sm80
-        if req["options"]["num_stages"] > 1:
+        if req["options"]["num_stages"] > 1 and not req["consts"].get("USE_TMA"):
             assert res["cp_async"] > 0, (req, res)  # the K/V loads are pipelined with async copies
+        if req["consts"].get("USE_TMA"):
+            assert res["tma"] > 0, (req, res)  # bulk tensor copies
 
 
 def test_every_h100_candidate_tile_compiles_and_fits():

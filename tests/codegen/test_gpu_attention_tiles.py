@@ -47,3 +47,28 @@ def test_tuning_on_the_gpu_is_cached_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "_memo", {})  # as a new process would start
     assert tuned_tile(cuda, torch.float16, 64, 32, 8, True, 0, 0.125) == tile
     assert (autotune.stats().tuned - before[0], autotune.stats().loaded - before[1]) == (1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("head_dim", "window"), [(64, 0), (128, 0), (128, 300)])
+def test_tma_variant_matches_the_reference(dtype, head_dim, window):
+    """KILN_FLASH_TMA's path (sm90+): packed sequences, so descriptor tiles run into the next sequence's rows."""
+    from kiln.codegen.flash_attn import flash_attention_varlen
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm90+")
+    torch.manual_seed(head_dim + window)
+    heads, kv_heads = 32, 8
+    q_lens, k_lens = [1, 700, 1024, 77], [1, 900, 1024, 77]
+    q = torch.randn(sum(q_lens), heads * head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(sum(k_lens), kv_heads * head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    got = flash_attention_varlen(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), heads, kv_heads, True, window,
+                                 head_dim**-0.5, out=torch.full_like(q, float("nan")), tma=True)  # fmt: skip
+    for i in range(len(q_lens)):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        ref = ops.attention(q[None, qs], k[None, ks], v[None, ks], heads, kv_heads, True, window, head_dim**-0.5)[0]
+        err = (got[qs].float() - ref.float()).abs().max().item()
+        assert err <= TOL[dtype] * max(ref.float().abs().max().item(), 1.0), f"sequence {i}: max abs error {err:.3e}"

@@ -2,9 +2,11 @@
 would fail to compile, or overflow shared memory, on an H100 / A100 is found before any GPU time is spent.
 
 Run as a script (triton must be imported without TRITON_INTERPRET): reads a JSON list of requests on stdin,
-each {"template", "name", "op", "consts", "options", "dtypes", "arch"}, compiles each for that arch and prints
-one JSON object per request: {"shared": bytes, "cp_async": count of async copies in the PTX, "mma": wgmma /
-mma instructions, "error": message or null}.
+each {"template", "name", "op", "consts", "options", "dtypes", "arch", "divisible", "none"}: an argument named in
+"dtypes" gets that type, other pointers dtypes["*"], the integers named in "divisible" are multiples of 16 and
+those in "none" are launched as None (unused descriptors). Compiles each for that arch and prints one JSON
+object per request: {"shared": bytes, "cp_async": async copies in the PTX, "tma": bulk tensor copies, "mma":
+wgmma / mma instructions, "error": message or null}.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ def _signature(arg_names: list[str], consts: dict, dtypes: dict[str, str]) -> di
     for name in arg_names:
         if name in consts:
             sig[name] = "constexpr"
+        elif name in dtypes:  # pointers of another dtype, tensor descriptors ("tensordesc<bf16[64,128]>")
+            sig[name] = dtypes[name]
         elif name.endswith("_ptr"):
             sig[name] = dtypes.get(name, dtypes["*"])
         elif name == "scale":
@@ -38,6 +42,8 @@ def compile_one(req: dict) -> dict:
 
     consts, options = req["consts"], req["options"]
     fn = load_kernel(req["template"], req["name"], op=req["op"], **_request(consts, options))
+    # Arguments launched as None (unused descriptors) are constexprs to triton.
+    consts = {**consts, **{name: None for name in req.get("none", ())}}
     sig = _signature(list(fn.arg_names), consts, req["dtypes"])
     # Pointers and row strides 16-byte aligned / divisible by 16, as torch allocations and real shapes give.
     aligned = [i for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n in req.get("divisible", ())]
@@ -49,6 +55,7 @@ def compile_one(req: dict) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:2000]}
     ptx = k.asm["ptx"]
     return {"shared": k.metadata.shared, "cp_async": ptx.count("cp.async.c"), "error": None,
+            "tma": ptx.count("cp.async.bulk.tensor"),
             "mma": ptx.count("wgmma.mma_async") + ptx.count("mma.sync")}  # fmt: skip
 
 

@@ -80,16 +80,24 @@ def measure(cfg: dict, seq: int, tile, time_ms, ceiling: float, device: str) -> 
     if cfg["tma"]:  # the TMA-descriptor variant (KILN_FLASH_TMA=1), measured beside the default
         kilns["kiln_tma"] = partial(flash_attention, qf, kf, vf, h, hkv, True, 0, d**-0.5, tile, out=out, tma=True)
     ref = next(iter(baselines.values()))().transpose(1, 2).reshape(b, seq, h * d).float()
-    errs = {}
-    for name, fn in kilns.items():
-        errs[name] = (fn().float() - ref).abs().max().item()
+    errs, failed = {}, {}
+    for name, fn in list(kilns.items()):
+        try:
+            got = fn()
+        except Exception as e:  # the optional TMA variant may not run here (resources, triton version): noted
+            if name == "kiln":
+                raise
+            failed[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+            del kilns[name]
+            continue
+        errs[name] = (got.float() - ref).abs().max().item()
         if not errs[name] <= 2e-2 * max(ref.abs().max().item(), 1.0):
             raise SystemExit(f"{name}'s output differs from SDPA by {errs[name]} at {cfg} seq {seq}")
     flops = _flops(b, h, seq, d)
     times = {name: time_ms(fn) for name, fn in baselines.items()}
     best = min(times, key=times.__getitem__)
     row = {"seq": seq, "sdpa_ms": times[best], "sdpa_form": best, **{f"{name}_ms": t for name, t in times.items()},
-           "sdpa_tflops": flops / (times[best] * 1e-3) / 1e12}  # fmt: skip
+           "sdpa_tflops": flops / (times[best] * 1e-3) / 1e12, **failed}  # fmt: skip
     row["sdpa_of_ceiling"] = row["sdpa_tflops"] / ceiling
     for name, fn in kilns.items():
         t = time_ms(fn)
@@ -166,7 +174,11 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
                 for seq in _ints(args.seqs):
                     row = {"config": len(configs) - 1, **measure(cfg, seq, tile, time_ms, ceiling, device)}
                     rows.append(row)
-                    tma_note = f"  tma {row['kiln_tma_tflops']:7.1f} ({row['kiln_tma_vs_sdpa']:.2f}x)" if tma else ""
+                    tma_note = ""
+                    if "kiln_tma_tflops" in row:
+                        tma_note = f"  tma {row['kiln_tma_tflops']:7.1f} ({row['kiln_tma_vs_sdpa']:.2f}x)"
+                    elif "kiln_tma_error" in row:
+                        tma_note = f"  tma failed: {row['kiln_tma_error'][:80]}"
                     print(f"{dtype_name} d{d} {args.heads}/{hkv} seq {seq:5d}: sdpa {row['sdpa_tflops']:7.1f} "
                           f"kiln {row['kiln_tflops']:7.1f} TFLOP/s  ratio {row['kiln_vs_sdpa']:.2f}x  "
                           f"({row['kiln_of_ceiling']:.0%} of the matmul ceiling){tma_note}", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln import env
 from kiln.codegen._host import cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
 from kiln.codegen.tiles import TileConfig, default_tile
 from kiln.errors import CodegenError
@@ -30,6 +31,39 @@ def _head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
     return head_dim
 
 
+def _tma_blocker(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, block_d: int) -> str | None:
+    """Why these inputs cannot go through TMA descriptors, or None when they can."""
+    if head_dim != block_d:
+        return f"head_dim {head_dim} is not a power of two >= 16 (a descriptor's box is one head)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return f"{name}'s rows are not 16-byte aligned (stride {t.stride()}, offset {t.storage_offset()})"
+    if q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
+        return f"{torch.cuda.get_device_name(q.device)} has no TMA (sm90+ only)"
+    if not q.is_cuda and not env.triton_interpret():
+        return f"q is on {q.device}"
+    return None
+
+
+def _use_tma(tma: bool | None, q, k, v, head_dim: int, block_d: int) -> bool:
+    if tma is False or (tma is None and not (q.is_cuda and env.flash_tma())):
+        return False
+    blocker = _tma_blocker(q, k, v, head_dim, block_d)
+    if blocker is not None and tma:
+        raise CodegenError(f"flash attention with tma=True: {blocker}; pass tma=None to fall back to pointer loads")
+    return blocker is None
+
+
+def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: TileConfig, block_d: int) -> tuple:
+    # lazy: importing triton here, not at module import, keeps TRITON_INTERPRET settable until the first launch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(t: torch.Tensor, rows: int) -> TensorDescriptor:
+        return TensorDescriptor(base=t, shape=list(t.shape), strides=[t.stride(0), 1], block_shape=[rows, block_d])
+
+    return desc(q, tile.block_m), desc(k, tile.block_n), desc(v, tile.block_n)
+
+
 def flash_attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -46,13 +80,16 @@ def flash_attention_varlen(
     tile: TileConfig | None = None,
     *,
     out: torch.Tensor | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """Attention over packed sequences: q [total_q, H * D], k/v [total_k, Hkv * D] -> [total_q, H * D].
 
     Sequence s is rows cu_seqlens_q[s]:cu_seqlens_q[s + 1] of q and cu_seqlens_k[s]:cu_seqlens_k[s + 1] of
     k/v (int32, [num_seqs + 1]); its queries are aligned to the end of its keys. max_seqlen_q must bound every
     query length (it sizes the grid; the cu_seqlens values are not read back to the host). window > 0
-    keeps the last `window` keys (the query itself included), as in kiln::attention.
+    keeps the last `window` keys (the query itself included), as in kiln::attention. tma: load Q/K/V through
+    TMA tensor descriptors (sm90+, head dims of 16, 32, 64, 128 or 256, 16-byte aligned rows); None: when
+    KILN_FLASH_TMA=1 and the inputs allow it.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, ndim=2)
@@ -76,17 +113,24 @@ def flash_attention_varlen(
         capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
         tile = default_tile(head_dim, q.dtype, capability)
     tile.validate()
+    if not scale > 0:
+        raise CodegenError(f"scale={scale} must be > 0 (the kernels fold it into exp2 after the row max)")
+    block_d = max(16, next_power_of_2(head_dim))
     consts = {
         "BLOCK_M": tile.block_m,
         "BLOCK_N": tile.block_n,
-        "BLOCK_D": max(16, next_power_of_2(head_dim)),
+        "BLOCK_D": block_d,
         "CAUSAL": bool(causal),
         "HAS_WINDOW": window > 0,
+        "EVEN_D": head_dim == block_d,  # no head-dim bound on the K/V loads
         # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
         "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else None,
     }
+    consts["USE_TMA"] = _use_tma(tma, q, k, v, head_dim, block_d)
+    descs = _descriptors(q, k, v, tile, block_d) if consts["USE_TMA"] else (None, None, None)
     args = dict(
-        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, cu_seqlens_q_ptr=cu_seqlens_q, cu_seqlens_k_ptr=cu_seqlens_k,
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, q_desc=descs[0], k_desc=descs[1], v_desc=descs[2],
+        cu_seqlens_q_ptr=cu_seqlens_q, cu_seqlens_k_ptr=cu_seqlens_k,
         stride_qt=q.stride(0), stride_qh=head_dim, stride_kt=k.stride(0), stride_kh=head_dim,
         stride_vt=v.stride(0), stride_vh=head_dim, stride_ot=out.stride(0), stride_oh=head_dim,
         scale=float(scale), window=int(window), HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
@@ -110,6 +154,7 @@ def flash_attention(
     tile: TileConfig | None = None,
     *,
     out: torch.Tensor | None = None,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """kiln::attention on dense batches: q [B, T, H * D], k/v [B, S, Hkv * D] -> [B, T, H * D] (S >= T)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -128,5 +173,6 @@ def flash_attention(
     flash_attention_varlen(
         q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s, num_heads=num_heads,
         num_kv_heads=num_kv_heads, causal=causal, window=window, scale=scale, tile=tile, out=out.view(b * t, -1),
+        tma=tma,
     )  # fmt: skip
     return out

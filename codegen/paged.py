@@ -15,17 +15,14 @@ columns by the K scales, the probabilities by the V scales) and accumulate in fp
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
-from kiln.codegen.tiles import TileConfig, default_tile
+from kiln.codegen.paged_tiles import MIN_SPLIT_KEYS, decode_splits, decode_tile, prefill_tile
+from kiln.codegen.tiles import TileConfig
 from kiln.errors import CodegenError
 
 _INDEX = (torch.int32, torch.int64)
-_MAX_SPLITS = 32
-_MIN_SPLIT_KEYS = 128  # fewer keys per split than this and the merge costs more than the parallelism gains
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -120,7 +117,7 @@ def paged_kv_write(
     launch("paged_kv_write", "paged_kv_write", (k.shape[0],), args, consts, options)
 
 
-def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads):
+def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads, scale):
     q = _rows(q, "q")
     k_cache, v_cache = _check_cache(kv_cache, layer)
     _check_index(block_tables, "block_tables", 2)
@@ -139,6 +136,8 @@ def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start
         )
     if not 16 <= head_dim <= 256:
         raise CodegenError(f"head_dim {head_dim} is outside the supported 16..256")
+    if not scale > 0:
+        raise CodegenError(f"scale={scale} must be > 0 (the kernels fold it into exp2 after the row max)")
     if q.dtype != kv_cache.dtype and kv_cache.dtype != torch.int8:
         raise CodegenError(f"q has dtype {q.dtype} but kv_cache has {kv_cache.dtype}; use one dtype (or an int8 cache)")
     check_same_device(q=q, kv_cache=kv_cache, block_tables=block_tables, context_lens=context_lens,
@@ -151,53 +150,42 @@ def _precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def choose_splits(num_seqs: int, kv_heads: int, span: int, block_n: int, device: torch.device) -> int:
-    """Splits per sequence for decode over `span` visible keys: enough programs to fill the GPU (two per SM),
-    each split at least _MIN_SPLIT_KEYS long."""
-    sms = 1
-    if device.type == "cuda":
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    useful = max(1, min(_MAX_SPLITS, cdiv(span, max(_MIN_SPLIT_KEYS, block_n))))
-    return max(1, min(useful, cdiv(2 * sms, max(1, num_seqs * kv_heads))))
-
-
 def paged_attention_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
     query_start_loc: torch.Tensor, max_context_len: int, num_heads: int, window: int, scale: float,
     *, num_splits: int | None = None, out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
+    tile: TileConfig | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of one new query per sequence (at its last key's position) over its paged context, split-KV.
 
     q [N, H * D] or [1, N, H * D]; every sequence has at most one new row (query_start_loc). num_splits
     overrides choose_splits; splits partition the visible keys (the last `window` ones when window > 0).
-    kv_scales: the scales of an int8 kv_cache.
+    kv_scales: the scales of an int8 kv_cache. tile: the decode tile (paged_tiles.decode_tile's otherwise;
+    its block_m must be the group's rows, max(16, next_power_of_2(num_heads // kv_heads))).
     """
     q, k_cache, v_cache, head_dim, group = _check_attention(
-        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
+        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads, scale
     )
     scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     n, num_seqs = q.shape[0], context_lens.shape[0]
-    block_n = 64 if q.is_cuda and head_dim <= 128 else 32
-    span = max(1, min(max_context_len, window) if window > 0 else max_context_len)
-    # An explicit num_splits splits as asked; the default keeps every split at least _MIN_SPLIT_KEYS long (the
+    if tile is None:
+        tile = decode_tile(q.device, q.dtype, kv_cache.dtype, head_dim, group)
+    rows = max(16, next_power_of_2(group))
+    if tile.validate().block_m != rows:
+        raise CodegenError(f"decode tile {tile} must have block_m = {rows} (the {group} query heads of a kv head)")
+    block_n = tile.block_n
+    # An explicit num_splits splits as asked; the default keeps every split at least MIN_SPLIT_KEYS long (the
     # kernel sizes splits per sequence, from its own context length).
-    min_split = block_n if num_splits is not None else cdiv(_MIN_SPLIT_KEYS, block_n) * block_n
-    if num_splits is None:
-        num_splits = choose_splits(num_seqs, k_cache.shape[2], span, block_n, q.device)
-    num_splits = cdiv(span, cdiv(cdiv(span, num_splits), block_n) * block_n)  # no split wholly past the bound
+    min_split = block_n if num_splits is not None else cdiv(MIN_SPLIT_KEYS, block_n) * block_n
+    num_splits = decode_splits(num_seqs, k_cache.shape[2], max_context_len, window, block_n, q.device, num_splits)
     if n == 0 or num_seqs == 0:
         return out
     part_o = torch.empty(n, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, next_power_of_2(head_dim))
-    consts = {"BLOCK_G": max(16, next_power_of_2(group)), "BLOCK_N": block_n, "BLOCK_D": block_d,
-              "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
+    consts = {"BLOCK_G": rows, "BLOCK_N": block_n, "BLOCK_D": block_d,
+              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, "INPUT_PRECISION": _precision(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     (stride_pt, stride_ph, stride_ps), (stride_lt, stride_lh) = part_o.stride()[:3], part_lse.stride()[:2]
     partials = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, stride_pt=stride_pt, stride_ph=stride_ph,
@@ -208,7 +196,7 @@ def paged_attention_decode(
                 block_size=k_cache.shape[1], num_splits=num_splits, min_split=min_split, HEAD_DIM=head_dim,
                 GROUP=group)  # fmt: skip
     grid = (num_seqs, k_cache.shape[2], num_splits)
-    launch("paged_decode", "paged_attention_decode", grid, args, consts, {"num_warps": 4, "num_stages": 2})
+    launch("paged_decode", "paged_attention_decode", grid, args, consts, tile.options())
     merge_args = dict(**partials, o_ptr=out, stride_ot=out.stride(0), stride_oh=head_dim, num_splits=num_splits,
                       HEAD_DIM=head_dim)  # fmt: skip
     merge_consts = {"BLOCK_S": next_power_of_2(num_splits), "BLOCK_D": block_d}
@@ -227,19 +215,19 @@ def paged_attention_prefill(
     kv_scales: the scales of an int8 kv_cache.
     """
     q, k_cache, v_cache, head_dim, group = _check_attention(
-        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads
+        q, kv_cache, layer, block_tables, context_lens, query_start_loc, num_heads, scale
     )
     scale_args = _scale_args(kv_cache, layer, kv_scales)
     out = check_out(out, q)
     if tile is None:
-        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-        tile = default_tile(head_dim, q.dtype, capability)
+        tile = prefill_tile(q.device, q.dtype, head_dim, bool(causal), window > 0)
     tile.validate()
     num_seqs = context_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
         return out
-    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": max(16, next_power_of_2(head_dim)),
-              "CAUSAL": bool(causal), "HAS_WINDOW": window > 0, "INPUT_PRECISION": _precision(q.dtype),
+    block_d = max(16, next_power_of_2(head_dim))
+    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": block_d, "CAUSAL": bool(causal),
+              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, "INPUT_PRECISION": _precision(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     args = dict(q_ptr=q, **_cache_args(k_cache, v_cache), **scale_args, o_ptr=out, block_tables_ptr=block_tables,
                 context_lens_ptr=context_lens, query_start_loc_ptr=query_start_loc, stride_qt=q.stride(0),

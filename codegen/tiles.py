@@ -1,4 +1,5 @@
-"""Tile configurations for the flash-attention kernels and the heuristic table that picks one.
+"""Tile configurations for the flash-attention kernels: the heuristic table that picks one, and the short
+candidate lists the autotuner (codegen/autotune.py) times.
 
 The table is a starting point for the autotuner, not a measurement: the sizes follow the usual
 flash-attention choices (128-row query tiles, 64-key tiles for head_dim <= 128, smaller tiles for 256 so
@@ -67,3 +68,50 @@ def default_tile(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] 
         block_n = max(16, block_n // 2)
         stages = min(stages, 2)
     return TileConfig(block_m, block_n, warps, stages)
+
+
+# The autotuner's candidates for sm80+ (BLOCK_M 64/128, BLOCK_N 32/64/128, warps 4/8, stages 2-4), first the
+# table's choice; those whose pipelined K/V buffers would not fit the device's shared memory are left out.
+_CANDIDATES = (
+    (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 32, 4, 4),
+    (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4), (64, 32, 4, 4),
+)  # fmt: skip
+# The interpreter's: it pays per op, so these differ only in how many steps the loops take.
+_INTERPRETER_CANDIDATES = ((32, 32, 4, 1), (16, 16, 4, 1), (64, 64, 4, 1), (64, 32, 4, 1))
+
+
+def shared_memory_limit(capability: tuple[int, int]) -> int:
+    """Bytes of shared memory one program may use (the opt-in maximum per block)."""
+    if capability >= (9, 0):
+        return 232448  # sm90 / sm100: 227 KiB
+    if capability in ((8, 0), (8, 7)):
+        return 166912  # A100 / Orin: 163 KiB
+    if capability >= (8, 6):
+        return 101376  # sm86 / sm89 / sm120: 99 KiB
+    return 65536
+
+
+def shared_memory_estimate(tile: TileConfig, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of shared memory the flash kernel takes on sm90 (Q, plus num_stages buffers of K and V), measured
+    with triton 3.9's compiler for sm90 (sm80 takes less), so an upper bound for the filter."""
+    block_d = max(16, 1 << max(head_dim - 1, 0).bit_length())
+    size = torch.tensor([], dtype=dtype).element_size()
+    return (tile.block_m * block_d + tile.num_stages * 2 * tile.block_n * block_d) * size
+
+
+def candidate_tiles(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> list[TileConfig]:
+    """The tiles worth timing for a head size, dtype and compute capability (None: the interpreter)."""
+    default = default_tile(head_dim, dtype, capability)
+    if capability is None:
+        rows = _INTERPRETER_CANDIDATES
+    elif capability < (8, 0):
+        return [default]  # no async copies to pipeline: the table's choice
+    else:
+        rows = _CANDIDATES
+    out = [default]
+    for row in rows:
+        tile = TileConfig(*row)
+        fits = capability is None or shared_memory_estimate(tile, head_dim, dtype) <= shared_memory_limit(capability)
+        if fits and tile not in out:
+            out.append(tile)
+    return out

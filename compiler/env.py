@@ -4,8 +4,9 @@
 | --- | --- |
 | KILN_DEBUG | 1: every pass is followed by lint, fake propagation and an IR check; kernel wrappers check every tensor |
 | KILN_DUMP_DIR | a directory: the graph after every pass (and `kiln compile --emit`'s kernels) are written there |
-| KILN_CACHE_DIR | where generated kernels are cached (default ~/.cache/kiln/kernels) |
-| KILN_AUTOTUNE | 0: flash_tiling picks tiles by heuristic instead of timing them on the GPU (default 1) |
+| KILN_CACHE_DIR | where generated kernels are cached (default ~/.cache/kiln/kernels); tuned tiles go to its autotune/ |
+| KILN_AUTOTUNE | 0: tiles from the heuristic table, never timed on the GPU nor read from autotune/ (default 1) |
+| KILN_FLASH_TMA | 1: the flash kernel loads Q/K/V through TMA tensor descriptors on sm90+ (default 0, until measured) |
 | TRITON_INTERPRET | 1: Triton runs kernels in its interpreter on CPU; triton reads it once, when first imported |
 """
 
@@ -35,6 +36,12 @@ def cache_dir() -> Path:
 
 def autotune() -> bool:
     return _flag("KILN_AUTOTUNE", "1")
+
+
+@functools.cache
+def flash_tma() -> bool:
+    """Read once: a lowered graph's launches read no environment."""
+    return _flag("KILN_FLASH_TMA")
 
 
 @functools.cache

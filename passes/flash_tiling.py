@@ -2,11 +2,12 @@
 
 Matches: every kiln::attention node (q, k, v flat [B, T, heads * head_dim], GQA by head counts).
 Emits: kiln::flash_attention(q, k, v, H, Hkv, causal, window, scale, block_m, block_n, num_warps, num_stages),
-the tile also kept in node.meta["tile"] for dumps. The tile comes from codegen's default_tile(head_dim, dtype,
-capability): on CPU (capability None) the small interpreter-friendly config. On a CUDA device with autotuning
-on (KILN_AUTOTUNE, default 1), a small candidate set is timed on random inputs of the node's shape and the
-winner is cached on disk (KILN_CACHE_DIR/../autotune/flash_attention.json) per device and problem shape.
-The autotune path is written against the codegen API but has not run on a GPU in this repository's tests.
+the tile also kept in node.meta["tile"] for dumps. Where it can tune (codegen.autotune.tuning_device: a CUDA
+graph, a meta graph on a machine with a GPU, or the interpreter with an injected timer; KILN_AUTOTUNE=0
+turns it off) the tile is the fastest of codegen.tiles.candidate_tiles for the node's (head dim, dtype, GPU
+capability, causal, window) on random inputs of a fixed tuning shape (tuning_shape), cached on disk per
+device, triton version and template source, so a later process loads it and times nothing. Elsewhere it is
+codegen's default_tile(head_dim, dtype, capability): on CPU the small interpreter-friendly config.
 A spec's `attention = flash(block_m = ..., block_n = ..., warps = ..., stages = ...)` pins one tile for every
 node instead (make_pass(tile); build_pipeline binds it from CompileConfig.extra["attention"]).
 Requires: node.meta["val"] on the attention inputs (the pipeline refreshes it after every pass); best after
@@ -15,22 +16,19 @@ gqa_fusion and rope_fusion so it sees their outputs, but it does not depend on t
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from pathlib import Path
-
 import torch
 from torch import fx
 
-from kiln import env
-from kiln.codegen.cache import default_cache_dir
+from kiln.codegen import autotune
 from kiln.codegen.flash_attn import flash_attention
-from kiln.codegen.tiles import TileConfig, default_tile
+from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile
 from kiln.passes._graph import rename
 from kiln.passes.base import Pass, PassResult
 
 kiln_ops = torch.ops.kiln
+
+TUNE_SEQ_CUDA = 4096  # long enough that the key loop, not the launch, is what the timer sees
+TUNE_SEQ_INTERPRETER = 40  # a few interpreter tiles per candidate: the tests' tuning stays quick
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -41,60 +39,44 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return None
 
 
-def _autotune_enabled() -> bool:
-    return torch.cuda.is_available() and env.autotune()
+def tuning_shape(num_heads: int, device: torch.device) -> tuple[int, int]:
+    """(batch, seq) of the tuning inputs: on CUDA enough query blocks to fill the GPU several times over."""
+    if device.type == "cuda":
+        return max(1, 128 // num_heads), TUNE_SEQ_CUDA
+    return 1, TUNE_SEQ_INTERPRETER
 
 
-def _autotune_file() -> Path:
-    return default_cache_dir().parent / "autotune" / "flash_attention.json"
+def tuned_tile(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+               causal: bool, window: int, scale: float) -> TileConfig:
+    """The fastest candidate tile for flash attention with these parameters on `device` (a tuning device, see
+    codegen.autotune.tuning_device): loaded from the tuning cache, or timed now on tuning_shape inputs."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    problem = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "causal": bool(causal),
+               "window": window > 0}  # fmt: skip
+    candidates = candidate_tiles(head_dim, dtype, capability)
+    found = autotune.lookup("flash_attn", device, problem, candidates)
+    if found is not None:
+        return found
+    b, t = tuning_shape(num_heads, device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(b, t, num_heads * head_dim, generator=g, device=device).to(dtype)
+    k = torch.randn(b, t, num_kv_heads * head_dim, generator=g, device=device).to(dtype)
+    v = torch.randn(b, t, num_kv_heads * head_dim, generator=g, device=device).to(dtype)
+    out = torch.empty_like(q)
+
+    def make_call(tile: TileConfig):
+        return lambda: flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile, out=out)
+
+    return autotune.tune("flash_attn", device, problem, candidates, make_call)
 
 
-def _autotune(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int, default):  # pragma: no cover (GPU)
-    """The fastest of a few tile configs for this problem on the current GPU, cached on disk by problem key."""
-    import triton.testing
-
-    num_heads, num_kv_heads, causal, window, scale = args
-    cap = torch.cuda.get_device_capability()
-    key = (f"{torch.cuda.get_device_name()}|sm{cap[0]}{cap[1]}|{q.dtype}|d{head_dim}|h{num_heads}/{num_kv_heads}"
-           f"|causal{int(causal)}|window{int(window > 0)}|t{triton.next_power_of_2(q.shape[1])}")
-    path = _autotune_file()
-    table = json.loads(path.read_text()) if path.is_file() else {}
-    if key in table:
-        return TileConfig(**table[key])
-    b, t, s = q.shape[0], q.shape[1], k.shape[1]
-    qr = torch.randn(b, t, num_heads * head_dim, dtype=q.dtype, device="cuda")
-    kr = torch.randn(b, s, num_kv_heads * head_dim, dtype=q.dtype, device="cuda")
-    vr = torch.randn_like(kr)
-    candidates = {default}
-    for bm in (64, 128):
-        for bn in (32, 64, 128):
-            if bn * head_dim <= 128 * 128:
-                candidates.add(TileConfig(bm, bn, 4 if bm * bn <= 64 * 64 else 8, 2 if head_dim > 64 else 3))
-    timings = {}
-    for tile in candidates:
-        call = lambda tile=tile: flash_attention(qr, kr, vr, num_heads, num_kv_heads, causal, window, scale, tile=tile)
-        try:
-            timings[tile] = triton.testing.do_bench(call, warmup=5, rep=20)
-        except Exception:  # a config the device cannot run (shared memory) simply loses
-            continue
-    best = min(timings, key=timings.__getitem__) if timings else default
-    table[key] = {f: getattr(best, f) for f in ("block_m", "block_n", "num_warps", "num_stages")}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
-    return best
-
-
-def choose_tile(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int):
+def choose_tile(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int) -> TileConfig:
     """The tile config for one attention call described by fake/meta tensors q and k and (H, Hkv, causal, window,
-    scale)."""
-
-    default = default_tile(head_dim, q.dtype, _capability(q.device))
-    if _autotune_enabled() and q.device.type == "cuda":
-        return _autotune(q, k, args, head_dim, default)
-    return default
+    scale): tuned (or loaded from the tuning cache) where tuning_device allows, else the heuristic default."""
+    device = autotune.tuning_device(q.device)
+    if device is not None:
+        return tuned_tile(device, q.dtype, head_dim, *args)
+    return default_tile(head_dim, q.dtype, _capability(q.device))
 
 
 def run(gm: fx.GraphModule, fixed=None) -> PassResult:

@@ -44,6 +44,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     import tempfile
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.codegen import autotune
+
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.driver import compile_model, emit
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
@@ -51,6 +54,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.ir.text import weight_bytes
+
+    tuned_before = dataclasses.replace(autotune.stats())
 
     emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
     loaded = load_spec(args.spec)
@@ -99,7 +104,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
               file=sys.stderr)
     print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
           f"passes: {', '.join(compiled.passes) or 'none'}; {len(compiled.kernels)} kernels "
-          f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled)", file=sys.stderr)
+          f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled); "
+          f"{autotune.stats().since(tuned_before).summary()}", file=sys.stderr)
     return 0
 
 

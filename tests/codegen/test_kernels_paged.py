@@ -75,6 +75,7 @@ def test_decode_under_a_loose_bound_splits_each_context_by_its_own_length(splits
     """A CUDA graph passes max_context_len = max_model_len: the grid gets the bound's splits, but each sequence
     spreads its own keys over them, and the result matches the reference."""
     import kiln.codegen.paged as paged
+    import kiln.codegen.paged_tiles as paged_tiles
 
     grids = []
     monkeypatch.setattr(paged, "launch", lambda t, op, grid, *a: (grids.append((t, grid)), launch(t, op, grid, *a)))
@@ -85,7 +86,7 @@ def test_decode_under_a_loose_bound_splits_each_context_by_its_own_length(splits
     got = paged.paged_attention_decode(q, cache, LAYER, wide, cl, qsl, 4096, heads, 0, d**-0.5, num_splits=splits)
     want = _expected(q, cache, tables, [1] * 3, ctx, heads, kv_heads, True, 0, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert grids[0][1][2] == (4 if splits else paged.choose_splits(3, kv_heads, 4096, 32, q.device))
+    assert grids[0][1][2] == (4 if splits else paged_tiles.choose_splits(3, kv_heads, 4096, 32, q.device))
 
 
 # (heads, kv_heads, head_dim, block_size, query lengths, context lengths, causal, window)

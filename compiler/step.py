@@ -14,8 +14,9 @@ Mixture-of-Depths (a model with num_routed_layers > 0): `layers` counts the dens
 routed layers have a pool of their own, KVCache.routed [num_routed_layers, 2, routed_blocks, block_size, kv_heads,
 head_dim], with one block table per (sequence, routed layer) holding only that layer's routed tokens. A step then
 also takes, per routed layer and sequence, its routed length before the step (StepBatch.routed_lens) and its
-block table (StepBatch.routed_block_tables), and returns, besides the logits, how many of each sequence's new
-tokens each routed layer routed (so the host can advance the routed lengths and give back unused blocks).
+block table (StepBatch.routed_block_tables), and returns, besides the logits, which of the new tokens each routed
+layer routed (so the host can advance the routed lengths, give back unused blocks and record a routed layer's
+state at each block boundary for prefix caching).
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ class StepModel(Protocol):
 
     def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
         """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache. A routed
-        model returns (logits, routed_counts int32 [num_routed_layers, S]): how many of each sequence's new tokens
-        each routed layer routed (and so wrote into its own cache)."""
+        model returns (logits, routed int32 [num_routed_layers, N]): 1 where a routed layer routed that row of the
+        flat batch (and so wrote its K/V into that layer's own cache)."""
         ...
 
 

@@ -30,8 +30,9 @@ without passing a kiln::mod_scatter) caches only its layer's routed tokens, in a
   batch's order, so the compact rows are grouped by sequence); the paged_attention then reads the routed pool at
   its routed layer index with those. max_query_len / max_context_len stay the batch's (upper bounds: a layer
   routes at most a sequence's new tokens, and c_s + count <= the sequence's length);
-- the graph returns (logits, counts_0, ..., counts_{R-1}): each routed layer's per-sequence routed counts [S], so
-  the host advances c and gives back the blocks it reserved for the worst case (every new token routed).
+- the graph returns (logits, routed_0, ..., routed_{R-1}): for each routed layer, which rows of the flat batch it
+  routed (int32 [N]), so the host advances c (per-sequence sums), gives back the blocks it reserved for the worst
+  case (every new token routed) and knows c at every dense block boundary (for prefix caching).
 Dense layers keep the kv_cache tensor, their layer index counting dense attentions only. Rotary positions are
 the original ones (the body's rope reads xpos), and a sliding window counts routed keys, as in the reference.
 Requires: node.meta["val"] on the attention inputs (for the cache's kv_heads, head_dim and dtype). No pass
@@ -61,7 +62,7 @@ kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
 _NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
 _ROUTING = (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)
-_SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "counts")  # mod_kv_slots'
+_SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "routed")  # mod_kv_slots'
 # Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic).
 _N, _S, _R, _MAX_BLOCKS, _NUM_BLOCKS, _BLOCK_SIZE = 8, 2, 2, 4, 8, 16
 
@@ -199,7 +200,7 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
     bounds = [inputs["max_query_len"], inputs["max_context_len"]]
 
-    counts = []
+    routed_rows = []
     for node in attn:
         q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args[:8]
         if node in owner:
@@ -212,7 +213,7 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
                 parts = [graph.create_node("call_function", operator.getitem, (slots, i), name=f"{node.name}_{what}")
                          for i, what in enumerate(_SLOT_OUTPUTS)]
             cache, args_in = inputs["routed_kv_cache"], parts[:4]
-            counts.append(parts[4])
+            routed_rows.append(parts[4])
         else:
             layer, cache, args_in = dense.index(node), inputs["kv_cache"], step_args
         args = (q, k, v, cache, layer, *args_in, *bounds, num_heads, num_kv_heads, causal, window, scale, kv_scales)
@@ -224,9 +225,9 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
         name = node.name
         graph.erase_node(node)
         rename(new, name)
-    if counts:  # the host learns each routed layer's per-sequence counts with the logits
+    if routed_rows:  # the host learns which rows each routed layer routed with the logits
         out_node = graph.find_nodes(op="output")[0]
-        out_node.args = ((logits, *counts),)
+        out_node.args = ((logits, *routed_rows),)
 
     for consumer, i in _gather_sites(logits):
         src = consumer.args[i]

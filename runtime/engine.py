@@ -17,7 +17,8 @@ sampled as without speculation.
 
 A Mixture-of-Depths step model (num_routed_layers > 0) gets a RoutedBlockManager (runtime/routed_blocks.py): its
 routed layers cache only their routed tokens in pools of their own, sized from the routed capacity; the KV memory
-this saves is logged and in the stats. Prefix caching is off for it (logged), and speculation is refused.
+this saves is logged and in the stats. Prefix caching shares the routed layers' state with the dense blocks; speculation
+is refused.
 """
 
 from __future__ import annotations
@@ -164,16 +165,13 @@ class Engine:
         if routed:
             nr = routed_pool_blocks(step_model, n, self.max_model_len, block_size=block_size,
                                     routed_num_blocks=routed_num_blocks)
-            self.block_manager: BlockManager = RoutedBlockManager(n, block_size, routed, nr)
+            self.block_manager: BlockManager = RoutedBlockManager(n, block_size, routed, nr, enable_prefix_caching)
             self.kv_bytes += routed * nr * layer_block
             self.kv_bytes_dense += routed * n * layer_block
             log.info("KV cache: %d blocks for %d dense layers, %d per routed layer for %d routed layers: %.1f MiB, "
                      "%.1f MiB (%.0f%%) less than caching every token in every layer", n - 1, step_model.num_layers,
                      nr - 1, routed, self.kv_bytes / 2**20, (self.kv_bytes_dense - self.kv_bytes) / 2**20,
                      100 * (1 - self.kv_bytes / self.kv_bytes_dense))
-            if enable_prefix_caching:
-                log.info("prefix caching is off for Mixture-of-Depths models (a routed layer's cache at a shared "
-                         "prefix is not recorded yet)")
         else:
             if routed_num_blocks is not None:
                 raise KilnError("routed_num_blocks is for Mixture-of-Depths models; this model routes no layer")

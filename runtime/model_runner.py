@@ -179,13 +179,24 @@ class ModelRunner:
             if padded and padded in self.graphs:
                 logits = self._replay(self.graphs[padded], batch)
             else:
+                if self.num_routed:
+                    self._copy_routed_blocks()
                 logits = self.model(batch, self.kv_cache)
         if self.num_routed:
-            logits, counts = logits
-            counts = counts.cpu().numpy()  # one copy: [routed layers, S], in schedule order
-            for i, s in enumerate(sched.seqs):
-                self.bm.record(s.request.request_id, s.start + s.num_new, counts[:, i])
+            logits, routed = logits
+            routed = routed.cpu().numpy()  # one copy: [routed layers, N], rows in schedule order
+            row = 0
+            for s in sched.seqs:
+                self.bm.record(s.request.request_id, s.start, routed[:, row : row + s.num_new])
+                row += s.num_new
         return logits[:num_rows].float(), sampled
+
+    def _copy_routed_blocks(self) -> None:
+        """Copy-on-write of routed blocks that prefix hits share partially filled (RoutedBlockManager.match_prefix),
+        before the step writes anything."""
+        routed = self.kv_cache.routed
+        for layer, src, dst in self.bm.take_copies():
+            routed[layer, :, dst].copy_(routed[layer, :, src])
 
     # ---- warm-up: compile the kernels while the model loads, not on the first request ------------------------
 

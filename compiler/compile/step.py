@@ -14,6 +14,11 @@ The spec's `kv_cache = paged(block = 16, dtype = int8)` (CompileConfig.extra["kv
 (kv_cache_dtype overrides it) and the model's preferred block_size (the engine's default pool block size); a
 fixed `attention = flash(block_m = ...)` tile is also the paged prefill kernel's tile.
 
+A Mixture-of-Depths model (cfg.route) runs mod_routing first and gets the routed KV cache (passes/kv_cache.py):
+the step model has num_routed_layers > 0 (num_layers counts the dense layers), needs KVCache.routed and the
+StepBatch's routed_lens / routed_block_tables, and returns (logits, routed rows per routed layer). An int8 KV
+cache is refused for it.
+
 `model.verify` (a kiln.step.Verifier) is speculative decoding's verification, bound by the same rule as the
 graph: kiln::spec_verify's generated kernel (codegen/spec_verify.py, loaded now) with kernels, else the op itself.
 """
@@ -126,8 +131,9 @@ class CompiledStep:
     def __call__(self, batch: StepBatch, kv_cache: KVCache | torch.Tensor
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """fp32 logits [R, vocab] for batch.sample_indices; writes the batch's K/V into kv_cache (a KVCache, or
-        the bare data tensor of a cache in the model's dtype). A routed model returns (logits, routed counts int32
-        [num_routed_layers, S]) and needs batch.routed_lens / routed_block_tables and kv_cache.routed."""
+        the bare data tensor of a cache in the model's dtype). A routed model returns (logits, routed int32
+        [num_routed_layers, N]: 1 where a routed layer routed the flat batch's row) and needs batch.routed_lens /
+        routed_block_tables and kv_cache.routed."""
         cache = kv_cache if isinstance(kv_cache, KVCache) else KVCache(kv_cache)
         self._check_cache(cache)
         if self.num_routed_layers and (batch.routed_lens is None or batch.routed_block_tables is None):
@@ -138,8 +144,8 @@ class CompiledStep:
             out = self.gm(**inputs)
         if not self.num_routed_layers:
             return out.reshape(-1, self.vocab).float()
-        logits, *counts = out
-        return logits.reshape(-1, self.vocab).float(), torch.stack(counts)
+        logits, *routed = out
+        return logits.reshape(-1, self.vocab).float(), torch.stack(routed)
 
 
 def _pin_paged_tile(gm: fx.GraphModule, tile: dict) -> None:

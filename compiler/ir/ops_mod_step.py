@@ -2,7 +2,7 @@
 
 - kiln::mod_kv_slots(index, count, query_start_loc, routed_lens, routed_block_tables, routed_kv_cache, layer)
   -> (slot_mapping [C] int64, block_tables [S, W] int32, context_lens [S] int32, query_start_loc [S + 1] int32,
-      counts [S] int32)
+      routed [C] int32)
 
 In the step graph a routed layer runs on the compact batch of the flat batch's routed rows (kiln::mod_route /
 kiln::mod_gather over [1, N]: index [1, C] holds the flat row of compact row c, count [1] how many compact rows
@@ -14,8 +14,11 @@ length c) in the blocks routed_block_tables[layer, s]; the op gives that layer's
 - context_lens[s] = c + counts[s] (a routed layer's keys are its routed tokens only);
 - slot_mapping: the j-th routed row of s goes to entry c + j: slot table[s][(c + j) // bs] * bs + (c + j) % bs
   (bs = routed_kv_cache's block size); padding rows get -1, which the paged write skips;
-- block_tables: a copy of routed_block_tables[layer] (a custom op may not return a view of an input).
-Everything stays on the device (no host sync); the host learns counts with the step's other outputs. Rotary
+- block_tables: a copy of routed_block_tables[layer] (a custom op may not return a view of an input);
+- routed: 1 for each flat row that was routed (the step graph's compact batch has C = N rows), else 0: the host
+  sums it per sequence for the counts, and per dense block for a routed layer's state at a block boundary
+  (what prefix caching records).
+Everything stays on the device (no host sync); the host learns `routed` with the step's other outputs. Rotary
 positions are not touched here: the compact rows keep their original positions (xpos).
 """
 
@@ -52,7 +55,9 @@ def mod_kv_slots(index: torch.Tensor, count: torch.Tensor, query_start_loc: torc
     entry = lens[seq_c] + torch.arange(c, device=dev) - qsl[seq_c]  # c_s + j for the j-th routed row of s
     block = table[seq_c, (entry // bs).clamp(max=max(table.shape[1] - 1, 0))].to(torch.int64)
     slots = torch.where(valid, block * bs + entry % bs, -1)
-    return slots, table.clone(), (lens + counts).to(torch.int32), qsl.to(torch.int32), counts.to(torch.int32)
+    flags = torch.zeros(c, dtype=torch.int32, device=dev).scatter_add_(0, torch.where(valid, rows, 0),
+                                                                       valid.to(torch.int32))
+    return slots, table.clone(), (lens + counts).to(torch.int32), qsl.to(torch.int32), flags
 
 
 @mod_kv_slots.register_fake
@@ -61,4 +66,4 @@ def _(index, count, query_start_loc, routed_lens, routed_block_tables, routed_kv
     i32 = dict(dtype=torch.int32)
     return (index.new_empty(index.shape[1:], dtype=torch.int64), routed_block_tables.new_empty(
         routed_block_tables.shape[1:], **i32), query_start_loc.new_empty((s,), **i32),
-        query_start_loc.new_empty((s + 1,), **i32), query_start_loc.new_empty((s,), **i32))
+        query_start_loc.new_empty((s + 1,), **i32), index.new_empty(index.shape[1:], **i32))

@@ -1,7 +1,8 @@
 """compile_step on Mixture-of-Depths models: the step graph over the routed KV cache (passes/kv_cache.py).
 
-Two steps by hand (a prefill of two sequences, then a chunk of one and a decode of the other, block size 4 so the
-routed tables span blocks) on the reference ops and on the generated kernels (Triton's interpreter without a
+Three steps by hand (a prefill of two sequences, a chunk of one and a decode of the other, then two decodes, where
+a routed layer that skips a sequence's token gives that sequence no query row; block size 4 so the routed tables
+span blocks) on the reference ops and on the generated kernels (Triton's interpreter without a
 GPU): the sampled logits equal the uncached reference's, the routed counts the step returns equal the
 reference's routing decisions, and each routed layer's pool holds exactly that many written K/V entries.
 """
@@ -65,26 +66,32 @@ def loaded(request):
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "kernels"])
-def test_two_steps_equal_the_reference_and_write_only_routed_tokens(loaded, use_kernels):
+def test_three_steps_equal_the_reference_and_write_only_routed_tokens(loaded, use_kernels):
     ref = copy.deepcopy(loaded.gm)
     step = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu", use_kernels=use_kernels)
     assert (step.num_layers, step.num_routed_layers, step.routed_capacity) == (2, 2, 0.5)
-    g = torch.Generator().manual_seed(2)
-    seqs = [torch.randint(0, 512, (11,), generator=g).tolist(), torch.randint(0, 512, (7,), generator=g).tolist()]
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 512, (12,), generator=g).tolist(), torch.randint(0, 512, (8,), generator=g).tolist()]
     cache = allocate_kv_cache(step, 9, BS, routed_num_blocks=9)
     tables = [[1, 2, 3], [4, 5, 0]]
     routed_tables = [[[1, 2, 3], [4, 5, 0]], [[6, 7, 8], [3, 2, 0]]]  # per layer; worst case: every token routed
     lens = [[0, 0], [0, 0]]
-    for chunks in ([(seqs[0], 0, 7), (seqs[1], 0, 6)], [(seqs[0], 7, 11), (seqs[1], 6, 7)]):
-        logits, counts = step(_batch(chunks, tables, lens, routed_tables), cache)
+    for chunks in ([(seqs[0], 0, 7), (seqs[1], 0, 6)], [(seqs[0], 7, 11), (seqs[1], 6, 7)],
+                   [(seqs[0], 11, 12), (seqs[1], 7, 8)]):
+        logits, routed = step(_batch(chunks, tables, lens, routed_tables), cache)
+        assert routed.shape == (2, sum(b - a for _, a, b in chunks))
+        starts = [0, *torch.tensor([b - a for _, a, b in chunks]).cumsum(0).tolist()]
+        counts = torch.stack([routed[:, s:e].sum(-1) for s, e in zip(starts, starts[1:], strict=False)], 1)
         for i, (ids, a, b) in enumerate(chunks):
+            assert routed[:, starts[i]:starts[i + 1]].bool().tolist() == _routed(ref, ids[:b])[:, a:].tolist()
             with torch.inference_mode():
                 want = ref(torch.tensor([ids[:b]]), torch.arange(b)[None])[0, -1]
             torch.testing.assert_close(logits[i], want, atol=2e-4, rtol=2e-4)
             assert counts[:, i].tolist() == _routed(ref, ids[:b])[:, a:].sum(-1).tolist()
         lens = [[lens[j][i] + int(counts[j, i]) for i in range(2)] for j in range(2)]
+    assert set(counts.flatten().tolist()) == {0, 1}  # the last step: decodes with and without a routed row
     assert lens == [[int(_routed(ref, s)[j].sum()) for s in seqs] for j in range(2)]
-    assert 0 < sum(map(sum, lens)) < 2 * (11 + 7)  # some tokens routed, some skipped
+    assert 0 < sum(map(sum, lens)) < 2 * (12 + 8)  # some tokens routed, some skipped
     written = (cache.routed[:, 0].abs().sum((-1, -2)) != 0).sum((-1, -2))  # K entries per routed layer
     assert written.tolist() == [sum(row) for row in lens]
 
@@ -101,7 +108,7 @@ def test_the_step_graph_has_a_routed_cache_and_one_slot_op_per_routed_layer():
     assert [(n.args[3].name, n.args[4]) for n in paged] == [("kv_cache", 0), ("routed_kv_cache", 0),
                                                             ("kv_cache", 1), ("routed_kv_cache", 1)]
     assert all(n.args[14] == 8 for n in paged)  # the window stays per layer (it counts routed keys there)
-    assert len(gm.graph.find_nodes(op="output")[0].args[0]) == 3  # logits and two routed layers' counts
+    assert len(gm.graph.find_nodes(op="output")[0].args[0]) == 3  # logits and each routed layer's routed rows
     assert step.passes[0] == "mod_routing"
 
 

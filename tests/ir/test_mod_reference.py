@@ -255,6 +255,7 @@ def test_kiln_run_serves_a_routed_model_and_refuses_what_is_not_built(capsys):
     from kiln.compile.step import compile_step
 
     assert main(["run", "tiny-llama-mod", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--device", "cpu"]) == 0
+    assert "routed KV cache:" in capsys.readouterr().err  # the load line reports the KV memory saved
     loaded = load_spec("tiny-llama-mod")
     with pytest.raises(KilnError, match="'tiny-llama-mod' routes layers .* int8 KV cache is not built"):
         compile_step(build_graph(loaded.model), loaded.model, loaded.compile, kv_cache_dtype="int8")

@@ -54,11 +54,14 @@ def _case(seed: int, num_seqs: int, bs: int, routed_layers: int, p: float):
 def test_mod_kv_slots_equals_a_per_sequence_loop(seed, num_seqs, bs, p):
     args, plain = _case(seed, num_seqs, bs, 3, p)
     for layer in range(3):
-        slots, tables, ctx, qsl, counts = kiln_ops.mod_kv_slots(*args, layer)
+        slots, tables, ctx, qsl, routed = kiln_ops.mod_kv_slots(*args, layer)
         want_slots, want_ctx, want_qsl, want_counts = _loop(*plain, layer, bs)
         assert slots.dtype == torch.int64 and slots.tolist() == want_slots
-        assert ctx.dtype == qsl.dtype == counts.dtype == tables.dtype == torch.int32
-        assert ctx.tolist() == want_ctx and qsl.tolist() == want_qsl and counts.tolist() == want_counts
+        assert ctx.dtype == qsl.dtype == routed.dtype == tables.dtype == torch.int32
+        assert ctx.tolist() == want_ctx and qsl.tolist() == want_qsl
+        assert routed.tolist() == [int(m) for m in plain[0]]  # which flat rows were routed
+        starts = plain[1]
+        assert [int(routed[a:b].sum()) for a, b in zip(starts, starts[1:], strict=False)] == want_counts
         assert torch.equal(tables, args[4][layer]) and tables.data_ptr() != args[4].data_ptr()
 
 

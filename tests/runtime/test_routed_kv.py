@@ -3,11 +3,12 @@ predictors; seeded random weights, fp32) over the routed KV cache, against kiln'
 (kiln.reference.generate over the Level-1 graph, which recomputes every token's routing from scratch).
 
 One batch of 32 mixed requests (prompts of 1 to 45 tokens, most longer than a block of 8, a third sharing a
-20-token prefix) with chunked prefill under a 24-token budget, once with a roomy pool and once with a pool small
-enough to preempt. Greedy tokens equal the reference's; every routed layer's routed length c_L when a request
-finishes equals the number of its tokens the reference routed there (the K/V entries that layer wrote); the
-routed pools hold fewer blocks than the dense one; no block leaks in any pool. Prefix caching is off for routed
-models (not built yet): the shared prefixes here check correctness, and the engine reports no prefix hits.
+20-token prefix) with chunked prefill under a 24-token budget: with a roomy pool (prefix caching on and off), with
+a pool small enough to preempt, and the same batch run again through a warm prefix cache. Greedy tokens equal
+the reference's; every routed layer's routed length c_L when a request finishes equals the number of its tokens
+the reference routed there (the K/V entries that layer wrote, its shared prefix included); the routed pools hold
+fewer blocks than the dense one; prefix hits happened, partial routed blocks were copied on reuse; no block leaks
+in any pool (the prefix cache's entries dropped, every allocator is empty).
 
 Routing decisions are compared exactly, so the test checks that no router score of these sequences lies within
 1e-4 of its threshold (where batched and unbatched rounding could flip one) rather than hoping so.
@@ -116,17 +117,23 @@ def run_engine(engine: Engine, trace) -> tuple[list[list[int]], dict[str, list[i
 
 def check_no_leaks(bm: RoutedBlockManager) -> None:
     bm.check_invariants()
+    assert not bm.tables and all(rid.startswith("\0prefix:") for g in bm.routed for rid in g.tables)
+    bm.reset_prefix_cache()  # drops the prefix entries' references on routed blocks
+    bm.check_invariants()
     for g in (bm, *bm.routed):
         assert g.num_free_blocks == g.num_usable_blocks and not any(g.ref_counts) and not g.tables
     assert not bm.routed_lens and not bm.known
 
 
-@pytest.mark.parametrize(("num_blocks", "preempt"), [(None, False), (12, True)], ids=["roomy", "preempting"])
-def test_32_mixed_requests_match_the_reference_and_write_only_routed_tokens(model, expected, num_blocks, preempt):
+@pytest.mark.parametrize(("num_blocks", "preempt", "prefix"), [(None, False, True), (None, False, False),
+                                                               (12, True, True)],
+                         ids=["roomy", "roomy-no-prefix-cache", "preempting"])
+def test_32_mixed_requests_match_the_reference_and_write_only_routed_tokens(model, expected, num_blocks, preempt,
+                                                                           prefix):
     m, _, step = model
     trace, want, want_counts = expected
     engine = Engine(step, m.tokenizer, m.model, num_blocks=num_blocks, block_size=BLOCK, max_model_len=CONTEXT,
-                    max_num_seqs=32, max_num_batched_tokens=24)
+                    max_num_seqs=32, max_num_batched_tokens=24, enable_prefix_caching=prefix)
     got, lens, most = run_engine(engine, trace)
     assert got == want
     assert [lens[str(i)] for i in range(len(trace))] == want_counts  # K/V entries written = tokens routed
@@ -134,10 +141,28 @@ def test_32_mixed_requests_match_the_reference_and_write_only_routed_tokens(mode
     assert (st.num_preemptions > 0) == preempt
     assert most >= (3 if preempt else 6)  # continuous batching: several requests' decodes and chunks share steps
     assert max(len(p) for p, _ in trace) > 24  # so some prompts were cut into chunks
-    assert st.prefix_cache_hits == 0 and st.prefix_cache_queries == 0  # prefix caching is off for routed models
+    assert (st.prefix_cache_hits > 0) == prefix  # the shared 20-token prefix: two full blocks
     bm = engine.block_manager
     assert len(bm.routed) == 2 and all(g.num_blocks < bm.num_blocks for g in bm.routed)
     assert st.routed_blocks == bm.routed[0].num_usable_blocks and st.kv_bytes < st.kv_bytes_dense
+    check_no_leaks(bm)
+
+
+def test_a_warm_prefix_cache_shares_routed_blocks_and_copies_their_partial_tails(model, expected):
+    m, _, step = model
+    trace, want, want_counts = expected
+    engine = Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, max_num_seqs=32,
+                    max_num_batched_tokens=24)
+    first, _, _ = run_engine(engine, trace)
+    bm = engine.block_manager
+    hits, copies = engine.stats.prefix_cache_hits, bm.tail_copies
+    second, lens, _ = run_engine(engine, [(p, n) for p, n in trace])  # every full prompt block is cached now
+    assert first == second == want
+    assert [lens[str(i)] for i in range(len(trace), 2 * len(trace))] == want_counts
+    full = sum((len(p) - 1) // BLOCK for p, _ in trace)
+    assert engine.stats.prefix_cache_hits - hits == full  # each request shared all of its prompt's full blocks
+    assert bm.tail_copies - copies > len(trace) // 2  # routed tails partially filled at a boundary were copied
+    assert engine.stats.num_shared_blocks == 0 and bm.routed_evictions == 0
     check_no_leaks(bm)
 
 

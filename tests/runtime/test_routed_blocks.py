@@ -78,3 +78,24 @@ def test_random_lives_keep_routed_lengths_exact():
     bm.reset_prefix_cache()
     bm.check_invariants()
     assert all(g.num_free_blocks == g.num_usable_blocks and not g.tables for g in (bm, *bm.routed))
+
+
+def test_a_hit_whose_routed_tail_cannot_be_copied_starts_from_scratch():
+    bm = RoutedBlockManager(20, 4, 1, 6)  # 5 usable routed blocks
+    a = list(range(9))
+    bm.match_prefix("a", a)
+    assert bm.append_slots("a", 9)
+    bm.record("a", 0, np.array([[1, 1, 1, 0, 1, 1, 0, 0, 1]]))  # c = 3 after block 0, 5 after block 1
+    bm.commit("a", a, 9)
+    assert sorted(bm.entries.values()) == [(3,), (5,)]
+    bm.match_prefix("c", [50] * 12)
+    assert bm.append_slots("c", 12) and bm.routed[0].num_free_blocks == 0  # the routed pool is full
+    got = bm.match_prefix("b", list(range(8)) + [99, 98])  # both dense blocks cached; layer 0's tail needs a copy
+    assert got == 0 and bm.table("b") == [] and bm.routed[0].table("b") == [] and bm.stats.prefix_hits == 0
+    assert bm.routed_lens["b"] == [0] and bm.known["b"] == 0 and not bm.take_copies()
+    assert bm.routed_evictions == 1 and list(bm.entries.values()) == [(5,)]  # the other entry went, to no avail
+    bm.check_invariants()
+    for rid in "abc":
+        bm.free(rid)
+    bm.reset_prefix_cache()
+    assert all(g.num_free_blocks == g.num_usable_blocks for g in (bm, *bm.routed))

@@ -103,7 +103,7 @@ def run_engine(engine: Engine, trace) -> tuple[list[list[int]], dict[str, list[i
     bm = engine.block_manager
     assert isinstance(bm, RoutedBlockManager)
     final: dict[str, list[int]] = {}
-    bm.on_free.append(lambda rid: final.__setitem__(rid, list(bm.routed_lens[rid])))
+    bm.on_free.append(lambda rid: final.__setitem__(rid, list(bm.routed_lens.get(rid, ()))))
     ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=n, **GREEDY)) for p, n in trace]
     done, most = {}, 0
     while engine.has_unfinished():
@@ -187,3 +187,24 @@ def test_a_routed_model_refuses_speculation_and_a_pool_below_one_sequence(model)
         Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, drafter=NgramDrafter(2, 2))
     with pytest.raises(KilnError, match="routed_num_blocks = 5: each routed layer's pool must hold one sequence"):
         Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, routed_num_blocks=5)
+
+
+def test_the_generated_kernels_serve_a_routed_model_with_prefix_hits():
+    """The same path on the generated kernels (Triton's interpreter without a GPU), small: tiny-mistral-mod (window,
+    predictors), warm-up steps, chunked prefill, two requests reusing a third's prefix (a routed tail copied)."""
+    m = load_model("tiny-mistral-mod", device="cpu", seed=0)
+    ref_gm = copy.deepcopy(m.gm)
+    step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=True)
+    shared = list(range(100, 114))
+    trace = [(shared + [1, 2, 3], 4), (shared + [7], 3), ([5, 6, 7, 8, 9, 10, 11, 12, 13], 4), (shared[:9], 3)]
+    want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=m.model.context).token_ids
+            for p, n in trace]
+    engine = Engine(step, m.tokenizer, m.model, block_size=4, max_model_len=32, max_num_batched_tokens=12,
+                    max_num_seqs=4)
+    engine.runner.warmup(progress=False)
+    first, _, _ = run_engine(engine, trace[:1])  # its blocks are committed before the others arrive
+    rest, _, _ = run_engine(engine, trace[1:])
+    assert first + rest == want
+    bm = engine.block_manager
+    assert engine.stats.prefix_cache_hits > 0 and bm.tail_copies > 0
+    check_no_leaks(bm)

@@ -35,6 +35,8 @@ without passing a kiln::mod_scatter) caches only its layer's routed tokens, in a
   case (every new token routed) and knows c at every dense block boundary (for prefix caching).
 Dense layers keep the kv_cache tensor, their layer index counting dense attentions only. Rotary positions are
 the original ones (the body's rope reads xpos), and a sliding window counts routed keys, as in the reference.
+The host side (worst-case reservations, c per routed layer, routed prefix caching) is runtime/routed_blocks.py;
+the whole design is in docs/ARCHITECTURE.md ("The routed KV cache").
 Requires: node.meta["val"] on the attention inputs (for the cache's kv_heads, head_dim and dtype). No pass
 strictly: compile_step runs it after mod_routing (for a routed model), gqa_fusion and rope_fusion (gqa_fusion
 only fuses projections that feed kiln::attention) and before norm_fusion and flash_tiling (which then finds no

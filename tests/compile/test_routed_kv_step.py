@@ -28,13 +28,17 @@ BS = 4
 
 
 def _routed(gm: fx.GraphModule, tokens: list[int]) -> torch.Tensor:
-    """bool [routed layers, T]: the reference's routing decisions (kiln::mod_threshold_mask's output per layer)."""
+    """bool [routed layers, T]: the reference's routing decisions (kiln::mod_threshold_mask's output per layer),
+    checked to be clear of the threshold (rounding in a batched step cannot flip them)."""
     masks = []
 
     class Keep(fx.Interpreter):
         def run_node(self, n):
             out = super().run_node(n)
             if n.target is torch.ops.kiln.mod_threshold_mask.default:
+                score, threshold = self.map_nodes_to_values(n.args, n)
+                gap = (score - (threshold if threshold is not None else 0.0)).abs().min()
+                assert gap > 1e-4, f"a router score lies within {float(gap):.2e} of its threshold: pick another seed"
                 masks.append(out[0])
             return out
 

@@ -199,6 +199,7 @@ def test_the_generated_kernels_serve_a_routed_model_with_prefix_hits():
     trace = [(shared + [1, 2, 3], 4), (shared + [7], 3), ([5, 6, 7, 8, 9, 10, 11, 12, 13], 4), (shared[:9], 3)]
     want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=m.model.context).token_ids
             for p, n in trace]
+    assert min(reference_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > MARGIN
     engine = Engine(step, m.tokenizer, m.model, block_size=4, max_model_len=32, max_num_batched_tokens=12,
                     max_num_seqs=4)
     engine.runner.warmup(progress=False)
@@ -208,3 +209,25 @@ def test_the_generated_kernels_serve_a_routed_model_with_prefix_hits():
     bm = engine.block_manager
     assert engine.stats.prefix_cache_hits > 0 and bm.tail_copies > 0
     check_no_leaks(bm)
+
+
+def test_a_model_whose_every_layer_is_routed_has_an_empty_dense_pool():
+    import dataclasses
+
+    from kiln.ir.frontend import build_graph
+    from kiln.spec.loader import load_spec
+
+    spec = load_spec("tiny-llama-mod")
+    cfg = dataclasses.replace(spec.model, route=dataclasses.replace(spec.model.route, every=1))
+    ref_gm = build_graph(cfg, seed=0)
+    step = compile_step(copy.deepcopy(ref_gm), cfg, spec.compile, use_kernels=False)
+    assert (step.num_layers, step.num_routed_layers) == (0, 4)
+    trace = make_trace(seed=3, n=6)
+    want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=cfg.context).token_ids
+            for p, n in trace]
+    assert min(reference_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > MARGIN
+    engine = Engine(step, None, cfg, block_size=BLOCK, max_model_len=CONTEXT, max_num_batched_tokens=16)
+    got, _, _ = run_engine(engine, trace)
+    assert got == want and engine.runner.kv_cache.data.numel() == 0
+    assert engine.stats.kv_bytes < engine.stats.kv_bytes_dense
+    check_no_leaks(engine.block_manager)

@@ -34,10 +34,10 @@ from kiln.errors import KilnError, RequestError
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, BatchSample, sample_batch
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
-from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block, routed_pool_blocks
+from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
-from kiln.runtime.routed_blocks import RoutedBlockManager
+from kiln.runtime.routed_blocks import RoutedBlockManager, make_block_manager, pool_bytes
 from kiln.runtime.sampler import SamplingParams, check_stop, make_generator
 from kiln.runtime.scheduler import ScheduledSeq, Scheduler
 from kiln.runtime.speculative import (
@@ -48,15 +48,7 @@ from kiln.runtime.speculative import (
     SpecRow,
     verify_rows,
 )
-from kiln.step import (
-    KV_BLOCK_MAX,
-    ModelLimits,
-    StepModel,
-    TokenizerLike,
-    kv_bytes_per_block,
-    kv_bytes_per_layer_block,
-    num_routed_layers,
-)
+from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
 
 log = logging.getLogger("kiln.runtime")
 
@@ -150,8 +142,7 @@ class Engine:
                                                       and speculation_max_batch >= 0):
             raise KilnError(f"speculation_max_batch = {speculation_max_batch!r} is out of range; allowed: an "
                             "integer >= 0 (0 turns speculation off) or None for the measured default")
-        routed = num_routed_layers(step_model)
-        if routed and drafter is not None:
+        if num_routed_layers(step_model) and drafter is not None:
             raise KilnError("speculative decoding is not built for Mixture-of-Depths models (its rejected drafts would "
                             "have to be taken back out of every routed layer's cache); serve this model with "
                             "speculation off (--speculation off, LLM(speculation='off'))")
@@ -160,22 +151,9 @@ class Engine:
         n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                               extra_bytes_per_block=extra)
-        layer_block = kv_bytes_per_layer_block(step_model, block_size)
-        self.kv_bytes = self.kv_bytes_dense = n * kv_bytes_per_block(step_model, block_size)
-        if routed:
-            nr = routed_pool_blocks(step_model, n, self.max_model_len, block_size=block_size,
-                                    routed_num_blocks=routed_num_blocks)
-            self.block_manager: BlockManager = RoutedBlockManager(n, block_size, routed, nr, enable_prefix_caching)
-            self.kv_bytes += routed * nr * layer_block
-            self.kv_bytes_dense += routed * n * layer_block
-            log.info("KV cache: %d blocks for %d dense layers, %d per routed layer for %d routed layers: %.1f MiB, "
-                     "%.1f MiB (%.0f%%) less than caching every token in every layer", n - 1, step_model.num_layers,
-                     nr - 1, routed, self.kv_bytes / 2**20, (self.kv_bytes_dense - self.kv_bytes) / 2**20,
-                     100 * (1 - self.kv_bytes / self.kv_bytes_dense))
-        else:
-            if routed_num_blocks is not None:
-                raise KilnError("routed_num_blocks is for Mixture-of-Depths models; this model routes no layer")
-            self.block_manager = BlockManager(n, block_size, enable_prefix_caching)
+        self.block_manager: BlockManager = make_block_manager(
+            step_model, n, block_size, self.max_model_len, enable_prefix_caching, routed_num_blocks)
+        self.kv_bytes, self.kv_bytes_dense = pool_bytes(step_model, self.block_manager)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
         graphs = step_model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs

@@ -30,12 +30,46 @@ here only ever sees the dense group.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
+from kiln.errors import KilnError
 from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.kv_pool import routed_pool_blocks
+from kiln.step import StepModel, kv_bytes_per_block, kv_bytes_per_layer_block, num_routed_layers
+
+log = logging.getLogger("kiln.runtime")
+
+
+def make_block_manager(model: StepModel, num_blocks: int, block_size: int, context: int,
+                       enable_prefix_caching: bool, routed_num_blocks: int | None = None) -> BlockManager:
+    """The engine's block manager: a BlockManager, or for a model with routed layers a RoutedBlockManager whose
+    routed pools are sized by kv_pool.routed_pool_blocks (and logged with the KV memory they save)."""
+    routed = num_routed_layers(model)
+    if not routed:
+        if routed_num_blocks is not None:
+            raise KilnError("routed_num_blocks is for Mixture-of-Depths models; this model routes no layer")
+        return BlockManager(num_blocks, block_size, enable_prefix_caching)
+    nr = routed_pool_blocks(model, num_blocks, context, block_size=block_size, routed_num_blocks=routed_num_blocks)
+    bm = RoutedBlockManager(num_blocks, block_size, routed, nr, enable_prefix_caching)
+    have, dense = pool_bytes(model, bm)
+    log.info("KV cache: %d blocks for %d dense layers, %d per routed layer for %d routed layers: %.1f MiB, %.1f MiB "
+             "(%.0f%%) less than caching every token in every layer", num_blocks - 1, model.num_layers, nr - 1, routed,
+             have / 2**20, (dense - have) / 2**20, 100 * (1 - have / dense))
+    return bm
+
+
+def pool_bytes(model: StepModel, bm: BlockManager) -> tuple[int, int]:
+    """(bytes of the KV pools, bytes they would take if every layer cached every token in the dense pool's blocks)."""
+    block = kv_bytes_per_layer_block(model, bm.block_size)
+    have = dense = bm.num_blocks * kv_bytes_per_block(model, bm.block_size)
+    for g in getattr(bm, "routed", ()):
+        have += g.num_blocks * block
+        dense += bm.num_blocks * block
+    return have, dense
 
 
 class RoutedBlockManager(BlockManager):
@@ -58,7 +92,7 @@ class RoutedBlockManager(BlockManager):
 
     @staticmethod
     def _entry_id(block_hash: bytes) -> str:
-        return "\0prefix:" + block_hash.hex()  # a pseudo-request id no caller can pick (engine ids are text)
+        return "\0prefix:" + block_hash.hex()  # a pseudo-request id; NUL-prefixed, unlike the engine's ids
 
     # ---- prefix caching -----------------------------------------------------------------------------------
 

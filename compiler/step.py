@@ -9,6 +9,14 @@ Cache layout: one tensor [layers, 2 (k, v), num_blocks, block_size, kv_heads, he
 kv_dtype. Slot s of the pool is block s // block_size, offset s % block_size. An int8 cache (kv_dtype int8)
 comes with fp32 scales [layers, 2, num_blocks, block_size, kv_heads], one per cached token and kv head; both
 travel together as a KVCache, which the runtime allocates once and only passes through.
+
+Mixture-of-Depths (a model with num_routed_layers > 0): `layers` counts the dense attention layers only; the
+routed layers have a pool of their own, KVCache.routed [num_routed_layers, 2, routed_blocks, block_size, kv_heads,
+head_dim], with one block table per (sequence, routed layer) holding only that layer's routed tokens. A step then
+also takes, per routed layer and sequence, its routed length before the step (StepBatch.routed_lens) and its
+block table (StepBatch.routed_block_tables), and returns, besides the logits, which of the new tokens each routed
+layer routed (so the host can advance the routed lengths, give back unused blocks and record a routed layer's
+state at each block boundary for prefix caching).
 """
 
 from __future__ import annotations
@@ -49,6 +57,10 @@ class StepBatch:
     sample_indices: torch.Tensor  # int64 [R]: rows of N whose logits are returned, in this order
     max_query_len: int  # host-side copies so kernels need no device -> host sync
     max_context_len: int
+    # Mixture-of-Depths models only (None otherwise): per routed layer and sequence, the routed length before the
+    # step and that layer's block table (padding: 0, the null block).
+    routed_lens: torch.Tensor | None = None  # int32 [routed_layers, S]
+    routed_block_tables: torch.Tensor | None = None  # int32 [routed_layers, S, max_routed_blocks]
 
     def graph_inputs(self, cache: KVCache) -> dict[str, object]:
         """The step graph's inputs by name, in step_input_names order (tokens and positions as [1, N])."""
@@ -58,9 +70,13 @@ class StepBatch:
                 inputs["kv_cache"] = cache.data
                 if cache.scales is not None:
                     inputs["kv_scales"] = cache.scales
+                if cache.routed is not None:
+                    inputs["routed_kv_cache"] = cache.routed
             value = getattr(self, f.name)
+            if f.name in _ROUTED_INPUTS and value is None:
+                continue
             inputs[f.name] = value.view(1, -1) if f.name in ("tokens", "positions") else value
-        return inputs
+        return {name: inputs[name] for name in step_input_names(cache.scales is not None, cache.routed is not None)}
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +93,7 @@ class KVCache:
 
     data: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     scales: torch.Tensor | None = None  # fp32 [layers, 2, num_blocks, block_size, kv_heads] when data is int8
+    routed: torch.Tensor | None = None  # Mixture-of-Depths: [routed_layers, 2, routed_blocks, block_size, ...]
 
     @property
     def num_blocks(self) -> int:
@@ -114,12 +131,18 @@ class Verifier(Protocol):
     def __call__(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def step_input_names(quantized: bool) -> tuple[str, ...]:
-    """The step graph's placeholders in order: StepBatch's tensors, the cache (and its scales when int8), then
-    StepBatch's host-side ints. StepBatch is the one source; the kv_cache pass and CompiledStep both use this."""
-    tensors = [f.name for f in dataclasses.fields(StepBatch) if f.type != "int"]
-    ints = [f.name for f in dataclasses.fields(StepBatch) if f.type == "int"]
-    return (*tensors, "kv_cache", *(("kv_scales",) if quantized else ()), *ints)
+_ROUTED_INPUTS = ("routed_lens", "routed_block_tables")
+
+
+def step_input_names(quantized: bool, routed: bool = False) -> tuple[str, ...]:
+    """The step graph's placeholders in order: StepBatch's tensors (the routed ones only for a routed model), the
+    cache (and its scales when int8, the routed layers' pool when routed), then StepBatch's host-side ints.
+    StepBatch is the one source; the kv_cache pass and CompiledStep both use this."""
+    fields = dataclasses.fields(StepBatch)
+    tensors = [f.name for f in fields if f.type != "int" and (routed or f.name not in _ROUTED_INPUTS)]
+    ints = [f.name for f in fields if f.type == "int"]
+    caches = ("kv_cache", *(("kv_scales",) if quantized else ()), *(("routed_kv_cache",) if routed else ()))
+    return (*tensors, *caches, *ints)
 
 
 class StepModel(Protocol):
@@ -134,9 +157,13 @@ class StepModel(Protocol):
     device: torch.device
     # Optional: `block_size`, the pool block size the compile config asks for (the engine's default), and
     # `verify`, a Verifier for speculative decoding (compiled with the model: its kernel or the reference op).
+    # Mixture-of-Depths: `num_routed_layers` (> 0; num_layers then counts the dense layers only) and
+    # `routed_capacity` (the share of tokens a routed layer is expected to keep, for sizing its pool).
 
     def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache."""
+        """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache. A routed
+        model returns (logits, routed int32 [num_routed_layers, N]): 1 where a routed layer routed that row of the
+        flat batch (and so wrote its K/V into that layer's own cache)."""
         ...
 
 
@@ -144,16 +171,33 @@ def kv_cache_shape(model: StepModel, num_blocks: int, block_size: int) -> tuple[
     return (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
 
 
-def allocate_kv_cache(model: StepModel, num_blocks: int, block_size: int) -> KVCache:
-    """A zeroed pool on the model's device in its kv_dtype (and fp32 scales for an int8 cache)."""
+def num_routed_layers(model: StepModel) -> int:
+    """How many routed (Mixture-of-Depths) layers the model has: their K/V live in a pool of their own."""
+    return int(getattr(model, "num_routed_layers", 0) or 0)
+
+
+def allocate_kv_cache(model: StepModel, num_blocks: int, block_size: int,
+                      routed_num_blocks: int | None = None) -> KVCache:
+    """A zeroed pool on the model's device in its kv_dtype (and fp32 scales for an int8 cache); a routed model's
+    routed layers get their own pool of routed_num_blocks blocks each (default num_blocks)."""
     shape = kv_cache_shape(model, num_blocks, block_size)
     data = torch.zeros(shape, dtype=model.kv_dtype, device=model.device)
     scales = torch.zeros(shape[:-1], dtype=torch.float32, device=model.device) if model.kv_dtype == torch.int8 else None
-    return KVCache(data, scales)
+    routed = None
+    if num_routed_layers(model):
+        nb = num_blocks if routed_num_blocks is None else routed_num_blocks
+        routed = torch.zeros((num_routed_layers(model), *shape[1:2], nb, *shape[3:]), dtype=model.kv_dtype,
+                             device=model.device)
+    return KVCache(data, scales, routed)
+
+
+def kv_bytes_per_layer_block(model: StepModel, block_size: int) -> int:
+    """Bytes one block of one layer takes, k and v: head_dim values per token and kv head, plus an fp32 scale when
+    the cache is int8."""
+    row = model.head_dim * model.kv_dtype.itemsize + (4 if model.kv_dtype == torch.int8 else 0)
+    return 2 * block_size * model.num_kv_heads * row
 
 
 def kv_bytes_per_block(model: StepModel, block_size: int) -> int:
-    """Bytes one block takes over all layers, k and v: head_dim values per token and kv head, plus an fp32 scale
-    when the cache is int8."""
-    row = model.head_dim * model.kv_dtype.itemsize + (4 if model.kv_dtype == torch.int8 else 0)
-    return model.num_layers * 2 * block_size * model.num_kv_heads * row
+    """Bytes one block of the (dense) pool takes over all its layers."""
+    return model.num_layers * kv_bytes_per_layer_block(model, block_size)

@@ -15,17 +15,44 @@ Emits:
 With an int8 cache (make_pass("int8"); compile_step binds the spec's `kv_cache = paged(dtype = int8)`) the
 kv_cache input is int8 and a kv_scales input [layers, 2, num_blocks, block_size, kv_heads] fp32 follows it;
 every paged_attention node takes it as its kv_scales argument.
+
+Mixture-of-Depths (the routed KV cache). After mod_routing, a routed layer's attention runs on the compact batch
+of the flat batch's routed rows (kiln::mod_route / kiln::mod_gather over [1, N] -> index, count, xs, xpos; the
+body reads xs and the original positions xpos). Such an attention (one reachable from a routing node's xs
+without passing a kiln::mod_scatter) caches only its layer's routed tokens, in a pool of its own:
+- more inputs (kiln.step.step_input_names(routed=True)): routed_lens [routed_layers, S] (each sequence's routed
+  length c per routed layer before the step), routed_block_tables [routed_layers, S, max_routed_blocks] and,
+  after kv_cache / kv_scales, routed_kv_cache [routed_layers, 2, routed_blocks, block_size, kv_heads, head_dim];
+- per routed attention, kiln::mod_kv_slots (kiln.ir.ops_mod_step) computes on the device, from the routing node's
+  index and count, the batch's query_start_loc and that layer's lens and table, its own slot_mapping (the j-th
+  routed row of sequence s writes entry c_s + j; padding rows -1, not written), block_tables, context_lens
+  (c_s + routed count) and query_start_loc (the running sum of the routed counts: compaction keeps the flat
+  batch's order, so the compact rows are grouped by sequence); the paged_attention then reads the routed pool at
+  its routed layer index with those. max_query_len / max_context_len stay the batch's (upper bounds: a layer
+  routes at most a sequence's new tokens, and c_s + count <= the sequence's length);
+- the graph returns (logits, routed_0, ..., routed_{R-1}): for each routed layer, which rows of the flat batch it
+  routed (int32 [N]), so the host advances c (per-sequence sums), gives back the blocks it reserved for the worst
+  case (every new token routed) and knows c at every dense block boundary (for prefix caching).
+Dense layers keep the kv_cache tensor, their layer index counting dense attentions only. Rotary positions are
+the original ones (the body's rope reads xpos), and a sliding window counts routed keys, as in the reference.
+The host side (worst-case reservations, c per routed layer, routed prefix caching) is runtime/routed_blocks.py;
+the whole design is in docs/ARCHITECTURE.md ("The routed KV cache").
 Requires: node.meta["val"] on the attention inputs (for the cache's kv_heads, head_dim and dtype). No pass
-strictly: compile_step runs it after gqa_fusion and rope_fusion (gqa_fusion only fuses projections that feed
-kiln::attention) and before norm_fusion and flash_tiling (which then finds no attention left).
+strictly: compile_step runs it after mod_routing (for a routed model), gqa_fusion and rope_fusion (gqa_fusion
+only fuses projections that feed kiln::attention) and before norm_fusion and flash_tiling (which then finds no
+attention left). A routed layer still in the dense-masked form (kiln::routed_attention: mod_routing off) is
+refused, as is an int8 cache for a routed model.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 from kiln.errors import PassError
 from kiln.model_config import KV_DTYPES
@@ -36,6 +63,8 @@ from kiln.step import step_input_names
 kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
 _NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
+_ROUTING = (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)
+_SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "routed")  # mod_kv_slots'
 # Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic).
 _N, _S, _R, _MAX_BLOCKS, _NUM_BLOCKS, _BLOCK_SIZE = 8, 2, 2, 4, 8, 16
 
@@ -57,11 +86,49 @@ def _cache_geometry(attn: list[fx.Node]) -> tuple[int, int, torch.dtype]:
     return found.pop()
 
 
-def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int) -> dict:
+def _routed_attention(graph: fx.Graph, attn: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Each attention of a routed layer's compact body -> its routing node (mod_route / mod_gather)."""
+    owner: dict[fx.Node, fx.Node] = {}
+    attn_set = set(attn)
+    for routing in graph.nodes:
+        if not (is_call(routing, _ROUTING[0]) or is_call(routing, _ROUTING[1])):
+            continue
+        xs_at = 3 if is_call(routing, _ROUTING[0]) else 2
+        todo = [u for u in routing.users if u.target is operator.getitem and u.args[1] == xs_at]
+        seen: set[fx.Node] = set()
+        while todo:  # the body: what the compact rows reach before the scatter back into the residual stream
+            n = todo.pop()
+            if n in seen or is_call(n, kiln_ops.mod_scatter.default):
+                continue
+            seen.add(n)
+            if n in attn_set:
+                owner[n] = routing
+            todo += list(n.users)
+    return owner
+
+
+def _routing_outputs(graph: fx.Graph, routing: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """(index, count) of a routing node, adding their getitems when the graph dropped them."""
+    base = 1 if is_call(routing, _ROUTING[0]) else 0
+    found = {u.args[1]: u for u in routing.users if u.target is operator.getitem}
+    out = []
+    for i in (base, base + 1):
+        if i not in found:
+            with graph.inserting_after(routing):
+                found[i] = graph.call_function(operator.getitem, (routing, i))
+        out.append(found[i])
+    return out[0], out[1]
+
+
+def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
+                    routed: int) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True):
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
         cache = (layers, 2, _NUM_BLOCKS, _BLOCK_SIZE, kv_heads, head_dim)
         return {
+            "routed_lens": torch.empty(routed, _S, **i32),
+            "routed_block_tables": torch.empty(routed, _S, _MAX_BLOCKS, **i32),
+            "routed_kv_cache": torch.empty((routed, *cache[1:]), dtype=dtype, device=device),
             "kv_scales": torch.empty(cache[:-1], dtype=torch.float32, device=device),
             "tokens": torch.empty(1, _N, **i64),
             "positions": torch.empty(1, _N, **i64),
@@ -115,27 +182,54 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
     if not is_call(logits, kiln_ops.linear.default):
         raise PassError(f"kv_cache expects the graph output to be the lm_head's kiln::linear, got %{logits.name}")
+    masked = [n for n in graph.nodes if is_call(n, kiln_ops.routed_attention.default)]
+    if masked:
+        raise PassError(f"kv_cache: %{masked[0].name} is a routed layer in the dense-masked form; the routed KV cache "
+                        "needs the mod_routing pass to run first (do not disable it for a Mixture-of-Depths model)")
     kv_heads, head_dim, dtype = _cache_geometry(attn)
     weight = next(iter(gm.parameters()), None)  # the weights' device wins: gm.to(device) leaves input metas behind
     device = weight.device if weight is not None else placeholders[0].meta["val"].device
     quantized = kv_dtype == "int8"
-    examples = _example_inputs(device, kv_heads, head_dim, torch.int8 if quantized else dtype, len(attn))
-    inputs = _add_inputs(graph, examples, step_input_names(quantized))
+    owner = _routed_attention(graph, attn)
+    if owner and quantized:
+        raise PassError("an int8 KV cache is not built for a Mixture-of-Depths model's routed KV cache yet; use "
+                        "kv_cache = paged(dtype = auto) (or --kv-cache-dtype auto) for a routed model")
+    dense = [n for n in attn if n not in owner]
+    routed = [n for n in attn if n in owner]
+    examples = _example_inputs(device, kv_heads, head_dim, torch.int8 if quantized else dtype, len(dense), len(routed))
+    inputs = _add_inputs(graph, examples, step_input_names(quantized, routed=bool(routed)))
     kv_scales = inputs["kv_scales"] if quantized else None  # always passed: the op has no default (ops_paged)
     step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
     bounds = [inputs["max_query_len"], inputs["max_context_len"]]
 
-    for layer, node in enumerate(attn):
+    routed_rows = []
+    for node in attn:
         q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args[:8]
-        args = (q, k, v, inputs["kv_cache"], layer, *step_args, *bounds, num_heads, num_kv_heads, causal, window, scale,
-                kv_scales)
+        if node in owner:
+            layer = routed.index(node)
+            index, count = _routing_outputs(graph, owner[node])
+            with graph.inserting_before(node):
+                slots = graph.create_node("call_function", kiln_ops.mod_kv_slots.default, (
+                    index, count, inputs["query_start_loc"], inputs["routed_lens"], inputs["routed_block_tables"],
+                    inputs["routed_kv_cache"], layer), name=f"{node.name}_routed_slots")
+                parts = [graph.create_node("call_function", operator.getitem, (slots, i), name=f"{node.name}_{what}")
+                         for i, what in enumerate(_SLOT_OUTPUTS)]
+            cache, args_in = inputs["routed_kv_cache"], parts[:4]
+            routed_rows.append(parts[4])
+        else:
+            layer, cache, args_in = dense.index(node), inputs["kv_cache"], step_args
+        args = (q, k, v, cache, layer, *args_in, *bounds, num_heads, num_kv_heads, causal, window, scale, kv_scales)
         with graph.inserting_before(node):
             new = graph.call_function(kiln_ops.paged_attention.default, args)
         new.meta["kv_layer"] = layer
+        new.meta["kv_routed"] = node in owner
         node.replace_all_uses_with(new)
         name = node.name
         graph.erase_node(node)
         rename(new, name)
+    if routed_rows:  # the host learns which rows each routed layer routed with the logits
+        out_node = graph.find_nodes(op="output")[0]
+        out_node.args = ((logits, *routed_rows),)
 
     for consumer, i in _gather_sites(logits):
         src = consumer.args[i]
@@ -144,8 +238,6 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
         rename(gathered, f"{src.name}_sampled")
         consumer.update_arg(i, gathered)
     return PassResult(gm, modified=True)
-
-
 
 
 def make_pass(kv_dtype: str = "auto") -> Pass:

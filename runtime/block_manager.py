@@ -105,7 +105,7 @@ class BlockManager:
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             self.stats.prefix_queries += 1
             block = self.cached.get(h)
-            if block is None:
+            if block is None or not self._shareable(h):
                 break
             self.stats.prefix_hits += 1
             if self.ref_counts[block] == 0:
@@ -115,6 +115,10 @@ class BlockManager:
             hashes.append(h)
             parent = h
         return len(hashes) * bs
+
+    def _shareable(self, block_hash: bytes) -> bool:
+        """Whether a cached block may be shared now (a subclass can keep state that must come with it)."""
+        return True
 
     def append_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's table to hold num_tokens tokens; False (and no change) when blocks run out."""

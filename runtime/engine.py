@@ -14,6 +14,11 @@ With a drafter (runtime/speculative.py) decodes speculate: the scheduler reserve
 them, the target scores [last token, drafts] in the same step as everything else, the model's verifier accepts
 a prefix and draws the next token, and the unused slots' blocks are freed. Ordinary rows in the same step are
 sampled as without speculation.
+
+A Mixture-of-Depths step model (num_routed_layers > 0) gets a RoutedBlockManager (runtime/routed_blocks.py): its
+routed layers cache only their routed tokens in pools of their own, sized from the routed capacity; the KV memory
+this saves is logged and in the stats. Prefix caching shares the routed layers' state with the dense blocks; speculation
+is refused.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from kiln.errors import KilnError, RequestError
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, BatchSample, sample_batch
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
-from kiln.runtime.kv_pool import choose_num_blocks
+from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
+from kiln.runtime.routed_blocks import RoutedBlockManager, make_block_manager, pool_bytes
 from kiln.runtime.sampler import SamplingParams, check_stop, make_generator
 from kiln.runtime.scheduler import ScheduledSeq, Scheduler
 from kiln.runtime.speculative import (
@@ -42,7 +48,7 @@ from kiln.runtime.speculative import (
     SpecRow,
     verify_rows,
 )
-from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike
+from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
 
 log = logging.getLogger("kiln.runtime")
 
@@ -69,6 +75,14 @@ class EngineStats:
     spec_emitted: int = 0  # tokens those rows emitted (accepted drafts + the next token)
     spec_off_steps: int = 0  # steps where speculation was off because more than speculation_max_batch decodes ran
     spec_drafter_failures: int = 0  # steps whose drafter raised (they decoded without drafts)
+    kv_bytes: int = 0  # the KV pools' size (a routed model's routed pools included)
+    kv_bytes_dense: int = 0  # what the same pool would take if every layer cached every token
+    routed_blocks: int = 0  # usable blocks in each routed layer's pool (0: not a routed model)
+    routed_blocks_in_use: tuple[int, ...] = ()  # per routed layer, right now
+
+    @property
+    def kv_bytes_saved(self) -> int:
+        return self.kv_bytes_dense - self.kv_bytes
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,9 +113,12 @@ class Engine:
         max_model_len: int | None = None,
         drafter: NgramDrafter | ModelDrafter | None = None,
         speculation_max_batch: int | None = None,
+        routed_num_blocks: int | None = None,
     ):
         """drafter: speculative decoding (the verifier is step_model.verify). speculation_max_batch: speculate only
-        while at most this many decode-ready requests run (None: DEFAULT_SPECULATION_MAX_BATCH, measured)."""
+        while at most this many decode-ready requests run (None: DEFAULT_SPECULATION_MAX_BATCH, measured).
+        routed_num_blocks: blocks in each routed layer's pool of a Mixture-of-Depths model (None: from its routed
+        capacity, see runtime/kv_pool.py)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise KilnError(f"{name} = {value!r} is out of range; allowed: an integer >= 1")
@@ -125,11 +142,18 @@ class Engine:
                                                       and speculation_max_batch >= 0):
             raise KilnError(f"speculation_max_batch = {speculation_max_batch!r} is out of range; allowed: an "
                             "integer >= 0 (0 turns speculation off) or None for the measured default")
+        if num_routed_layers(step_model) and drafter is not None:
+            raise KilnError("speculative decoding is not built for Mixture-of-Depths models (its rejected drafts would "
+                            "have to be taken back out of every routed layer's cache); serve this model with "
+                            "speculation off (--speculation off, LLM(speculation='off'))")
         extra = drafter.kv_bytes_per_block(block_size) if drafter is not None else 0
+        extra += routed_bytes_per_block(step_model, block_size)
         n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,
                               gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                               extra_bytes_per_block=extra)
-        self.block_manager = BlockManager(n, block_size, enable_prefix_caching)
+        self.block_manager: BlockManager = make_block_manager(
+            step_model, n, block_size, self.max_model_len, enable_prefix_caching, routed_num_blocks)
+        self.kv_bytes, self.kv_bytes_dense = pool_bytes(step_model, self.block_manager)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
         graphs = step_model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
@@ -405,9 +429,12 @@ class Engine:
             num_generated_tokens=self.num_generated_tokens,
             spec_proposed=self.spec["proposed"], spec_accepted=self.spec["accepted"],
             spec_verify_steps=self.spec["verify_steps"], spec_rows=self.spec["rows"], spec_emitted=self.spec["emitted"],
-            spec_off_steps=sch.num_spec_off_steps, spec_drafter_failures=self.spec["drafter_failures"])
+            spec_off_steps=sch.num_spec_off_steps, spec_drafter_failures=self.spec["drafter_failures"],
+            kv_bytes=self.kv_bytes, kv_bytes_dense=self.kv_bytes_dense,
+            routed_blocks=bm.routed[0].num_usable_blocks if isinstance(bm, RoutedBlockManager) and bm.routed else 0,
+            routed_blocks_in_use=tuple(bm.routed_blocks_in_use()) if isinstance(bm, RoutedBlockManager) else ())
 
     def stats_dict(self) -> dict:
         st = self.stats
         return {**dataclasses.asdict(st), "acceptance_rate": st.acceptance_rate,
-                "mean_accepted_length": st.mean_accepted_length}
+                "mean_accepted_length": st.mean_accepted_length, "kv_bytes_saved": st.kv_bytes_saved}

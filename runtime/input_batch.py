@@ -4,7 +4,9 @@ BlockTableRows keeps one host block-table row per request with blocks, written o
 blocks since its last step (and cleared when the block manager frees it), so a step never rebuilds tables.
 StepBuffers is one flat int64 staging buffer (pinned on CUDA, two of them alternating so the next step can be
 written while the last copy is in flight) holding every input of a step back to back; one asynchronous copy
-moves the used prefix to a device buffer of the same layout, and the StepBatch tensors are views of it.
+moves the used prefix to a device buffer of the same layout, and the StepBatch tensors are views of it. A routed
+(Mixture-of-Depths) model's per-layer routed lengths and block tables ride in the same buffer, after the dense
+block table.
 """
 
 from __future__ import annotations
@@ -70,14 +72,20 @@ class Layout:
     s: int  # sequences (padding included)
     w: int  # block-table width
     i32_start: int  # int64 index where the int32 part starts
+    nr: int = 0  # routed layers (Mixture-of-Depths): their lengths and block tables follow the dense table
+    wr: int = 0  # routed block-table width
+
+    @property
+    def i32_words(self) -> int:
+        return 2 * self.s + 1 + self.s * self.w + self.nr * self.s * (1 + self.wr)
 
     @property
     def size(self) -> int:  # int64 words used
-        return self.i32_start + -(-(2 * self.s + 1 + self.s * self.w) // 2)
+        return self.i32_start + -(-self.i32_words // 2)
 
 
-def layout(n: int, r: int, s: int, w: int) -> Layout:
-    return Layout(n, r, s, w, 3 * n + r)
+def layout(n: int, r: int, s: int, w: int, nr: int = 0, wr: int = 0) -> Layout:
+    return Layout(n, r, s, w, 3 * n + r, nr, wr)
 
 
 class StepBuffers:
@@ -125,9 +133,14 @@ def _views(buf, lay: Layout) -> dict:
     n, r, s, w = lay.n, lay.r, lay.s, lay.w
     i32 = buf[lay.i32_start : lay.size]
     i32 = i32.view(np.int32) if isinstance(buf, np.ndarray) else i32.view(torch.int32)
-    return {
+    views = {
         "tokens": buf[:n], "positions": buf[n : 2 * n], "slot_mapping": buf[2 * n : 3 * n],
         "sample_indices": buf[3 * n : 3 * n + r],
         "context_lens": i32[:s], "query_start_loc": i32[s : 2 * s + 1],
         "block_tables": i32[2 * s + 1 : 2 * s + 1 + s * w].reshape(s, w),
     }  # fmt: skip
+    if lay.nr:
+        o, nr, wr = 2 * s + 1 + s * w, lay.nr, lay.wr
+        views["routed_lens"] = i32[o : o + nr * s].reshape(nr, s)
+        views["routed_block_tables"] = i32[o + nr * s : o + nr * s * (1 + wr)].reshape(nr, s, wr)
+    return views

@@ -1,11 +1,19 @@
-"""How many KV blocks the pool gets: explicit, from free GPU memory, or a CPU default; refused when too small."""
+"""How many KV blocks the pool gets: explicit, from free GPU memory, or a CPU default; refused when too small.
+
+A Mixture-of-Depths model's routed layers have pools of their own (kiln.step.KVCache.routed), each sized at the
+model's routed capacity times the dense pool (routed_pool_blocks) but never below one full-length sequence: a
+routed layer holds only its routed tokens. Their cost per dense block (routed_bytes_per_block) is added to the
+dense block's when the pool is sized from memory, so both fit the budget together.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from kiln.errors import KilnError
-from kiln.step import StepModel, kv_bytes_per_block
+from kiln.step import StepModel, kv_bytes_per_block, kv_bytes_per_layer_block, num_routed_layers
 
 CPU_KV_BYTES = 1 << 30  # the CPU default pool stops growing at 1 GiB (but always holds one full-context sequence)
 
@@ -47,3 +55,27 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
             f"raise --num-blocks to at least {need} or --gpu-memory-utilization"
         )
     return n
+
+
+def routed_bytes_per_block(model: StepModel, block_size: int) -> int:
+    """What the routed layers' pools cost per block of the dense pool, sized at the routed capacity (0 for a dense
+    model)."""
+    share = float(getattr(model, "routed_capacity", 1.0))
+    return math.ceil(num_routed_layers(model) * share * kv_bytes_per_layer_block(model, block_size))
+
+
+def routed_pool_blocks(model: StepModel, dense_blocks: int, context: int, *, block_size: int,
+                       routed_num_blocks: int | None = None) -> int:
+    """Blocks in each routed layer's pool, its null block included: routed_num_blocks when given, else the routed
+    capacity's share of the dense pool; never fewer than one sequence of `context` tokens needs."""
+    per_seq = -(-context // block_size)
+    if routed_num_blocks is None:
+        share = float(getattr(model, "routed_capacity", 1.0))
+        return max(math.ceil(share * (dense_blocks - 1)), per_seq) + 1
+    if not isinstance(routed_num_blocks, int) or routed_num_blocks < per_seq + 1:
+        raise KilnError(
+            f"routed_num_blocks = {routed_num_blocks!r}: each routed layer's pool must hold one sequence of the "
+            f"longest allowed length ({context} tokens = {per_seq} blocks of {block_size}) plus its null block; "
+            f"give at least {per_seq + 1}, or leave it unset to size it from the routed capacity"
+        )
+    return routed_num_blocks

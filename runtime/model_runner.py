@@ -7,6 +7,12 @@ only the batch's real columns in, and the decode kernels bound their work by the
 on the device (the split length is per sequence), so a long max_model_len costs nothing per step.
 `pad_decode_batches` runs the same padded batches eagerly: it is how the padding is tested without a GPU.
 
+A Mixture-of-Depths model (block manager: runtime.routed_blocks.RoutedBlockManager) also gets, per routed layer,
+its routed lengths and block tables (one more set of persistent rows per layer), and its step returns how many
+tokens each routed layer routed per sequence: one copy to the host after the step, recorded in the block
+manager, which gives back the blocks reserved for tokens that were not routed. Such a model runs eagerly: no
+CUDA graphs or padded decode batches yet (the routed tables would need static buffers of their own).
+
 A speculative decode (ScheduledSeq.num_drafts = n) is a chunk of n + 1 tokens with all n + 1 rows sampled; a
 step with one is not a pure decode, so it runs eagerly (a GPU would want graphs captured for (batch, k + 1)
 query shapes too; not done yet). A draft model's runner shares the block manager and may be given an existing
@@ -22,10 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.errors import KilnError
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
 from kiln.runtime.input_batch import BlockTableRows, StepBuffers, layout
+from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
-from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache
+from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache, num_routed_layers
 
 log = logging.getLogger("kiln.runtime")
 
@@ -54,15 +62,28 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.num_routed = num_routed_layers(model)
+        groups = block_manager.routed if isinstance(block_manager, RoutedBlockManager) else []
+        if len(groups) != self.num_routed:
+            raise KilnError(f"the step model has {self.num_routed} routed (Mixture-of-Depths) layers but the block "
+                            f"manager {len(groups)} routed groups; build it with runtime.routed_blocks")
         if kv_cache is None:  # passed through as is
-            kv_cache = allocate_kv_cache(model, block_manager.num_blocks, self.block_size)
+            kv_cache = allocate_kv_cache(model, block_manager.num_blocks, self.block_size,
+                                         groups[0].num_blocks if groups else None)
         self.kv_cache = kv_cache
+        if self.num_routed and (use_cuda_graphs or pad_decode_batches):
+            log.info("a routed (Mixture-of-Depths) model decodes eagerly: no CUDA graphs or padded batches yet")
+            use_cuda_graphs = pad_decode_batches = False
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda" and torch.cuda.is_available()
         self.pad_sizes = graph_batch_sizes(max_num_seqs) if (self.use_cuda_graphs or pad_decode_batches) else []
         self.graphs: dict[int, _Graph] = {}
         self.rows = BlockTableRows(self.max_blocks_per_seq, max_num_seqs)
         block_manager.on_free.append(self.rows.release)
         block_manager.on_truncate.append(self.rows.truncate)
+        self.routed_rows = [BlockTableRows(self.max_blocks_per_seq, max_num_seqs) for _ in groups]
+        for g, rows in zip(groups, self.routed_rows, strict=True):
+            g.on_free.append(rows.release)
+            g.on_truncate.append(rows.truncate)
         self.buffers = StepBuffers(model.device)
         if model.device.type == "cuda" if warmup is None else warmup:
             self.warmup()
@@ -85,7 +106,13 @@ class ModelRunner:
         padded = self._pad_size(sched)
         extra = padded - len(seqs) if padded else 0
         n = sum(s.num_new for s in seqs)
-        lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width)
+        routed_width = 0
+        if self.num_routed:
+            routed_rows = [[rows_j.row(s.request.request_id, g.table(s.request.request_id)) for s in seqs]
+                           for g, rows_j in zip(self.bm.routed, self.routed_rows, strict=True)]
+            routed_width = max(len(g.table(s.request.request_id)) for g in self.bm.routed for s in seqs)
+        lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width, self.num_routed,
+                     routed_width)
         v = self.buffers.stage(lay)
         tok, pos, slot, ctx, qsl, samp = (v[k] for k in ("tokens", "positions", "slot_mapping", "context_lens",
                                                          "query_start_loc", "sample_indices"))
@@ -115,6 +142,11 @@ class ModelRunner:
                 k += r
         bt = v["block_tables"]
         np.take(host_rows[:, :width], rows, axis=0, out=bt[: len(seqs)])
+        if self.num_routed:  # never padded (see the module docstring)
+            lens = v["routed_lens"]
+            lens[:] = np.array([self.bm.routed_lens[s.request.request_id] for s in seqs], dtype=np.int32).T
+            for j, rows_j in enumerate(self.routed_rows):
+                np.take(rows_j.host[:, :routed_width], routed_rows[j], axis=0, out=v["routed_block_tables"][j])
         if padded:  # padding rows: one token each, written to and read from the null block, all rows sampled
             tok[n:], pos[n:], slot[n:] = 0, 0, NULL_BLOCK * bs
             ctx[len(seqs) :] = 1
@@ -126,6 +158,7 @@ class ModelRunner:
             tokens=t["tokens"], positions=t["positions"], slot_mapping=t["slot_mapping"],
             block_tables=t["block_tables"], context_lens=t["context_lens"], query_start_loc=t["query_start_loc"],
             sample_indices=t["sample_indices"], max_query_len=1 if padded else max_new, max_context_len=max_ctx,
+            routed_lens=t.get("routed_lens"), routed_block_tables=t.get("routed_block_tables"),
         )  # fmt: skip
         return batch, padded
 
@@ -146,8 +179,24 @@ class ModelRunner:
             if padded and padded in self.graphs:
                 logits = self._replay(self.graphs[padded], batch)
             else:
+                if self.num_routed:
+                    self._copy_routed_blocks()
                 logits = self.model(batch, self.kv_cache)
+        if self.num_routed:
+            logits, routed = logits
+            routed = routed.cpu().numpy()  # one copy: [routed layers, N], rows in schedule order
+            row = 0
+            for s in sched.seqs:
+                self.bm.record(s.request.request_id, s.start, routed[:, row : row + s.num_new])
+                row += s.num_new
         return logits[:num_rows].float(), sampled
+
+    def _copy_routed_blocks(self) -> None:
+        """Copy-on-write of routed blocks that prefix hits share partially filled (RoutedBlockManager.match_prefix),
+        before the step writes anything."""
+        routed = self.kv_cache.routed
+        for layer, src, dst in self.bm.take_copies():
+            routed[layer, :, dst].copy_(routed[layer, :, src])
 
     # ---- warm-up: compile the kernels while the model loads, not on the first request ------------------------
 
@@ -177,12 +226,17 @@ class ModelRunner:
         n = num_seqs * q_len
         positions = torch.arange(ctx - q_len, ctx, device=dev).repeat(num_seqs)
         qsl = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
+        routed = {}
+        if self.num_routed:  # every routed layer starts empty and writes (at most q_len entries) to its null block
+            routed = dict(routed_lens=torch.zeros(self.num_routed, num_seqs, dtype=torch.int32, device=dev),
+                          routed_block_tables=torch.full((self.num_routed, num_seqs, -(-q_len // bs)), NULL_BLOCK,
+                                                         dtype=torch.int32, device=dev))
         return StepBatch(
             tokens=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
             slot_mapping=NULL_BLOCK * bs + positions % bs,
             block_tables=torch.full((num_seqs, -(-ctx // bs)), NULL_BLOCK, dtype=torch.int32, device=dev),
             context_lens=torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev), query_start_loc=qsl,
-            sample_indices=(qsl[1:] - 1).long(), max_query_len=q_len, max_context_len=ctx,
+            sample_indices=(qsl[1:] - 1).long(), max_query_len=q_len, max_context_len=ctx, **routed,
         )  # fmt: skip
 
     # ---- CUDA graphs (only with a CUDA device; not exercised by the CPU test suite) ----------------------

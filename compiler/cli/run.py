@@ -45,6 +45,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     total = len(prompt_ids) + params.max_tokens
     engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
     say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}) in {time.perf_counter() - t0:.2f}s")
+    st = engine.stats
+    if st.routed_blocks:  # Mixture-of-Depths: routed layers cache only their routed tokens
+        say(f"routed KV cache: {st.kv_bytes / 2**20:.1f} MiB, {st.kv_bytes_saved / 2**20:.1f} MiB "
+            f"({st.kv_bytes_saved / st.kv_bytes_dense:.0%}) less than caching every token in every layer")
     engine.add_request(prompt_token_ids=prompt_ids, params=params)
     final = None
     for out in engine.stream():

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
 import kiln.ir.ops_mod  # noqa: F401  (registers the Mixture-of-Depths ops)
+import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
 import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
@@ -166,6 +167,12 @@ def k_mod_combine(x, y, r, mask):
     return torch.ops.kiln.mod_combine.default(x, y, r, mask)
 
 
+def k_mod_kv_slots(index, count, query_start_loc, routed_lens, routed_block_tables, routed_kv_cache, layer):
+    # The routed KV cache's slots, lengths and offsets: a few small integer tensor ops, left to torch.
+    return torch.ops.kiln.mod_kv_slots.default(index, count, query_start_loc, routed_lens, routed_block_tables,
+                                               routed_kv_cache, layer)
+
+
 KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.embedding.default: k_embedding,
     kiln_ops.linear.default: k_linear,
@@ -193,6 +200,7 @@ KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.mod_threshold_mask.default: k_mod_threshold_mask,
     kiln_ops.routed_attention.default: k_routed_attention,
     kiln_ops.mod_combine.default: k_mod_combine,
+    kiln_ops.mod_kv_slots.default: k_mod_kv_slots,
 }
 
 

@@ -43,7 +43,9 @@ from kiln.passes.quantize import make_pass as quantize_pass
 MODEL_PIPELINE: tuple[str, ...] = (
     "mod_routing", "gqa_fusion", "quantize", "rope_fusion", "norm_fusion", "flash_tiling",
 )
-STEP_PIPELINE: tuple[str, ...] = ("gqa_fusion", "quantize", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling")
+STEP_PIPELINE: tuple[str, ...] = (
+    "mod_routing", "gqa_fusion", "quantize", "rope_fusion", "kv_cache", "norm_fusion", "flash_tiling",
+)
 # What runs when nothing is asked for: the model pipeline less the passes that need a setting (mod_routing runs
 # for a Mixture-of-Depths model: spec validation records its ModConfig as CompileConfig.extra["route"]).
 _NEEDS_SETTING = ("quantize", "mod_routing")

@@ -14,6 +14,11 @@ The spec's `kv_cache = paged(block = 16, dtype = int8)` (CompileConfig.extra["kv
 (kv_cache_dtype overrides it) and the model's preferred block_size (the engine's default pool block size); a
 fixed `attention = flash(block_m = ...)` tile is also the paged prefill kernel's tile.
 
+A Mixture-of-Depths model (cfg.route) runs mod_routing first and gets the routed KV cache (passes/kv_cache.py):
+the step model has num_routed_layers > 0 (num_layers counts the dense layers), needs KVCache.routed and the
+StepBatch's routed_lens / routed_block_tables, and returns (logits, routed rows per routed layer). An int8 KV
+cache is refused for it.
+
 `model.verify` (a kiln.step.Verifier) is speculative decoding's verification, bound by the same rule as the
 graph: kiln::spec_verify's generated kernel (codegen/spec_verify.py, loaded now) with kernels, else the op itself.
 """
@@ -87,6 +92,8 @@ class CompiledStep:
     kv_dtype: torch.dtype | None = None  # the cache's element type: dtype (None means so) or torch.int8
     block_size: int = 16  # the pool block size the compile config asks for; the engine's default
     verify: Verifier | None = None  # speculative decoding's verification (None: the reference op)
+    num_routed_layers: int = 0  # Mixture-of-Depths: routed layers, cached in KVCache.routed (num_layers: dense)
+    routed_capacity: float = 1.0  # the share of tokens a routed layer is expected to keep (sizes its pool)
 
     def __post_init__(self) -> None:
         self.kv_dtype = self.kv_dtype or self.dtype
@@ -94,6 +101,18 @@ class CompiledStep:
             self.verify = make_verifier(self.vocab, use_kernels=False)
 
     def _check_cache(self, cache: KVCache) -> None:
+        routed = cache.routed
+        want_routed = (self.num_routed_layers, 2, self.num_kv_heads, self.head_dim)
+        got_routed = None if routed is None else (*routed.shape[:2], *routed.shape[4:]) if routed.dim() == 6 else ()
+        if (want_routed if self.num_routed_layers else None) != got_routed or (
+                routed is not None and (routed.dtype != self.kv_dtype or routed.shape[3] != cache.data.shape[3])):
+            raise KilnError(
+                f"kv_cache.routed is {None if routed is None else (tuple(routed.shape), routed.dtype)}; this model has "
+                f"{self.num_routed_layers} routed layers and needs "
+                + (f"[{self.num_routed_layers}, 2, routed_blocks, block_size, {self.num_kv_heads}, {self.head_dim}] "
+                   f"in {self.kv_dtype} with the dense pool's block size" if self.num_routed_layers else "none")
+                + ": allocate it with kiln.compile.step.allocate_kv_cache"
+            )
         data, scales = cache.data, cache.scales
         want = (self.num_layers, 2, self.num_kv_heads, self.head_dim)
         got = (*data.shape[:2], *data.shape[4:]) if data.dim() == 6 else tuple(data.shape)
@@ -109,15 +128,24 @@ class CompiledStep:
                 f"{self.kv_dtype}{scales_note}: allocate it with kiln.compile.step.allocate_kv_cache"
             )
 
-    def __call__(self, batch: StepBatch, kv_cache: KVCache | torch.Tensor) -> torch.Tensor:
+    def __call__(self, batch: StepBatch, kv_cache: KVCache | torch.Tensor
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """fp32 logits [R, vocab] for batch.sample_indices; writes the batch's K/V into kv_cache (a KVCache, or
-        the bare data tensor of a cache in the model's dtype)."""
+        the bare data tensor of a cache in the model's dtype). A routed model returns (logits, routed int32
+        [num_routed_layers, N]: 1 where a routed layer routed the flat batch's row) and needs batch.routed_lens /
+        routed_block_tables and kv_cache.routed."""
         cache = kv_cache if isinstance(kv_cache, KVCache) else KVCache(kv_cache)
         self._check_cache(cache)
+        if self.num_routed_layers and (batch.routed_lens is None or batch.routed_block_tables is None):
+            raise KilnError("this model has routed (Mixture-of-Depths) layers: its StepBatch needs routed_lens and "
+                            "routed_block_tables (kiln.runtime's ModelRunner builds them)")
         inputs = batch.graph_inputs(cache)
         with torch.no_grad():
-            logits = self.gm(**inputs)
-        return logits.reshape(-1, self.vocab).float()
+            out = self.gm(**inputs)
+        if not self.num_routed_layers:
+            return out.reshape(-1, self.vocab).float()
+        logits, *routed = out
+        return logits.reshape(-1, self.vocab).float(), torch.stack(routed)
 
 
 def _pin_paged_tile(gm: fx.GraphModule, tile: dict) -> None:
@@ -146,13 +174,11 @@ def compile_step(
     dump_dir / KILN_DUMP_DIR: the graph after every pass. kv_cache_dtype: "auto" (the model's dtype) or "int8"
     (per token and head scales); None: the compile config's `kv_cache = paged(dtype = ...)`, else auto.
     """
-    if cfg.route is not None:  # never serve a routed model as if it were dense
+    kv_request = kv_cache_dtype or ((compile_cfg.extra.get("kv_cache") or {}) if compile_cfg else {}).get("dtype")
+    if cfg.route is not None and kv_request == "int8":
         raise KilnError(
-            f"model {cfg.name!r} routes layers with Mixture-of-Depths (route = mod(...)), and the engine's routed KV "
-            "cache (per routed layer, only that layer's routed tokens) is not built yet, so kiln run, LLM and kiln "
-            "serve cannot serve it. What works today: the uncached reference path (kiln.reference.generate over "
-            "kiln.ir.frontend.build_graph, the causal form) and `kiln compile` (the mod_routing pass and its kernels);"
-            " or remove the route setting from the spec to serve the dense model"
+            f"model {cfg.name!r} routes layers with Mixture-of-Depths, and an int8 KV cache is not built for the "
+            "routed KV cache yet; serve it with kv_cache = paged(dtype = auto) (--kv-cache-dtype auto)"
         )
     if device is not None:
         gm = gm.to(device)
@@ -164,10 +190,18 @@ def compile_step(
     cache = gm.graph.find_nodes(op="placeholder", target="kv_cache")
     if not cache:
         raise PassError(f"model {cfg.name!r} has no attention, so there is no KV cache to page")
+    routed_cache = gm.graph.find_nodes(op="placeholder", target="routed_kv_cache")
+    if (cfg.route is not None) != bool(routed_cache):  # e.g. mod_routing disabled: never serve it as dense
+        raise PassError(
+            f"model {cfg.name!r}: the step graph {'has' if routed_cache else 'has no'} routed KV cache but the model "
+            f"{'has no' if cfg.route is None else 'has'} Mixture-of-Depths routing; keep the mod_routing pass on"
+        )
     _, _, _, _, kv_heads, head_dim = cache[0].meta["val"].shape
     num_layers = cache[0].meta["val"].shape[0]
+    num_routed = routed_cache[0].meta["val"].shape[0] if routed_cache else 0
     kv_dtype = cache[0].meta["val"].dtype
-    dtype = next(iter(cache[0].users)).args[0].meta["val"].dtype  # a paged_attention's q: the activations' dtype
+    paged = next(n for n in gm.graph.nodes if n.target is torch.ops.kiln.paged_attention.default)
+    dtype = paged.args[0].meta["val"].dtype  # a paged_attention's q: the activations' dtype
     ref = next(iter(gm.parameters()), None)
     model_device = ref.device if ref is not None else torch.device("cpu")
     if use_kernels:
@@ -185,10 +219,13 @@ def compile_step(
         bound.meta["val"] = example
     return CompiledStep(gm, num_layers, kv_heads, head_dim, cfg.vocab, dtype, model_device, use_kernels,
                         [p.name for p in passes], kv_dtype, kv_spec.get("block", 16),
-                        make_verifier(cfg.vocab, use_kernels))  # fmt: skip
+                        make_verifier(cfg.vocab, use_kernels), num_routed,
+                        cfg.route.capacity if cfg.route is not None else 1.0)  # fmt: skip
 
 
-def allocate_kv_cache(model: CompiledStep, num_blocks: int, block_size: int) -> KVCache:
+def allocate_kv_cache(model: CompiledStep, num_blocks: int, block_size: int,
+                      routed_num_blocks: int | None = None) -> KVCache:
     """A zeroed KVCache: data [layers, 2, num_blocks, block_size, kv_heads, head_dim] on the model's device in its
-    kv_dtype, and fp32 scales [layers, 2, num_blocks, block_size, kv_heads] when that is int8."""
-    return _allocate(model, num_blocks, block_size)
+    kv_dtype, and fp32 scales [layers, 2, num_blocks, block_size, kv_heads] when that is int8; a routed model's
+    routed layers get routed [routed_layers, 2, routed_num_blocks (default num_blocks), block_size, ...]."""
+    return _allocate(model, num_blocks, block_size, routed_num_blocks)

@@ -73,6 +73,15 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         score, index, count, xs, _ = kiln_ops.mod_route(x, pos2, r(1, d, scale=d**-0.5), r(1), r(1, scale=0.0))
         return x, xs + r(*xs.shape), score, index, count
 
+    def kv_slots():  # a flat batch of 3 sequences (4, 1 and 6 new tokens), routed layer 1 of 2, blocks of 4
+        x, flat = r(1, 11, d), torch.arange(11, device=device)[None]
+        index, count, _, _ = kiln_ops.mod_gather(x, flat, (torch.rand(1, 11, generator=g) < 0.5).to(device), 1.0)
+        i32 = dict(dtype=torch.int32, device=device)
+        tables = torch.randint(1, 9, (2, 3, 4), generator=g).to(**i32)
+        cache = torch.empty(2, 2, 9, 4, kv_heads, hd, device=device)
+        return (index, count, torch.tensor([0, 4, 5, 11], **i32), torch.tensor([[3, 0, 7], [2, 5, 0]], **i32),
+                tables, cache, 1)
+
     pos2 = torch.arange(seq, device=device).expand(2, seq).contiguous()
     return {
         kiln_ops.mod_route.default: lambda: (r(2, seq, d), pos2, r(1, d, scale=d**-0.5), r(1), r(1, scale=0.0)),
@@ -84,6 +93,7 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         kiln_ops.mod_threshold_mask.default: lambda: (r(2, seq), r(1)),
         kiln_ops.routed_attention.default: lambda: (*qkv(), routed_mask(1), *attn),
         kiln_ops.mod_combine.default: lambda: (r(2, seq, d), r(2, seq, d), r(2, seq), routed_mask(2)),
+        kiln_ops.mod_kv_slots.default: kv_slots,
         kiln_ops.embedding.default: lambda: (r(97, d), ids(seq)),
         kiln_ops.linear.default: lambda: (r(rows, d), r(24, d, scale=d**-0.5), r(24)),
         kiln_ops.add.default: lambda: (r(rows, d), r(rows, d)),

@@ -18,7 +18,7 @@ from kiln.compile.pipeline import (
 )
 from kiln.errors import InternalError, KilnError, PassError, WeightError
 from kiln.ir.frontend import build_graph
-from kiln.model_config import CompileConfig
+from kiln.model_config import CompileConfig, ModConfig
 from kiln.spec.loader import load_spec
 
 
@@ -46,9 +46,10 @@ def test_default_pipeline_order():
 
 
 def test_step_pipeline_is_the_literal_list_in_order():
-    assert names(build_pipeline(step=True)) == [n for n in STEP_PIPELINE if n != "quantize"]
-    comp = CompileConfig(extra={"quantize": "int8"})
+    assert names(build_pipeline(step=True)) == [n for n in STEP_PIPELINE if n not in ("quantize", "mod_routing")]
+    comp = CompileConfig(extra={"quantize": "int8", "route": ModConfig(capacity=0.5)})
     assert names(build_pipeline(comp, step=True)) == list(STEP_PIPELINE)
+    assert STEP_PIPELINE.index("mod_routing") < STEP_PIPELINE.index("kv_cache")  # the routed KV cache needs it
 
 
 def test_requirements_are_checked_not_reordered():

@@ -246,25 +246,21 @@ def test_checkpoint_without_routers_is_refused_naming_them(tmp_path):
         build_graph(cfg, {n: t for n, t in weights.items() if ".router." not in n})
 
 
-# ---- the engine path: refused until the routed KV cache exists -----------------------------------------------
+# ---- the engine path: served over the routed KV cache (tests/runtime/test_routed_kv*.py check its outputs) ------
 
 
-def test_llm_and_kiln_run_refuse_a_routed_model(capsys):
+def test_kiln_run_serves_a_routed_model_and_refuses_what_is_not_built(capsys):
     from kiln import LLM
     from kiln.cli.commands import main
     from kiln.compile.step import compile_step
 
-    with pytest.raises(KilnError) as info:
-        LLM("tiny-mistral-mod", device="cpu")
-    msg = str(info.value)
-    assert "model 'tiny-mistral-mod' routes layers with Mixture-of-Depths" in msg
-    assert "routed KV cache" in msg and "not built yet" in msg
-    assert "uncached reference path" in msg and "`kiln compile`" in msg
+    assert main(["run", "tiny-llama-mod", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--device", "cpu"]) == 0
+    assert "routed KV cache:" in capsys.readouterr().err  # the load line reports the KV memory saved
     loaded = load_spec("tiny-llama-mod")
-    with pytest.raises(KilnError, match="'tiny-llama-mod' routes layers"):
-        compile_step(build_graph(loaded.model), loaded.model, loaded.compile)
-    assert main(["run", "tiny-llama-mod", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--device", "cpu"]) == 2
-    assert "routed KV cache" in capsys.readouterr().err
+    with pytest.raises(KilnError, match="'tiny-llama-mod' routes layers .* int8 KV cache is not built"):
+        compile_step(build_graph(loaded.model), loaded.model, loaded.compile, kv_cache_dtype="int8")
+    with pytest.raises(KilnError, match="speculative decoding is not built for Mixture-of-Depths"):
+        LLM("tiny-mistral-mod", device="cpu", speculation="ngram(n = 2, k = 2)")
 
 
 def test_the_uncached_reference_path_generates_with_routing():

@@ -1,0 +1,247 @@
+"""Block tables for a Mixture-of-Depths model: the dense pool plus one pool per routed layer, behind one manager.
+
+A routed layer caches only its routed tokens, so a sequence has, besides its dense table, one routed length c_j
+and one block table per routed layer j, in that layer's own allocator (a BlockManager over the routed pool's
+layer j; block ids are per layer, block 0 of each is its null block). RoutedBlockManager is the dense
+BlockManager (the scheduler, engine and runner use it unchanged) that keeps the routed groups in step with it:
+
+- append_slots(request, n): the dense table grows to n tokens, and every routed table to c_j + (n - known), the
+  worst case where every token not yet run through the model is routed there; all groups or none (False: the
+  scheduler preempts, as for the dense pool);
+- record(request, start, routed): after a step, which of the request's new tokens each routed layer routed (the
+  step graph's output) advances c_j, and each routed table is cut back to the blocks c_j needs (the reservation's
+  unused blocks go back at once); c_j at every dense block boundary passed is kept for commit;
+- free(request): every group's table (preemption by recompute restarts at c_j = 0; chunked prefill carries c_j
+  from chunk to chunk because nothing but record changes it).
+
+Prefix caching. A routed layer's state after a prefix of whole dense blocks (c_j and the K/V of its routed
+tokens) is a function of those tokens alone, so when the dense group hashes a committed block, an entry records,
+per routed layer, c_j at that boundary and holds references on the blocks covering those c_j entries (a
+pseudo-request in each routed group, so reference counts and invariants stay the BlockManager's). A later
+request's prefix match stops at the first block without an entry; on a hit it shares the entry's full routed
+blocks and gets a fresh block for each partial tail, copied from the entry's (copy-on-write: take_copies, which
+the model runner applies before the step; entries past c_j in the copy are rewritten before any read, because
+attention reads only up to context_lens). Entries are evicted least recently used when a routed group runs out
+of blocks, and a block whose entry is gone is not shared (the dense cache alone is not enough).
+
+Speculative decoding (truncate after rejected drafts) is refused by the engine for routed models, so truncate
+here only ever sees the dense group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.kv_pool import routed_pool_blocks
+from kiln.step import StepModel, kv_bytes_per_block, kv_bytes_per_layer_block, num_routed_layers
+
+log = logging.getLogger("kiln.runtime")
+
+
+def make_block_manager(model: StepModel, num_blocks: int, block_size: int, context: int,
+                       enable_prefix_caching: bool, routed_num_blocks: int | None = None) -> BlockManager:
+    """The engine's block manager: a BlockManager, or for a model with routed layers a RoutedBlockManager whose
+    routed pools are sized by kv_pool.routed_pool_blocks (and logged with the KV memory they save)."""
+    routed = num_routed_layers(model)
+    if not routed:
+        if routed_num_blocks is not None:
+            raise KilnError("routed_num_blocks is for Mixture-of-Depths models; this model routes no layer")
+        return BlockManager(num_blocks, block_size, enable_prefix_caching)
+    nr = routed_pool_blocks(model, num_blocks, context, block_size=block_size, routed_num_blocks=routed_num_blocks)
+    bm = RoutedBlockManager(num_blocks, block_size, routed, nr, enable_prefix_caching)
+    have, dense = pool_bytes(model, bm)
+    log.info("KV cache: %d blocks for %d dense layers, %d per routed layer for %d routed layers: %.1f MiB, %.1f MiB "
+             "(%.0f%%) less than caching every token in every layer", num_blocks - 1, model.num_layers, nr - 1, routed,
+             have / 2**20, (dense - have) / 2**20, 100 * (1 - have / dense))
+    return bm
+
+
+def pool_bytes(model: StepModel, bm: BlockManager) -> tuple[int, int]:
+    """(bytes of the KV pools, bytes they would take if every layer cached every token in the dense pool's blocks)."""
+    block = kv_bytes_per_layer_block(model, bm.block_size)
+    have = dense = bm.num_blocks * kv_bytes_per_block(model, bm.block_size)
+    for g in getattr(bm, "routed", ()):
+        have += g.num_blocks * block
+        dense += bm.num_blocks * block
+    return have, dense
+
+
+class RoutedBlockManager(BlockManager):
+    def __init__(self, num_blocks: int, block_size: int, num_routed_layers: int, routed_num_blocks: int,
+                 enable_prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        self.routed = [BlockManager(routed_num_blocks, block_size, enable_prefix_caching=False)
+                       for _ in range(num_routed_layers)]
+        self.routed_lens: dict[str, list[int]] = {}  # c_j per routed layer: entries written in its cache
+        self.known: dict[str, int] = {}  # tokens (from the start) whose routing routed_lens accounts for
+        self._boundary: dict[str, dict[int, tuple[int, ...]]] = {}  # dense block i -> c_j after its last token
+        self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # block hash -> c_j there (LRU order)
+        self._copies: dict[str, list[tuple[int, int, int]]] = {}  # (layer, src, dst) to copy before the step
+        self.routed_evictions = 0  # prefix entries dropped to free routed blocks
+        self.tail_copies = 0  # partial routed blocks copied for prefix hits
+
+    @property
+    def num_routed_layers(self) -> int:
+        return len(self.routed)
+
+    @staticmethod
+    def _entry_id(block_hash: bytes) -> str:
+        return "\0prefix:" + block_hash.hex()  # a pseudo-request id; NUL-prefixed, unlike the engine's ids
+
+    # ---- prefix caching -----------------------------------------------------------------------------------
+
+    def _shareable(self, block_hash: bytes) -> bool:
+        return block_hash in self.entries
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        got = super().match_prefix(request_id, token_ids)
+        self._start(request_id)
+        if got == 0:
+            return 0
+        h = self._chain[request_id][-1]
+        lens = self.entries[h]
+        self.entries.move_to_end(h)
+        entry = self._entry_id(h)
+        copies = []
+        for j, (g, c) in enumerate(zip(self.routed, lens, strict=True)):
+            full = c // self.block_size
+            shared = g.table(entry)[:full]
+            for b in shared:
+                g.ref_counts[b] += 1
+            g.tables[request_id], g._chain[request_id] = list(shared), []
+            if c % self.block_size:  # the partial tail: a private copy
+                if not self._make_room(g, 1, keep=h) or not g.append_slots(request_id, c):
+                    self._unshare(request_id, got)
+                    return 0
+                copies.append((j, g.table(entry)[full], g.table(request_id)[full]))
+        self.routed_lens[request_id] = list(lens)
+        self.known[request_id] = got
+        self._copies[request_id] = copies
+        self.tail_copies += len(copies)
+        return got
+
+    def _unshare(self, request_id: str, got: int) -> None:
+        """A hit whose routed tail could not be copied (no free routed block): start the request from scratch."""
+        self.free(request_id)
+        self.stats.prefix_hits -= got // self.block_size
+        self.tables[request_id], self._chain[request_id] = [], []
+        self._start(request_id)
+
+    def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        chain = self._chain.get(request_id, [])
+        old = len(chain)
+        super().commit(request_id, token_ids, num_computed)
+        bounds = self._boundary.get(request_id, {})
+        for i in range(old, len(chain)):
+            lens = bounds.pop(i)
+            h = chain[i]
+            if h in self.entries or h not in self.cached:
+                continue
+            entry = self._entry_id(h)
+            for g, c in zip(self.routed, lens, strict=True):
+                blocks = g.table(request_id)[: g.blocks_for(c)]
+                for b in blocks:
+                    g.ref_counts[b] += 1
+                g.tables[entry] = list(blocks)
+            self.entries[h] = lens
+
+    def _evict_entry(self, keep: bytes | None = None) -> bool:
+        victim = next((h for h in self.entries if h != keep), None)
+        if victim is None:
+            return False
+        del self.entries[victim]
+        for g in self.routed:
+            g.free(self._entry_id(victim))
+        self.routed_evictions += 1
+        return True
+
+    def _make_room(self, g: BlockManager, need: int, keep: bytes | None = None) -> bool:
+        while need > g.num_free_blocks:
+            if not self._evict_entry(keep):
+                return False
+        return True
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The (routed layer, source block, destination block) copies prefix hits need before the next step."""
+        out = [c for copies in self._copies.values() for c in copies]
+        self._copies.clear()
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        while self._evict_entry():
+            pass
+
+    # ---- allocation ---------------------------------------------------------------------------------------
+
+    def _start(self, request_id: str) -> None:
+        if request_id not in self.routed_lens:
+            self.routed_lens[request_id] = [0] * len(self.routed)
+            self.known[request_id] = 0
+            self._boundary[request_id] = {}
+
+    def append_slots(self, request_id: str, num_tokens: int) -> bool:
+        self._start(request_id)
+        new = num_tokens - self.known[request_id]
+        want = [c + new for c in self.routed_lens[request_id]]
+        if self.blocks_for(num_tokens) - len(self.table(request_id)) > self.num_free_blocks:
+            return False
+        for g, n in zip(self.routed, want, strict=True):
+            if not self._make_room(g, g.blocks_for(n) - len(g.table(request_id))):
+                return False
+        ok = super().append_slots(request_id, num_tokens)
+        for g, n in zip(self.routed, want, strict=True):
+            ok = g.append_slots(request_id, n) and ok
+        assert ok, "checked above: every group had room"
+        return True
+
+    def record(self, request_id: str, start: int, routed: np.ndarray) -> None:
+        """After a step that ran the request's tokens [start, start + m): routed[j, t] is 1 where routed layer j
+        routed token start + t (and wrote it). Advances c_j, keeps c_j at each dense block boundary passed, and
+        frees the reserved blocks that were not needed."""
+        assert start == self.known[request_id], f"{request_id}: step at {start}, routing known to {self.known}"
+        lens = self.routed_lens[request_id]
+        m = routed.shape[1]
+        bs = self.block_size
+        if self.enable_prefix_caching:
+            sums = routed.cumsum(axis=1)
+            for end in range(-(-(start + 1) // bs) * bs, start + m + 1, bs):  # block boundaries in (start, start+m]
+                self._boundary[request_id][end // bs - 1] = tuple(int(c + sums[j, end - start - 1])
+                                                                  for j, c in enumerate(lens))
+        for j, g in enumerate(self.routed):
+            lens[j] += int(routed[j].sum())
+            assert g.blocks_for(lens[j]) <= len(g.table(request_id)), f"{request_id}: layer {j} wrote past its table"
+            g.truncate(request_id, lens[j])
+        self.known[request_id] = start + m
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)  # on_free listeners still see the routed lengths
+        for g in self.routed:
+            g.free(request_id)
+        for state in (self.routed_lens, self.known, self._boundary, self._copies):
+            state.pop(request_id, None)
+
+    # ---- accounting ---------------------------------------------------------------------------------------
+
+    def routed_blocks_in_use(self) -> list[int]:
+        return [g.num_usable_blocks - g.num_free_blocks for g in self.routed]
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        entries = {self._entry_id(h) for h in self.entries}
+        for g in self.routed:
+            g.check_invariants()
+            assert set(g.tables) <= set(self.tables) | entries, "a routed table outlived its request"
+        assert set(self.routed_lens) == set(self.known) <= set(self.tables), "routed lengths of an unknown request"
+        for rid, lens in self.routed_lens.items():
+            for g, c in zip(self.routed, lens, strict=True):
+                assert g.blocks_for(c) <= len(g.table(rid)), f"{rid}: {c} routed entries in {len(g.table(rid))} blocks"
+        for h, lens in self.entries.items():
+            for g, c in zip(self.routed, lens, strict=True):
+                assert len(g.table(self._entry_id(h))) == g.blocks_for(c), "a prefix entry lost blocks"

@@ -1,0 +1,133 @@
+"""compile_step on Mixture-of-Depths models: the step graph over the routed KV cache (passes/kv_cache.py).
+
+Three steps by hand (a prefill of two sequences, a chunk of one and a decode of the other, then two decodes, where
+a routed layer that skips a sequence's token gives that sequence no query row; block size 4 so the routed tables
+span blocks) on the reference ops and on the generated kernels (Triton's interpreter without a
+GPU): the sampled logits equal the uncached reference's, the routed counts the step returns equal the
+reference's routing decisions, and each routed layer's pool holds exactly that many written K/V entries.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import fx
+
+from kiln.build import load_model
+from kiln.compile.step import allocate_kv_cache, compile_step
+from kiln.errors import KilnError, PassError
+from kiln.ir.frontend import build_graph
+from kiln.model_config import CompileConfig
+from kiln.spec.loader import load_spec
+from kiln.step import StepBatch, step_input_names
+
+SPECS = ("tiny-llama-mod", "tiny-mistral-mod")
+BS = 4
+
+
+def _routed(gm: fx.GraphModule, tokens: list[int]) -> torch.Tensor:
+    """bool [routed layers, T]: the reference's routing decisions (kiln::mod_threshold_mask's output per layer),
+    checked to be clear of the threshold (rounding in a batched step cannot flip them)."""
+    masks = []
+
+    class Keep(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.target is torch.ops.kiln.mod_threshold_mask.default:
+                score, threshold = self.map_nodes_to_values(n.args, n)
+                gap = (score - (threshold if threshold is not None else 0.0)).abs().min()
+                assert gap > 1e-4, f"a router score lies within {float(gap):.2e} of its threshold: pick another seed"
+                masks.append(out[0])
+            return out
+
+    with torch.inference_mode():
+        Keep(gm).run(torch.tensor([tokens]), torch.arange(len(tokens))[None])
+    return torch.stack(masks)
+
+
+def _batch(chunks, tables, routed_lens, routed_tables) -> StepBatch:
+    """chunks: (tokens of the sequence so far, start, end) per sequence, every last row sampled."""
+    tok, pos, slot, qsl = [], [], [], [0]
+    for (ids, a, b), table in zip(chunks, tables, strict=True):
+        tok += ids[a:b]
+        pos += list(range(a, b))
+        slot += [table[p // BS] * BS + p % BS for p in range(a, b)]
+        qsl.append(qsl[-1] + b - a)
+    i32 = dict(dtype=torch.int32)
+    return StepBatch(
+        torch.tensor(tok), torch.tensor(pos), torch.tensor(slot), torch.tensor(tables, **i32),
+        torch.tensor([b for _, _, b in chunks], **i32), torch.tensor(qsl, **i32), torch.tensor(qsl[1:]) - 1,
+        max(b - a for _, a, b in chunks), max(b for _, _, b in chunks), torch.tensor(routed_lens, **i32),
+        torch.tensor(routed_tables, **i32),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=SPECS)
+def loaded(request):
+    return load_model(request.param, device="cpu", seed=4)
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "kernels"])
+def test_three_steps_equal_the_reference_and_write_only_routed_tokens(loaded, use_kernels):
+    ref = copy.deepcopy(loaded.gm)
+    step = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu", use_kernels=use_kernels)
+    assert (step.num_layers, step.num_routed_layers, step.routed_capacity) == (2, 2, 0.5)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 512, (12,), generator=g).tolist(), torch.randint(0, 512, (8,), generator=g).tolist()]
+    cache = allocate_kv_cache(step, 9, BS, routed_num_blocks=9)
+    tables = [[1, 2, 3], [4, 5, 0]]
+    routed_tables = [[[1, 2, 3], [4, 5, 0]], [[6, 7, 8], [3, 2, 0]]]  # per layer; worst case: every token routed
+    lens = [[0, 0], [0, 0]]
+    for chunks in ([(seqs[0], 0, 7), (seqs[1], 0, 6)], [(seqs[0], 7, 11), (seqs[1], 6, 7)],
+                   [(seqs[0], 11, 12), (seqs[1], 7, 8)]):
+        logits, routed = step(_batch(chunks, tables, lens, routed_tables), cache)
+        assert routed.shape == (2, sum(b - a for _, a, b in chunks))
+        starts = [0, *torch.tensor([b - a for _, a, b in chunks]).cumsum(0).tolist()]
+        counts = torch.stack([routed[:, s:e].sum(-1) for s, e in zip(starts, starts[1:], strict=False)], 1)
+        for i, (ids, a, b) in enumerate(chunks):
+            assert routed[:, starts[i]:starts[i + 1]].bool().tolist() == _routed(ref, ids[:b])[:, a:].tolist()
+            with torch.inference_mode():
+                want = ref(torch.tensor([ids[:b]]), torch.arange(b)[None])[0, -1]
+            torch.testing.assert_close(logits[i], want, atol=2e-4, rtol=2e-4)
+            assert counts[:, i].tolist() == _routed(ref, ids[:b])[:, a:].sum(-1).tolist()
+        lens = [[lens[j][i] + int(counts[j, i]) for i in range(2)] for j in range(2)]
+    assert set(counts.flatten().tolist()) == {0, 1}  # the last step: decodes with and without a routed row
+    assert lens == [[int(_routed(ref, s)[j].sum()) for s in seqs] for j in range(2)]
+    assert 0 < sum(map(sum, lens)) < 2 * (12 + 8)  # some tokens routed, some skipped
+    written = (cache.routed[:, 0].abs().sum((-1, -2)) != 0).sum((-1, -2))  # K entries per routed layer
+    assert written.tolist() == [sum(row) for row in lens]
+
+
+def test_the_step_graph_has_a_routed_cache_and_one_slot_op_per_routed_layer():
+    spec = load_spec("tiny-mistral-mod")
+    step = compile_step(build_graph(spec.model, seed=0), spec.model, spec.compile, use_kernels=False)
+    gm = step.gm
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert tuple(names) == step_input_names(False, routed=True)
+    slots = [n for n in gm.graph.nodes if n.target is torch.ops.kiln.mod_kv_slots.default]
+    paged = [n for n in gm.graph.nodes if n.target is torch.ops.kiln.paged_attention.default]
+    assert [n.args[6] for n in slots] == [0, 1]
+    assert [(n.args[3].name, n.args[4]) for n in paged] == [("kv_cache", 0), ("routed_kv_cache", 0),
+                                                            ("kv_cache", 1), ("routed_kv_cache", 1)]
+    assert all(n.args[14] == 8 for n in paged)  # the window stays per layer (it counts routed keys there)
+    assert len(gm.graph.find_nodes(op="output")[0].args[0]) == 3  # logits and each routed layer's routed rows
+    assert step.passes[0] == "mod_routing"
+
+
+def test_what_is_not_built_is_refused():
+    spec = load_spec("tiny-llama-mod")
+    with pytest.raises(KilnError, match="int8 KV cache is not built for the routed KV cache"):
+        compile_step(build_graph(spec.model, seed=0), spec.model, spec.compile, kv_cache_dtype="int8")
+    off = CompileConfig(dtype=spec.compile.dtype, extra={**spec.compile.extra, "disable_passes": ["mod_routing"]})
+    with pytest.raises(PassError, match="needs the mod_routing pass to run first"):
+        compile_step(build_graph(spec.model, seed=0), spec.model, off, use_kernels=False)
+    step = compile_step(build_graph(spec.model, seed=0), spec.model, spec.compile, use_kernels=False)
+    cache = allocate_kv_cache(step, 4, BS)
+    dense_only = StepBatch(*_batch([([1, 2, 3], 0, 3)], [[1]], [[0], [0]], [[[1]], [[1]]]).__dict__.values())
+    dense_only.routed_lens = None
+    with pytest.raises(KilnError, match="needs routed_lens and routed_block_tables"):
+        step(dense_only, cache)
+    with pytest.raises(KilnError, match="this model has 2 routed layers"):
+        step(_batch([([1, 2, 3], 0, 3)], [[1]], [[0], [0]], [[[1]], [[1]]]), type(cache)(cache.data))

@@ -1,0 +1,233 @@
+"""The engine on Mixture-of-Depths models (tiny-llama-mod: threshold routers; tiny-mistral-mod: window 8 and
+predictors; seeded random weights, fp32) over the routed KV cache, against kiln's uncached causal reference
+(kiln.reference.generate over the Level-1 graph, which recomputes every token's routing from scratch).
+
+One batch of 32 mixed requests (prompts of 1 to 45 tokens, most longer than a block of 8, a third sharing a
+20-token prefix) with chunked prefill under a 24-token budget: with a roomy pool (prefix caching on and off), with
+a pool small enough to preempt, and the same batch run again through a warm prefix cache. Greedy tokens equal
+the reference's; every routed layer's routed length c_L when a request finishes equals the number of its tokens
+the reference routed there (the K/V entries that layer wrote, its shared prefix included); the routed pools hold
+fewer blocks than the dense one; prefix hits happened, partial routed blocks were copied on reuse; no block leaks
+in any pool (the prefix cache's entries dropped, every allocator is empty).
+
+Routing decisions are compared exactly, so the test checks that no router score of these sequences lies within
+1e-4 of its threshold (where batched and unbatched rounding could flip one) rather than hoping so.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import fx
+
+from kiln.build import load_model
+from kiln.compile.step import compile_step
+from kiln.reference import generate
+from kiln.runtime.engine import Engine
+from kiln.runtime.routed_blocks import RoutedBlockManager
+from kiln.runtime.sampler import SamplingParams
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+SPECS = ("tiny-llama-mod", "tiny-mistral-mod")
+BLOCK, CONTEXT, MARGIN = 8, 64, 1e-4
+
+
+class _Decisions(fx.Interpreter):
+    """Runs a Level-1 graph and keeps each routed layer's score and threshold (kiln::mod_threshold_mask's inputs)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.seen: list[tuple[torch.Tensor, float]] = []
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n.target is torch.ops.kiln.mod_threshold_mask.default:
+            score, threshold = self.map_nodes_to_values(n.args, n)
+            self.seen.append((score[0].float(), float(threshold) if threshold is not None else 0.0))
+        return out
+
+
+def reference_routing(gm: fx.GraphModule, tokens: list[int]) -> tuple[list[int], float]:
+    """(tokens routed per routed layer, the smallest |score - threshold|) over `tokens` at positions 0..T-1."""
+    interp = _Decisions(gm)
+    t = torch.tensor([tokens])
+    with torch.inference_mode():
+        interp.run(t, torch.arange(len(tokens))[None])
+    counts = [int((score > thr).sum()) for score, thr in interp.seen]
+    margin = min(float((score - thr).abs().min()) for score, thr in interp.seen)
+    return counts, margin
+
+
+@pytest.fixture(scope="module", params=SPECS)
+def model(request):
+    m = load_model(request.param, device="cpu", seed=0)
+    ref_gm = copy.deepcopy(m.gm)  # compile_step rewrites its graph in place
+    step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=False)
+    return m, ref_gm, step
+
+
+def make_trace(seed: int = 1, n: int = 32) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(512) for _ in range(20)]
+    trace = []
+    for i in range(n):
+        own = [rng.randrange(512) for _ in range(rng.randint(1, 25))]
+        prompt = shared + own if i % 3 == 0 else own + [rng.randrange(512) for _ in range(rng.randint(0, 20))]
+        trace.append((prompt, rng.randint(1, 10)))
+    return trace
+
+
+@pytest.fixture(scope="module")
+def expected(model):
+    m, ref_gm, _ = model
+    trace = make_trace()
+    outs, counts, margin = [], [], float("inf")
+    for prompt, n in trace:
+        out = generate(ref_gm, prompt, SamplingParams(max_tokens=n, **GREEDY), context=m.model.context).token_ids
+        # The engine ran the model on every token but the last one sampled: those are its cached entries.
+        c, mg = reference_routing(ref_gm, prompt + out[:-1])
+        outs.append(out)
+        counts.append(c)
+        margin = min(margin, reference_routing(ref_gm, prompt + out)[1], mg)
+    assert margin > MARGIN, f"a router score lies within {margin:.2e} of its threshold: pick another seed"
+    assert all(0 < sum(c) < 2 * (len(p) + len(o) - 1) for c, (p, _), o in zip(counts, trace, outs, strict=True)), \
+        "the routers should route some tokens and skip others"
+    return trace, outs, counts
+
+
+def run_engine(engine: Engine, trace) -> tuple[list[list[int]], dict[str, list[int]], int]:
+    """Token ids in trace order, each request's routed lengths when its blocks were last freed, most running."""
+    bm = engine.block_manager
+    assert isinstance(bm, RoutedBlockManager)
+    final: dict[str, list[int]] = {}
+    bm.on_free.append(lambda rid: final.__setitem__(rid, list(bm.routed_lens.get(rid, ()))))
+    ids = [engine.add_request(prompt_token_ids=p, params=SamplingParams(max_tokens=n, **GREEDY)) for p, n in trace]
+    done, most = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        most = max(most, len(engine.scheduler.running))
+        bm.check_invariants()
+    return [done[i] for i in ids], {i: final[i] for i in ids}, most
+
+
+def check_no_leaks(bm: RoutedBlockManager) -> None:
+    bm.check_invariants()
+    assert not bm.tables and all(rid.startswith("\0prefix:") for g in bm.routed for rid in g.tables)
+    bm.reset_prefix_cache()  # drops the prefix entries' references on routed blocks
+    bm.check_invariants()
+    for g in (bm, *bm.routed):
+        assert g.num_free_blocks == g.num_usable_blocks and not any(g.ref_counts) and not g.tables
+    assert not bm.routed_lens and not bm.known
+
+
+@pytest.mark.parametrize(("num_blocks", "preempt", "prefix"), [(None, False, True), (None, False, False),
+                                                               (12, True, True)],
+                         ids=["roomy", "roomy-no-prefix-cache", "preempting"])
+def test_32_mixed_requests_match_the_reference_and_write_only_routed_tokens(model, expected, num_blocks, preempt,
+                                                                           prefix):
+    m, _, step = model
+    trace, want, want_counts = expected
+    engine = Engine(step, m.tokenizer, m.model, num_blocks=num_blocks, block_size=BLOCK, max_model_len=CONTEXT,
+                    max_num_seqs=32, max_num_batched_tokens=24, enable_prefix_caching=prefix)
+    got, lens, most = run_engine(engine, trace)
+    assert got == want
+    assert [lens[str(i)] for i in range(len(trace))] == want_counts  # K/V entries written = tokens routed
+    st = engine.stats
+    assert (st.num_preemptions > 0) == preempt
+    assert most >= (3 if preempt else 6)  # continuous batching: several requests' decodes and chunks share steps
+    assert max(len(p) for p, _ in trace) > 24  # so some prompts were cut into chunks
+    assert (st.prefix_cache_hits > 0) == prefix  # the shared 20-token prefix: two full blocks
+    bm = engine.block_manager
+    assert len(bm.routed) == 2 and all(g.num_blocks < bm.num_blocks for g in bm.routed)
+    assert st.routed_blocks == bm.routed[0].num_usable_blocks and st.kv_bytes < st.kv_bytes_dense
+    check_no_leaks(bm)
+
+
+def test_a_warm_prefix_cache_shares_routed_blocks_and_copies_their_partial_tails(model, expected):
+    m, _, step = model
+    trace, want, want_counts = expected
+    engine = Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, max_num_seqs=32,
+                    max_num_batched_tokens=24)
+    first, _, _ = run_engine(engine, trace)
+    bm = engine.block_manager
+    hits, copies = engine.stats.prefix_cache_hits, bm.tail_copies
+    second, lens, _ = run_engine(engine, [(p, n) for p, n in trace])  # every full prompt block is cached now
+    assert first == second == want
+    assert [lens[str(i)] for i in range(len(trace), 2 * len(trace))] == want_counts
+    full = sum((len(p) - 1) // BLOCK for p, _ in trace)
+    assert engine.stats.prefix_cache_hits - hits == full  # each request shared all of its prompt's full blocks
+    assert bm.tail_copies - copies > len(trace) // 2  # routed tails partially filled at a boundary were copied
+    assert engine.stats.num_shared_blocks == 0 and bm.routed_evictions == 0
+    check_no_leaks(bm)
+
+
+def test_the_routed_pools_are_sized_from_the_capacity_with_room_for_one_sequence(model):
+    m, _, step = model
+    roomy = Engine(step, m.tokenizer, m.model, num_blocks=201, block_size=BLOCK, max_model_len=CONTEXT)
+    assert [g.num_blocks for g in roomy.block_manager.routed] == [101, 101]  # capacity 0.5 of 200, + null block
+    tight = Engine(step, m.tokenizer, m.model, num_blocks=12, block_size=BLOCK, max_model_len=CONTEXT)
+    assert [g.num_blocks for g in tight.block_manager.routed] == [9, 9]  # one 64-token sequence + null block
+    st = roomy.stats
+    layer_block = 2 * BLOCK * step.num_kv_heads * step.head_dim * 4
+    assert st.kv_bytes == 201 * 2 * layer_block + 2 * 101 * layer_block
+    assert st.kv_bytes_dense == 201 * 4 * layer_block and roomy.stats_dict()["kv_bytes_saved"] == 200 * layer_block
+
+
+def test_a_routed_model_refuses_speculation_and_a_pool_below_one_sequence(model):
+    from kiln.errors import KilnError
+    from kiln.runtime.speculative import NgramDrafter
+
+    m, _, step = model
+    with pytest.raises(KilnError, match="speculative decoding is not built for Mixture-of-Depths"):
+        Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, drafter=NgramDrafter(2, 2))
+    with pytest.raises(KilnError, match="routed_num_blocks = 5: each routed layer's pool must hold one sequence"):
+        Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, routed_num_blocks=5)
+
+
+def test_the_generated_kernels_serve_a_routed_model_with_prefix_hits():
+    """The same path on the generated kernels (Triton's interpreter without a GPU), small: tiny-mistral-mod (window,
+    predictors), warm-up steps, chunked prefill, two requests reusing a third's prefix (a routed tail copied)."""
+    m = load_model("tiny-mistral-mod", device="cpu", seed=0)
+    ref_gm = copy.deepcopy(m.gm)
+    step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=True)
+    shared = list(range(100, 114))
+    trace = [(shared + [1, 2, 3], 4), (shared + [7], 3), ([5, 6, 7, 8, 9, 10, 11, 12, 13], 4), (shared[:9], 3)]
+    want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=m.model.context).token_ids
+            for p, n in trace]
+    assert min(reference_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > MARGIN
+    engine = Engine(step, m.tokenizer, m.model, block_size=4, max_model_len=32, max_num_batched_tokens=12,
+                    max_num_seqs=4)
+    engine.runner.warmup(progress=False)
+    first, _, _ = run_engine(engine, trace[:1])  # its blocks are committed before the others arrive
+    rest, _, _ = run_engine(engine, trace[1:])
+    assert first + rest == want
+    bm = engine.block_manager
+    assert engine.stats.prefix_cache_hits > 0 and bm.tail_copies > 0
+    check_no_leaks(bm)
+
+
+def test_a_model_whose_every_layer_is_routed_has_an_empty_dense_pool():
+    import dataclasses
+
+    from kiln.ir.frontend import build_graph
+    from kiln.spec.loader import load_spec
+
+    spec = load_spec("tiny-llama-mod")
+    cfg = dataclasses.replace(spec.model, route=dataclasses.replace(spec.model.route, every=1))
+    ref_gm = build_graph(cfg, seed=0)
+    step = compile_step(copy.deepcopy(ref_gm), cfg, spec.compile, use_kernels=False)
+    assert (step.num_layers, step.num_routed_layers) == (0, 4)
+    trace = make_trace(seed=3, n=6)
+    want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=cfg.context).token_ids
+            for p, n in trace]
+    assert min(reference_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > MARGIN
+    engine = Engine(step, None, cfg, block_size=BLOCK, max_model_len=CONTEXT, max_num_batched_tokens=16)
+    got, _, _ = run_engine(engine, trace)
+    assert got == want and engine.runner.kv_cache.data.numel() == 0
+    assert engine.stats.kv_bytes < engine.stats.kv_bytes_dense
+    check_no_leaks(engine.block_manager)

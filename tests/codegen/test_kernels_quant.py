@@ -168,3 +168,25 @@ def test_bad_inputs_are_codegen_errors():
         linear_w4(x, qw.qweight, qw.scales, None, 32, tile=QuantTile("quant_gemv", 1, 4, 16))
     with pytest.raises(CodegenError, match="at least 16"):
         linear_w4(x, qw.qweight, qw.scales, None, 32, tile=QuantTile("quant_gemm", 16, 8, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (576, 1536)], ids=["qkv-1b", "down-1b", "down-smollm"])
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize("form", ["int8", "int8-g32", "int4-g128", "int4-g64-asym", "int4-g32-min"])
+def test_real_sizes_on_gpu_with_the_wrappers_own_tiles(form, m, n, k, dtype):
+    # The tiles, splits and kernels the wrapper picks for this GPU (576 outputs at M = 1: split-K on an H100).
+    g = torch.Generator().manual_seed(m + n + k)
+    qw = FORMS[form](torch.randn(n, k, generator=g) * k**-0.5)
+    for name in ("qweight", "scales", "zeros"):
+        if getattr(qw, name) is not None:
+            setattr(qw, name, getattr(qw, name).cuda())
+    x = torch.randn(m, k, generator=g).to(device="cuda", dtype=dtype)
+    b = torch.randn(n, generator=g).to(device="cuda", dtype=dtype)
+    want = x.float() @ dequantize(qw).float().T + b.float()
+    got = _run(qw, x, b)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    err = (got.float() - want).abs().max().item()
+    assert err <= (2e-2 if dtype == torch.bfloat16 else 5e-3) * want.abs().max().item()
+    assert torch.equal(_run(qw, x, b), got)  # deterministic, split-K included

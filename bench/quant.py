@@ -25,6 +25,7 @@ without --smoke this says so and exits 2.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -112,13 +113,13 @@ class Linear:
         return ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
 
 
-def chosen_tile(lin: Linear, m: int) -> dict | None:
+def chosen_tile(lin: Linear, m: int, device: str) -> dict | None:
     from kiln.codegen.quant import device_info
     from kiln.codegen.quant_tiles import choose_tile
 
     if lin.scheme == "bf16":
         return None
-    sms, cap = device_info(torch.device("cuda"))
+    sms, cap = device_info(torch.device(device))
     bits, group = (8, 0) if lin.scheme == "int8" else (4, 128)
     return asdict(choose_tile(bits, group, m, lin.n, lin.k, sm_count=sms, capability=cap))
 
@@ -154,39 +155,45 @@ def time_linear(lin: Linear, x: torch.Tensor, out: torch.Tensor, tile=None) -> f
     return time_calls([partial(lin.call, i, x, out, tile) for i in range(max(len(lin.parts), 4))])
 
 
-def copies_for(nbytes: int) -> int:
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+def copies_for(nbytes: int, device: str) -> int:
+    """Weight copies one measurement cycles through: their bytes exceed the L2 cache three times (1 off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
     return max(1, min(64, -(-3 * l2 // nbytes)))
 
 
-def measure_shapes(specs: list[str], ms: list[int], ceiling: float) -> list[dict]:
+def all_shapes(specs: list[str]) -> list[tuple[str, str, int, int]]:
+    return [(spec, name, n, k) for spec in specs for name, n, k in linear_shapes(spec)]
+
+
+def measure_shapes(shapes, ms: list[int], ceiling: float, device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+    """One row per (shape, scheme, M): time, bytes, GB/s, share of copy bandwidth, speed-up, error, tile."""
     rows = []
-    for spec in specs:
-        for name, n, k in linear_shapes(spec):
-            base = {}
-            for scheme in SCHEMES:
-                probe = Linear(n, k, scheme, "cuda", torch.bfloat16)
-                lin = Linear(n, k, scheme, "cuda", torch.bfloat16, copies=copies_for(probe.nbytes))
-                del probe
-                x_all = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16)
-                for m in ms:
-                    x, out = x_all[:m], torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                    err = lin.check(x)
-                    sec = time_linear(lin, x, out)
-                    nbytes = lin.nbytes + 2 * m * (k + n)
-                    if scheme == "bf16":
-                        base[m] = sec
-                    rows.append({"spec": spec, "linear": name, "n": n, "k": k, "m": m, "scheme": scheme,
-                                 "us": sec * 1e6, "bytes": nbytes, "gb_per_s": nbytes / sec / 1e9,
-                                 "pct_of_copy_bw": 100 * nbytes / sec / 1e9 / ceiling,
-                                 "speedup_vs_bf16": base[m] / sec if m in base else None, "max_rel_err": err,
-                                 "tile": chosen_tile(lin, m), "weight_copies": len(lin.parts)})  # fmt: skip
-                    r = rows[-1]
-                    print(f"{spec:<13}{name:<8}{n:>7}{k:>6}{m:>4} {scheme:<10}{r['us']:>9.2f} us"
-                          f"{r['gb_per_s']:>7.0f} GB/s{r['pct_of_copy_bw']:>5.0f}%{r['speedup_vs_bf16'] or 0:>6.2f}x"
-                          f"  err {err:.1e}")  # fmt: skip
-                del lin
-                torch.cuda.empty_cache()
+    for spec, name, n, k in shapes:
+        base = {}
+        for scheme in SCHEMES:
+            probe = Linear(n, k, scheme, device, dtype)
+            lin = Linear(n, k, scheme, device, dtype, copies=copies_for(probe.nbytes, device))
+            del probe
+            x_all = torch.randn(max(ms), k, device=device, dtype=dtype)
+            for m in ms:
+                x, out = x_all[:m], torch.empty(m, n, device=device, dtype=dtype)
+                err = lin.check(x)
+                sec = time_linear(lin, x, out)
+                nbytes = lin.nbytes + x.element_size() * m * (k + n)
+                if scheme == "bf16":
+                    base[m] = sec
+                rows.append({"spec": spec, "linear": name, "n": n, "k": k, "m": m, "scheme": scheme, "us": sec * 1e6,
+                             "bytes": nbytes, "gb_per_s": nbytes / sec / 1e9,
+                             "pct_of_copy_bw": 100 * nbytes / sec / 1e9 / ceiling,
+                             "speedup_vs_bf16": base[m] / sec if m in base else None, "max_rel_err": err,
+                             "tile": chosen_tile(lin, m, device), "weight_copies": len(lin.parts)})  # fmt: skip
+                r = rows[-1]
+                print(f"{spec:<13}{name:<8}{n:>7}{k:>6}{m:>4} {scheme:<10}{r['us']:>9.2f} us{r['gb_per_s']:>7.0f} GB/s"
+                      f"{r['pct_of_copy_bw']:>5.0f}%{r['speedup_vs_bf16'] or 0:>6.2f}x  err {err:.1e}")  # fmt: skip
+            del lin
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -194,8 +201,9 @@ def sweep_one(lin: Linear, m: int, ceiling: float) -> tuple[float, object, int, 
     """(seconds, tile, candidates timed, share of copy bandwidth) of the fastest correct candidate tile at M = m."""
     from kiln.codegen.quant_tiles import QuantTile
 
-    x = torch.randn(m, lin.k, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(m, lin.n, device="cuda", dtype=torch.bfloat16)
+    ref = lin.reference
+    x = torch.randn(m, lin.k, device=ref.device, dtype=ref.dtype)
+    out = torch.empty(m, lin.n, device=ref.device, dtype=ref.dtype)
     if m == 1:
         tiles = [QuantTile("quant_gemv", 1, bn, bk, s, w) for bn, bk, s, w in SWEEP["gemv"]]
     else:
@@ -210,34 +218,32 @@ def sweep_one(lin: Linear, m: int, ceiling: float) -> tuple[float, object, int, 
     if not timed:
         return None
     sec, best = min(timed, key=lambda v: v[0])
-    return sec, best, len(timed), 100 * (lin.nbytes + 2 * m * (lin.n + lin.k)) / sec / 1e9 / ceiling
+    return sec, best, len(timed), 100 * (lin.nbytes + x.element_size() * m * (lin.n + lin.k)) / sec / 1e9 / ceiling
 
 
-def sweep(specs: list[str], ceiling: float) -> list[dict]:
+def sweep(shapes, ceiling: float, device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
     """The fastest candidate tile per (scheme, shape, M in 1 and 16), as codegen/quant_tiles.py MEASURED keys."""
     from kiln.codegen.quant import device_info
 
-    _, cap = device_info(torch.device("cuda"))
+    _, cap = device_info(torch.device(device))
     winners = []
-    for spec in specs:
-        for name, n, k in linear_shapes(spec):
-            for scheme in SCHEMES[1:]:
-                probe = Linear(n, k, scheme, "cuda", torch.bfloat16)
-                lin = Linear(n, k, scheme, "cuda", torch.bfloat16, copies=copies_for(probe.nbytes))
-                del probe
-                for m in (1, 16):
-                    found = sweep_one(lin, m, ceiling)
-                    if found is None:
-                        print(f"    no candidate tile fits {spec} {name} {scheme} M={m}", file=sys.stderr)
-                        continue
-                    sec, best, count, pct = found
-                    bits, group = (8, 0) if scheme == "int8" else (4, 128)
-                    key = (cap, best.kernel, bits, group, m if m == 1 else 16, n, k)
-                    winners.append({"key": repr(key), "tile": repr(best), "us": sec * 1e6, "linear": f"{spec} {name}",
-                                    "candidates": count, "pct_of_copy_bw": pct})  # fmt: skip
-                    print(f"    {key!r}: {best!r},  # {spec} {name}: {sec * 1e6:.2f} us, {pct:.0f}% of copy BW")
-                del lin
-                torch.cuda.empty_cache()
+    for (spec, name, n, k), scheme in itertools.product(shapes, SCHEMES[1:]):
+        probe = Linear(n, k, scheme, device, dtype)
+        lin = Linear(n, k, scheme, device, dtype, copies=copies_for(probe.nbytes, device))
+        del probe
+        for m in (1, 16):
+            found = sweep_one(lin, m, ceiling)
+            if found is None:
+                print(f"    no candidate tile fits {spec} {name} {scheme} M={m}", file=sys.stderr)
+                continue
+            sec, best, count, pct = found
+            bits, group = (8, 0) if scheme == "int8" else (4, 128)
+            key = (cap, best.kernel, bits, group, m if m == 1 else 16, n, k)
+            winners.append({"key": repr(key), "tile": repr(best), "us": sec * 1e6, "linear": f"{spec} {name}",
+                            "candidates": count, "pct_of_copy_bw": pct})  # fmt: skip
+            print(f"    {key!r}: {best!r},  # {spec} {name}: {sec * 1e6:.2f} us, {pct:.0f}% of copy BW")
+        del lin
+        torch.cuda.empty_cache()
     return winners
 
 
@@ -290,11 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     specs, ms = args.specs.split(","), [int(m) for m in args.m.split(",")]
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling:.0f} GB/s")
     if args.sweep:  # a run of its own (it compiles and times ~12-24 tiles per shape)
-        winners = sweep(specs, ceiling)
+        winners = sweep(all_shapes(specs), ceiling)
         result = {"benchmark": "quant-sweep", **run_metadata(), "copy_gb_per_s": ceiling, "sweep": winners}
         print(f"wrote {write_json(result_path(args.out_dir, 'quant-sweep'), result)}")
         return 0
-    shapes = measure_shapes(specs, ms, ceiling)
+    shapes = measure_shapes(all_shapes(specs), ms, ceiling)
     steps = [measure_step(args.step_spec, s, args.iters, ceiling) for s in SCHEMES]
     base = steps[0]["step_ms"]
     for r in steps:

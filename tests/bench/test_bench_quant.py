@@ -59,3 +59,27 @@ def test_launch_profile_counts_the_split_k_reduce_as_a_launch(bench, monkeypatch
     profile = launch_profile(gm, [x])
     assert profile["launches_per_step"] == 2
     assert profile["ops"] == [{"op": "linear_w4", "nodes": 1, "launches": 2, "runs_as": "kiln:quant_gemv+quant_reduce"}]
+
+
+def test_per_shape_rows_and_sweep_winners_on_cpu(bench, monkeypatch):
+    # The CUDA-graph timing is the one part a CPU cannot run: a stand-in gives each call list a time; everything
+    # else (weights, copies, the checks against the reference, rows, winners, the JSON) runs as on the GPU.
+    import ast
+    import json
+
+    monkeypatch.setattr(bench, "time_calls", lambda fns: 1e-5)
+    shapes = [("test", "odd", 40, 256)]
+    rows = bench.measure_shapes(shapes, [1, 17], ceiling=100.0, device="cpu", dtype=torch.float32)
+    assert [(r["scheme"], r["m"]) for r in rows] == [(s, m) for s in bench.SCHEMES for m in (1, 17)]
+    assert all(r["max_rel_err"] < 1e-4 and r["bytes"] > 0 for r in rows)
+    int4 = [r for r in rows if r["scheme"] == "int4-g128"]
+    assert [r["tile"]["kernel"] for r in int4] == ["quant_gemv", "quant_gemm"]
+    assert int4[0]["bytes"] == 40 * 128 + 40 * 2 * 4 + 4 * (256 + 40)  # codes, fp32 scales, fp32 x and out
+    monkeypatch.setitem(bench.SWEEP, "gemv", [(4, 128, 1, 4), (8, 256, 2, 4)])
+    monkeypatch.setitem(bench.SWEEP, "gemm", [(16, 64, 1), (32, 128, 2)])
+    winners = bench.sweep(shapes, ceiling=100.0, device="cpu", dtype=torch.float32)
+    keys = [ast.literal_eval(w["key"]) for w in winners]  # pasted into codegen/quant_tiles.py MEASURED as is
+    assert [k[1:5] for k in keys] == [("quant_gemv", 8, 0, 1), ("quant_gemm", 8, 0, 16), ("quant_gemv", 4, 128, 1),
+                                      ("quant_gemm", 4, 128, 16)]  # fmt: skip
+    assert all(w["candidates"] == 2 for w in winners)
+    json.dumps({"shapes": rows, "sweep": winners})

@@ -31,6 +31,12 @@ def device_info(device: torch.device) -> tuple[int, tuple[int, int]]:
     return props.multi_processor_count, (props.major, props.minor)
 
 
+@lru_cache(maxsize=4096)
+def _choose(bits: int, group: int, m: int, n: int, k: int, sm_count: int, capability: tuple, kernel: str | None):
+    # choose_tile is pure in its arguments (MEASURED is fixed at import): a launch pays one dict lookup for it.
+    return choose_tile(bits, group, m, n, k, sm_count=sm_count, capability=capability, kernel=kernel)
+
+
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     # An input may be copied (only outputs must be written in place), so any layout is accepted.
     x2 = x.reshape(-1, k)
@@ -93,8 +99,9 @@ def _launch(
     group_scales8 = bits == 8 and scales.dim() == 2
     sm_count, capability = device_info(x.device)
     if tile is None:
-        tile = choose_tile(bits, group, m, n, k, sm_count=sm_count, capability=capability, kernel=kernel)
-    _check_tile(tile, bits, group)
+        tile = _choose(bits, group, m, n, k, sm_count, capability, kernel)
+    else:
+        _check_tile(tile, bits, group)
     k_split = tile.k_split(k)
     split = cdiv(k, k_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else o2

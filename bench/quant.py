@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 from dataclasses import asdict
-from functools import partial
 from pathlib import Path
 
 if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):  # before triton is imported
@@ -39,6 +37,7 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):  # before t
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_meta, quant_step when run as a script
+from quant_linear import Linear, copies_for, copy_bandwidth, time_linear  # noqa: E402
 from quant_step import compiled_step, launch_profile, measure_step  # noqa: E402
 
 SCHEMES = ("bf16", "int8", "int4-g128")
@@ -47,21 +46,6 @@ SWEEP = {  # candidate (kernel, block_m, block_n, block_k, split_k, num_warps, n
                                                (4, 4096, 8)) for s in (1, 2)],
     "gemm": [(bn, bk, s) for bn in (32, 64, 128) for bk in (64, 128) for s in (1, 2, 4, 8)],
 }  # fmt: skip
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy GB/s (read + write): the practical ceiling for streaming weights."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")  # never time on all-zero inputs
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def linear_shapes(spec: str) -> list[tuple[str, int, int]]:
@@ -74,45 +58,6 @@ def linear_shapes(spec: str) -> list[tuple[str, int, int]]:
             ("down", c.dim, c.ffn), ("lm_head", c.vocab, c.dim)]  # fmt: skip
 
 
-class Linear:
-    """One weight in one scheme on a device, with `copies` clones so timed calls do not hit L2."""
-
-    def __init__(self, n: int, k: int, scheme: str, device: str, dtype: torch.dtype, copies: int = 1, seed: int = 0):
-        from kiln.quant.formats import dequantize, parse_scheme, quantize_rtn
-
-        g = torch.Generator(device=device).manual_seed(seed)
-        w = (torch.randn(n, k, generator=g, device=device) * k**-0.5).to(dtype)
-        self.scheme, self.n, self.k = scheme, n, k
-        if scheme == "bf16":
-            parts = [(w,)]
-            self.reference = w
-        else:
-            qw = quantize_rtn(w, parse_scheme(scheme))
-            parts = [(qw.qweight, qw.scales, qw.zeros, qw.group)]
-            self.reference = dequantize(qw, dtype)
-        self.nbytes = sum(t.numel() * t.element_size() for t in parts[0] if isinstance(t, torch.Tensor))
-        for _ in range(copies - 1):
-            parts.append(tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in parts[0]))
-        self.parts = parts
-
-    def call(self, i: int, x: torch.Tensor, out: torch.Tensor, tile=None) -> torch.Tensor:
-        from kiln.codegen.quant import linear_w4, linear_w8
-
-        p = self.parts[i % len(self.parts)]
-        if self.scheme == "bf16":
-            return torch.nn.functional.linear(x, p[0])
-        if self.scheme == "int8":
-            return linear_w8(x, p[0], p[1], out=out, tile=tile)
-        return linear_w4(x, p[0], p[1], p[2], p[3], out=out, tile=tile)
-
-    def check(self, x: torch.Tensor, tile=None) -> float:
-        """Max |kernel - dequantize-then-matmul| relative to the reference's largest entry."""
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype, device=x.device)
-        got = self.call(0, x, out, tile).float()
-        want = x.float() @ self.reference.float().T
-        return ((got - want).abs().max() / want.abs().max().clamp(min=1e-6)).item()
-
-
 def chosen_tile(lin: Linear, m: int, device: str) -> dict | None:
     from kiln.codegen.quant import device_info
     from kiln.codegen.quant_tiles import choose_tile
@@ -122,45 +67,6 @@ def chosen_tile(lin: Linear, m: int, device: str) -> dict | None:
     sms, cap = device_info(torch.device(device))
     bits, group = (8, 0) if lin.scheme == "int8" else (4, 128)
     return asdict(choose_tile(bits, group, m, lin.n, lin.k, sm_count=sms, capability=cap))
-
-
-def time_calls(fns, repeats: int = 7, replays: int = 5) -> float:
-    """Median seconds per call of the fns, captured back to back in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / replays / len(fns))
-    return statistics.median(times)
-
-
-def time_linear(lin: Linear, x: torch.Tensor, out: torch.Tensor, tile=None) -> float:
-    """Seconds per call of lin on x, each call reading another copy of the weight (at least 4 calls)."""
-    return time_calls([partial(lin.call, i, x, out, tile) for i in range(max(len(lin.parts), 4))])
-
-
-def copies_for(nbytes: int, device: str) -> int:
-    """Weight copies one measurement cycles through: their bytes exceed the L2 cache three times (1 off CUDA)."""
-    if torch.device(device).type != "cuda":
-        return 1
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
-    return max(1, min(64, -(-3 * l2 // nbytes)))
 
 
 def all_shapes(specs: list[str]) -> list[tuple[str, str, int, int]]:
@@ -300,21 +206,29 @@ def main(argv: list[str] | None = None) -> int:
         result = {"benchmark": "quant-sweep", **run_metadata(), "copy_gb_per_s": ceiling, "sweep": winners}
         print(f"wrote {write_json(result_path(args.out_dir, 'quant-sweep'), result)}")
         return 0
-    shapes = measure_shapes(all_shapes(specs), ms, ceiling)
-    steps = [measure_step(args.step_spec, s, args.iters, ceiling) for s in SCHEMES]
-    base = steps[0]["step_ms"]
+    result = {"benchmark": "quant", **run_metadata(), "copy_gb_per_s": ceiling,
+              "shapes": measure_shapes(all_shapes(specs), ms, ceiling), "step": {"spec": args.step_spec, "batch": 1}}
+    path = write_json(result_path(args.out_dir, "quant"), result)  # written now: the step part must not lose it
+    steps = []
+    for scheme in SCHEMES:
+        try:
+            steps.append(measure_step(args.step_spec, scheme, args.iters, ceiling))
+        except Exception as e:  # reported in the JSON; the figures measured so far are kept
+            print(f"bench: {scheme} step failed: {type(e).__name__}: {e}", file=sys.stderr)
+            steps.append({"scheme": scheme, "error": f"{type(e).__name__}: {e}"})
+    base = steps[0].get("step_ms")
     for r in steps:
-        r["speedup_vs_bf16"] = base / r["step_ms"]
+        if "error" in r:
+            continue
+        r["speedup_vs_bf16"] = base / r["step_ms"] if base else None
         lp = r["launches"]
         print(f"step {args.step_spec} {r['scheme']:<10}{r['step_ms']:>8.3f} ms{r['pct_of_copy_bw']:>5.0f}% of copy BW "
-              f"{r['speedup_vs_bf16']:.2f}x; {lp['launches_per_step']} launches (profiler: "
+              f"{r['speedup_vs_bf16'] or 0:.2f}x; {lp['launches_per_step']} launches (profiler: "
               f"{lp['profiled_kernels_per_step']}); not fused: {', '.join(lp['not_fused'])}")  # fmt: skip
-    result = {"benchmark": "quant", **run_metadata(), "copy_gb_per_s": ceiling, "shapes": shapes,
-              "step": {"spec": args.step_spec, "batch": 1, "rows": steps}}  # fmt: skip
-    path = write_json(result_path(args.out_dir, "quant"), result)
+    result["step"]["rows"] = steps
+    write_json(path, result)
     print(f"wrote {path}")
-    return 0
-
+    return 0 if all("error" not in r for r in steps) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

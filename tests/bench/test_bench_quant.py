@@ -42,7 +42,9 @@ def test_launch_profile_counts_the_split_k_reduce_as_a_launch(bench, monkeypatch
     import kiln.codegen.quant as quant
     from kiln.compile.lowering import lower
 
-    lin = bench.Linear(24, 1536, "int4-g128", "cpu", torch.float32)
+    from quant_linear import Linear
+
+    lin = Linear(24, 1536, "int4-g128", "cpu", torch.float32)
     qweight, scales, _, group = lin.parts[0]
 
     class M(torch.nn.Module):
@@ -67,7 +69,9 @@ def test_per_shape_rows_and_sweep_winners_on_cpu(bench, monkeypatch):
     import ast
     import json
 
-    monkeypatch.setattr(bench, "time_calls", lambda fns: 1e-5)
+    import quant_linear
+
+    monkeypatch.setattr(quant_linear, "time_calls", lambda fns: 1e-5)
     shapes = [("test", "odd", 40, 256)]
     rows = bench.measure_shapes(shapes, [1, 17], ceiling=100.0, device="cpu", dtype=torch.float32)
     assert [(r["scheme"], r["m"]) for r in rows] == [(s, m) for s in bench.SCHEMES for m in (1, 17)]

@@ -36,13 +36,12 @@ def test_shapes_are_the_fused_linears_of_the_specs(bench):
 
 
 def test_launch_profile_counts_the_split_k_reduce_as_a_launch(bench, monkeypatch):
+    from quant_linear import Linear
     from quant_step import launch_profile
     from torch import fx
 
     import kiln.codegen.quant as quant
     from kiln.compile.lowering import lower
-
-    from quant_linear import Linear
 
     lin = Linear(24, 1536, "int4-g128", "cpu", torch.float32)
     qweight, scales, _, group = lin.parts[0]

@@ -1,136 +1,234 @@
-"""Batch-1 decode throughput with quantized weights: bf16 vs int8 vs int4 on a 1B-class spec, in one run.
+"""Quantized linears: per-shape kernel times and the whole decode step, bf16 vs int8 vs int4-g128, in one run.
 
-A decode step here is the compiled graph (generated kernels, quantized linears through quant_gemv) on one
-token at position 0, replayed as a CUDA graph so launch overhead does not hide the weight reads. Every weight
-but the embedding table is read once per step, which is what bounds batch-1 decode; the KV-cache reads of a
-long context are left out. Reported per scheme: step time, tokens/s, weight bytes read per step, achieved
-GB/s, that as a share of the device's copy bandwidth measured in the same run, and the speed-up over bf16.
-Weights are seeded random (speed does not depend on their values); quantization is RTN.
+Per shape: every linear of the specs (default llama-3.2-1b and llama-3.1-8b: fused qkv, o, fused gate_up, down,
+lm_head) at M = 1, 16, 32, 64 activation rows, with seeded random weights (RTN): torch.nn.functional.linear on the
+bf16 weight (cuBLAS) against kiln's int8 (per channel) and int4 (group 128, symmetric) kernels, each checked
+against dequantize-then-matmul first. The calls of one measurement cycle through enough copies of the weight
+to exceed the L2 cache three times over (so every call reads its weight from DRAM, as in a step) and are
+replayed as one CUDA graph (launch gaps as in a step); the figure is the median of 7 replays. Reported: us per
+call, bytes read (weights, activations, output), GB/s, share of the copy bandwidth measured in the same run,
+speed-up over bf16, and the kernel / tile / split-K the wrapper chose.
 
-Needs CUDA: without it this says so and exits 2, with no figures.
+Step (bench/quant_step.py): the llama-3.2-1b batch-1 step per scheme under a CUDA graph, as a share of copy
+bandwidth, and for each scheme the launches per step and the ops outside GEMMs and attention (not fused).
 
-    python bench/quant.py [--spec llama-3.2-1b] [--schemes bf16,int8,int4-g128] [--iters 200] [--json out.json]
+--sweep (a run of its own, quant-sweep-*.json): times candidate tiles for every shape at M = 1 and 16 (int8 and
+int4) and prints the fastest as codegen/quant_tiles.py MEASURED entries, with their times.
+--smoke: the CPU check of all of the above (Triton interpreter, tiny shapes, every result checked against the
+reference, the tiny-llama step's launch profile); it times nothing and writes no figure. Without CUDA and
+without --smoke this says so and exits 2.
+
+    python bench/quant.py [--specs llama-3.2-1b,llama-3.1-8b] [--m 1,16,32,64] [--step-spec llama-3.2-1b]
+                          [--iters 200] [--sweep] [--out-dir bench/results] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
+import os
 import sys
-import time
-from functools import partial
+from dataclasses import asdict
+from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):  # before triton is imported
+    os.environ["TRITON_INTERPRET"] = "1"
 
+import torch  # noqa: E402
 
-def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy GB/s (read + write): the practical ceiling for streaming weights."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_meta, quant_step when run as a script
+from quant_linear import Linear, copies_for, copy_bandwidth, time_linear  # noqa: E402
+from quant_step import compiled_step, launch_profile, measure_step  # noqa: E402
 
-
-def bytes_read_per_step(gm: torch.fx.GraphModule) -> int:
-    """Weight bytes a one-token step reads: every tensor, except tables only gathered from (embeddings)."""
-    gathers = {torch.ops.kiln.embedding.default, torch.ops.kiln.embedding_q.default}
-    skip = {
-        str(n.target)
-        for n in gm.graph.nodes
-        if n.op == "get_attr" and n.users and all(u.op == "call_function" and u.target in gathers for u in n.users)
-    }
-    tensors = dict(gm.named_parameters()) | dict(gm.named_buffers())
-    return sum(t.numel() * t.element_size() for name, t in tensors.items() if name not in skip)
+SCHEMES = ("bf16", "int8", "int4-g128")
+SWEEP = {  # candidate (kernel, block_m, block_n, block_k, split_k, num_warps, num_stages) per M class
+    "gemv": [(bn, bk, s, w) for bn, bk, w in ((2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 8),
+                                               (4, 4096, 8)) for s in (1, 2)],
+    "gemm": [(bn, bk, s) for bn in (32, 64, 128) for bk in (64, 128) for s in (1, 2, 4, 8)],
+}  # fmt: skip
 
 
-def time_step(fn, iters: int) -> tuple[float, bool]:
-    """Mean seconds per call of fn(), replayed as a CUDA graph when capture works (else called eagerly)."""
-    side = torch.cuda.Stream()  # warm up (kernel loads, allocator) on a side stream, as capture wants
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-        run, captured = graph.replay, True
-    except Exception as e:  # a kernel that cannot be captured: measure eagerly and say so
-        print(f"bench: CUDA graph capture failed ({type(e).__name__}: {e}); timing eager calls", file=sys.stderr)
-        run, captured = fn, False
-    run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters, captured
-
-
-def measure(spec: str, scheme: str, iters: int) -> dict:
-    from kiln.compile.driver import compile_model
-    from kiln.compile.pipeline import quantize_graph
-    from kiln.ir.frontend import build_graph
-    from kiln.model_config import CompileConfig
+def linear_shapes(spec: str) -> list[tuple[str, int, int]]:
+    """(name, N, K) of every linear of a spec's layer (qkv and gate_up fused, as kiln runs them) and the lm_head."""
     from kiln.spec.loader import load_spec
 
-    cfg = load_spec(spec).model
-    gm = build_graph(cfg, dtype=torch.bfloat16, device="cuda")
-    t0 = time.perf_counter()
-    if scheme != "bf16":
-        gm = quantize_graph(gm, scheme)
-    quantize_s = time.perf_counter() - t0
-    nbytes = bytes_read_per_step(gm)
-    compiled = compile_model(gm, CompileConfig(dtype="bf16"), use_kernels=True)
-    tokens = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    positions = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    with torch.inference_mode():
-        step_s, captured = time_step(partial(compiled, tokens, positions), iters)
-    del compiled, gm
-    torch.cuda.empty_cache()
-    return {"scheme": scheme, "step_ms": step_s * 1e3, "tokens_per_s": 1 / step_s, "bytes_per_step": nbytes,
-            "gb_per_s": nbytes / step_s / 1e9, "cuda_graph": captured, "quantize_s": quantize_s}  # fmt: skip
+    c = load_spec(spec).model
+    q = c.heads * c.head_dim
+    return [("qkv", q + 2 * c.kv_heads * c.head_dim, c.dim), ("o", c.dim, q), ("gate_up", 2 * c.ffn, c.dim),
+            ("down", c.dim, c.ffn), ("lm_head", c.vocab, c.dim)]  # fmt: skip
+
+
+def chosen_tile(lin: Linear, m: int, device: str) -> dict | None:
+    from kiln.codegen.quant import device_info
+    from kiln.codegen.quant_tiles import choose_tile
+
+    if lin.scheme == "bf16":
+        return None
+    sms, cap = device_info(torch.device(device))
+    bits, group = (8, 0) if lin.scheme == "int8" else (4, 128)
+    return asdict(choose_tile(bits, group, m, lin.n, lin.k, sm_count=sms, capability=cap))
+
+
+def all_shapes(specs: list[str]) -> list[tuple[str, str, int, int]]:
+    return [(spec, name, n, k) for spec in specs for name, n, k in linear_shapes(spec)]
+
+
+def measure_shapes(shapes, ms: list[int], ceiling: float, device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+    """One row per (shape, scheme, M): time, bytes, GB/s, share of copy bandwidth, speed-up, error, tile."""
+    rows = []
+    for spec, name, n, k in shapes:
+        base = {}
+        for scheme in SCHEMES:
+            probe = Linear(n, k, scheme, device, dtype)
+            lin = Linear(n, k, scheme, device, dtype, copies=copies_for(probe.nbytes, device))
+            del probe
+            x_all = torch.randn(max(ms), k, device=device, dtype=dtype)
+            for m in ms:
+                x, out = x_all[:m], torch.empty(m, n, device=device, dtype=dtype)
+                err = lin.check(x)
+                sec = time_linear(lin, x, out)
+                nbytes = lin.nbytes + x.element_size() * m * (k + n)
+                if scheme == "bf16":
+                    base[m] = sec
+                rows.append({"spec": spec, "linear": name, "n": n, "k": k, "m": m, "scheme": scheme, "us": sec * 1e6,
+                             "bytes": nbytes, "gb_per_s": nbytes / sec / 1e9,
+                             "pct_of_copy_bw": 100 * nbytes / sec / 1e9 / ceiling,
+                             "speedup_vs_bf16": base[m] / sec if m in base else None, "max_rel_err": err,
+                             "tile": chosen_tile(lin, m, device), "weight_copies": len(lin.parts)})  # fmt: skip
+                r = rows[-1]
+                print(f"{spec:<13}{name:<8}{n:>7}{k:>6}{m:>4} {scheme:<10}{r['us']:>9.2f} us{r['gb_per_s']:>7.0f} GB/s"
+                      f"{r['pct_of_copy_bw']:>5.0f}%{r['speedup_vs_bf16'] or 0:>6.2f}x  err {err:.1e}")  # fmt: skip
+            del lin
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_one(lin: Linear, m: int, ceiling: float) -> tuple[float, object, int, float] | None:
+    """(seconds, tile, candidates timed, share of copy bandwidth) of the fastest correct candidate tile at M = m."""
+    from kiln.codegen.quant_tiles import QuantTile
+
+    ref = lin.reference
+    x = torch.randn(m, lin.k, device=ref.device, dtype=ref.dtype)
+    out = torch.empty(m, lin.n, device=ref.device, dtype=ref.dtype)
+    if m == 1:
+        tiles = [QuantTile("quant_gemv", 1, bn, bk, s, w) for bn, bk, s, w in SWEEP["gemv"]]
+    else:
+        tiles = [QuantTile("quant_gemm", 16, bn, bk, s, 4, 3) for bn, bk, s in SWEEP["gemm"]]
+    timed = []
+    for t in tiles:
+        try:  # a candidate may not fit this GPU (shared memory, registers): skip it
+            if t.block_k <= max(lin.k, 64) and lin.check(x, t) < 2e-2:
+                timed.append((time_linear(lin, x, out, t), t))
+        except Exception as e:  # triton's OutOfResources and compile errors have no common KilnError base
+            print(f"    skipped {t}: {type(e).__name__}: {str(e)[:120]}", file=sys.stderr)
+    if not timed:
+        return None
+    sec, best = min(timed, key=lambda v: v[0])
+    return sec, best, len(timed), 100 * (lin.nbytes + x.element_size() * m * (lin.n + lin.k)) / sec / 1e9 / ceiling
+
+
+def sweep(shapes, ceiling: float, device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
+    """The fastest candidate tile per (scheme, shape, M in 1 and 16), as codegen/quant_tiles.py MEASURED keys."""
+    from kiln.codegen.quant import device_info
+
+    _, cap = device_info(torch.device(device))
+    winners = []
+    for (spec, name, n, k), scheme in itertools.product(shapes, SCHEMES[1:]):
+        probe = Linear(n, k, scheme, device, dtype)
+        lin = Linear(n, k, scheme, device, dtype, copies=copies_for(probe.nbytes, device))
+        del probe
+        for m in (1, 16):
+            found = sweep_one(lin, m, ceiling)
+            if found is None:
+                print(f"    no candidate tile fits {spec} {name} {scheme} M={m}", file=sys.stderr)
+                continue
+            sec, best, count, pct = found
+            bits, group = (8, 0) if scheme == "int8" else (4, 128)
+            key = (cap, best.kernel, bits, group, m if m == 1 else 16, n, k)
+            winners.append({"key": repr(key), "tile": repr(best), "us": sec * 1e6, "linear": f"{spec} {name}",
+                            "candidates": count, "pct_of_copy_bw": pct})  # fmt: skip
+            print(f"    {key!r}: {best!r},  # {spec} {name}: {sec * 1e6:.2f} us, {pct:.0f}% of copy BW")
+        del lin
+        torch.cuda.empty_cache()
+    return winners
+
+
+def smoke() -> int:
+    """CPU plumbing check (interpreter): tiny shapes through every kernel path, checked; the tiny step's launches."""
+    from kiln.codegen.quant_tiles import QuantTile
+
+    failures = []
+    for n, k in ((72, 256), (40, 384)):
+        x = torch.randn(33, k)
+        for scheme in SCHEMES:
+            lin = Linear(n, k, scheme, "cpu", torch.float32)
+            tiles = [None, QuantTile("quant_gemv", 1, 8, 128, 2), QuantTile("quant_gemm", 16, 16, 64, 3)]
+            for m, tile in ((1, None), (3, tiles[1]), (17, None), (33, tiles[2])):
+                err = lin.check(x[:m], tile if scheme != "bf16" else None)
+                if not err < 1e-4:
+                    failures.append(f"{scheme} N={n} K={k} M={m} tile={tile}: relative error {err:.2e}")
+    for scheme in SCHEMES:
+        compiled, inputs, _ = compiled_step("tiny-llama", scheme.replace("g128", "g32"), "cpu", torch.float32)
+        profile = launch_profile(compiled.gm, inputs)
+        print(f"tiny-llama {scheme} step: {profile['launches_per_step']} launches; not fused: {profile['not_fused']}")
+        if profile["launches_per_step"] <= 0 or not profile["ops"]:
+            failures.append(f"{scheme}: empty launch profile")
+        compiled(*inputs)
+    for f in failures:
+        print("smoke FAILED:", f, file=sys.stderr)
+    print("bench/quant.py --smoke: " + ("ok" if not failures else f"{len(failures)} failures") + " (no figures)")
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench_meta import result_path, run_metadata, write_json
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spec", default="llama-3.2-1b")
-    p.add_argument("--schemes", default="bf16,int8,int4-g128")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--specs", default="llama-3.2-1b,llama-3.1-8b")
+    p.add_argument("--m", default="1,16,32,64", help="activation rows per call")
+    p.add_argument("--step-spec", default="llama-3.2-1b")
+    p.add_argument("--iters", type=int, default=200, help="step replays timed")
+    p.add_argument("--sweep", action="store_true", help="instead: time candidate tiles, print MEASURED entries")
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--smoke", action="store_true", help="CPU check under the Triton interpreter; no figures")
     args = p.parse_args(argv)
+    if args.smoke:
+        return smoke()
     if not torch.cuda.is_available():
-        print("bench/quant.py needs a CUDA device (decode throughput is a GPU measurement); none found, "
-              "so no figures are reported", file=sys.stderr)  # fmt: skip
+        print("bench/quant.py needs a CUDA device (kernel times are a GPU measurement); none found, so no figures "
+              "are reported (--smoke checks the plumbing on CPU)", file=sys.stderr)  # fmt: skip
         return 2
     ceiling = copy_bandwidth()
-    rows = [measure(args.spec, s, args.iters) for s in args.schemes.split(",")]
-    base = next((r for r in rows if r["scheme"] == "bf16"), rows[0])
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling:.0f} GB/s; {args.spec}, batch 1, one token")
-    print(f"{'scheme':<14}{'step ms':>9}{'tok/s':>9}{'GB/step':>9}{'GB/s':>8}{'% copy':>8}{'vs ' + base['scheme']:>9}")
-    for r in rows:
-        r["pct_of_copy_bw"] = 100 * r["gb_per_s"] / ceiling
-        r["speedup"] = base["step_ms"] / r["step_ms"]
-        print(f"{r['scheme']:<14}{r['step_ms']:>9.3f}{r['tokens_per_s']:>9.0f}{r['bytes_per_step'] / 1e9:>9.3f}"
-              f"{r['gb_per_s']:>8.0f}{r['pct_of_copy_bw']:>7.0f}%{r['speedup']:>8.2f}x"
-              + ("" if r["cuda_graph"] else "  (eager)"))  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_gb_per_s": ceiling, "spec": args.spec,
-                       "rows": rows}, f, indent=2)  # fmt: skip
-    return 0
-
+    specs, ms = args.specs.split(","), [int(m) for m in args.m.split(",")]
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling:.0f} GB/s")
+    if args.sweep:  # a run of its own (it compiles and times ~12-24 tiles per shape)
+        winners = sweep(all_shapes(specs), ceiling)
+        result = {"benchmark": "quant-sweep", **run_metadata(), "copy_gb_per_s": ceiling, "sweep": winners}
+        print(f"wrote {write_json(result_path(args.out_dir, 'quant-sweep'), result)}")
+        return 0
+    result = {"benchmark": "quant", **run_metadata(), "copy_gb_per_s": ceiling,
+              "shapes": measure_shapes(all_shapes(specs), ms, ceiling), "step": {"spec": args.step_spec, "batch": 1}}
+    path = write_json(result_path(args.out_dir, "quant"), result)  # written now: the step part must not lose it
+    steps = []
+    for scheme in SCHEMES:
+        try:
+            steps.append(measure_step(args.step_spec, scheme, args.iters, ceiling))
+        except Exception as e:  # reported in the JSON; the figures measured so far are kept
+            print(f"bench: {scheme} step failed: {type(e).__name__}: {e}", file=sys.stderr)
+            steps.append({"scheme": scheme, "error": f"{type(e).__name__}: {e}"})
+    base = steps[0].get("step_ms")
+    for r in steps:
+        if "error" in r:
+            continue
+        r["speedup_vs_bf16"] = base / r["step_ms"] if base else None
+        lp = r["launches"]
+        print(f"step {args.step_spec} {r['scheme']:<10}{r['step_ms']:>8.3f} ms{r['pct_of_copy_bw']:>5.0f}% of copy BW "
+              f"{r['speedup_vs_bf16'] or 0:.2f}x; {lp['launches_per_step']} launches (profiler: "
+              f"{lp['profiled_kernels_per_step']}); not fused: {', '.join(lp['not_fused'])}")  # fmt: skip
+    result["step"]["rows"] = steps
+    write_json(path, result)
+    print(f"wrote {path}")
+    return 0 if all("error" not in r for r in steps) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,25 +1,40 @@
-"""Host wrappers for the quantized linears: quant_gemv (decode, M small) and quant_gemm (prefill).
+"""Host wrappers for the quantized linears: quant_gemv (decode, M small), quant_gemm (batched decode, prefill) and,
+after a split-K launch of either, quant_reduce.
 
-`linear_w8` / `linear_w4` have the signatures of kiln::linear_w8 / kiln::linear_w4 (kiln.ir.ops_quant) and pick
-the kernel by M, the number of activation rows: up to GEMV_MAX_M rows the weight is streamed once per row
-(bandwidth-bound decode), above it tiles share each dequantized weight tile across BLOCK_M rows.
+`linear_w8` / `linear_w4` have the signatures of kiln::linear_w8 / kiln::linear_w4 (kiln.ir.ops_quant); the
+kernel, tile and split-K come from kiln.codegen.quant_tiles.choose_tile (one table, by shape, bits and device).
+The weights are read in the stored forms of kiln.quant.formats (int4: GGML's 32-k block order).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
 from kiln import env
 from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_same_device, check_tensor, launch
+from kiln.codegen.quant_tiles import GEMV_MAX_M, QuantTile, choose_tile, min_block_k
 from kiln.errors import CodegenError
 
-GEMV_MAX_M = 4
-_GEMV_BLOCK_N, _GEMV_BLOCK_K = 8, 256  # small N tiles: enough programs to keep every SM streaming
-_GEMM_BLOCK_N, _GEMM_BLOCK_K = 64, 64
+__all__ = ["GEMV_MAX_M", "QuantTile", "linear_w4", "linear_w8"]
+_KERNELS = ("quant_gemv", "quant_gemm")
+_REDUCE_BLOCK_N = 256
 
 
-def _gemm_block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+@lru_cache(maxsize=16)
+def device_info(device: torch.device) -> tuple[int, tuple[int, int]]:
+    """(SM count, compute capability) of a CUDA device; (1, (0, 0)) elsewhere (the CPU interpreter)."""
+    if device.type != "cuda":
+        return 1, (0, 0)
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, (props.major, props.minor)
+
+
+@lru_cache(maxsize=4096)
+def _choose(bits: int, group: int, m: int, n: int, k: int, sm_count: int, capability: tuple, kernel: str | None):
+    # choose_tile is pure in its arguments (MEASURED is fixed at import): a launch pays one dict lookup for it.
+    return choose_tile(bits, group, m, n, k, sm_count=sm_count, capability=capability, kernel=kernel)
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -40,6 +55,18 @@ def _out(out: torch.Tensor | None, x: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def _check_tile(t: QuantTile, bits: int, group: int) -> None:
+    smallest = min_block_k(bits, group)
+    if t.kernel not in _KERNELS:
+        raise CodegenError(f"unknown quantized-linear kernel {t.kernel!r}; expected one of {_KERNELS}")
+    dims = (t.block_n, t.block_k) + ((t.block_m,) if t.kernel == "quant_gemm" else ())
+    if any(d < 1 or d & (d - 1) for d in dims) or t.block_k < smallest or t.split_k < 1:
+        raise CodegenError(f"tile {t} is not usable: block sizes must be powers of two, block_k at least "
+                           f"{smallest} for {bits}-bit weights, split_k at least 1")
+    if t.kernel == "quant_gemm" and min(t.block_m, t.block_n) < 16:
+        raise CodegenError(f"tile {t}: quant_gemm needs block_m and block_n of at least 16 (tl.dot)")
+
+
 def _launch(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -51,6 +78,7 @@ def _launch(
     k: int,
     out: torch.Tensor | None,
     kernel: str | None,
+    tile: QuantTile | None,
 ) -> torch.Tensor:
     check_tensor(x, "x", dtypes=FLOAT_DTYPES)
     n = qweight.shape[0]
@@ -60,42 +88,50 @@ def _launch(
         check_tensor(bias, "bias", ndim=1)
         if bias.shape[0] != n:
             raise CodegenError(f"bias has {bias.shape[0]} entries but the weight has N = {n} outputs")
+    if kernel is not None and kernel not in _KERNELS:
+        raise CodegenError(f"unknown quantized-linear kernel {kernel!r}; expected one of {_KERNELS}")
     check_same_device(x=x, qweight=qweight, scales=scales, zeros=zeros, bias=bias)
     out = _out(out, x, n)
     x2, o2 = _rows(x, k), out.view(-1, n)
     m = x2.shape[0]
     if m == 0 or n == 0:
         return out
-    kernel = kernel or ("quant_gemv" if m <= GEMV_MAX_M else "quant_gemm")
-    if kernel not in ("quant_gemv", "quant_gemm"):
-        raise CodegenError(f"unknown quantized-linear kernel {kernel!r}; expected quant_gemv or quant_gemm")
+    group_scales8 = bits == 8 and scales.dim() == 2
+    sm_count, capability = device_info(x.device)
+    if tile is None:
+        tile = _choose(bits, group, m, n, k, sm_count, capability, kernel)
+    else:
+        _check_tile(tile, bits, group)
+    k_split = tile.k_split(k)
+    split = cdiv(k, k_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else o2
     z = zeros if zeros is not None else scales
     b = bias if bias is not None else scales
     consts = {"BITS": bits, "GROUP": max(group, 1), "HAS_ZEROS": zeros is not None, "HAS_BIAS": bias is not None,
-              "ZERO_IS_MIN": zeros is not None and zeros.is_floating_point(),
-              "GROUP_SCALES8": bits == 8 and scales.dim() == 2}
-    args = dict(x_ptr=x2, w_ptr=qweight, s_ptr=scales, z_ptr=z, b_ptr=b, out_ptr=o2, N=n, K=k,
-                stride_xm=x2.stride(0), stride_wn=qweight.stride(0), stride_sn=scales.stride(0), stride_zn=z.stride(0),
-                stride_om=o2.stride(0))  # fmt: skip
+              "ZERO_IS_MIN": zeros is not None and zeros.is_floating_point(), "GROUP_SCALES8": group_scales8,
+              "EVEN_K": k % tile.block_k == 0, "SPLIT_K": split}  # fmt: skip
+    args = dict(x_ptr=x2, w_ptr=qweight, s_ptr=scales, z_ptr=z, b_ptr=b, out_ptr=o2, part_ptr=part, N=n, K=k,
+                K_SPLIT=k_split, stride_xm=x2.stride(0), stride_wn=qweight.stride(0), stride_sn=scales.stride(0),
+                stride_zn=z.stride(0), stride_om=o2.stride(0), stride_ps=m * n, stride_pm=n)  # fmt: skip
     op = f"linear_w{bits}"
-    if kernel == "quant_gemv":
-        consts |= {"BLOCK_N": _GEMV_BLOCK_N, "BLOCK_K": _GEMV_BLOCK_K}
-        launch(kernel, op, (cdiv(n, _GEMV_BLOCK_N), m), args, consts, {"num_warps": 4})
+    options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    if tile.kernel == "quant_gemv":
+        consts |= {"BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}
+        launch("quant_gemv", op, (m, cdiv(n, tile.block_n), split), args, consts, options)
     else:
-        block_m = _gemm_block_m(m)
         # fp32 activations: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
         # Triton's CPU interpreter computes tl.dot on an in-kernel bf16/fp16 cast wrongly: it dots in fp32.
         dot_fp32 = x.dtype == torch.float32 or env.triton_interpret()
-        consts |= {
-            "INPUT_PRECISION": "ieee" if dot_fp32 else None,
-            "DOT_FP32": dot_fp32,
-            "BLOCK_M": block_m,
-            "BLOCK_N": _GEMM_BLOCK_N,
-            "BLOCK_K": _GEMM_BLOCK_K,
-        }
+        consts |= {"INPUT_PRECISION": "ieee" if dot_fp32 else None, "DOT_FP32": dot_fp32,
+                   "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}  # fmt: skip
         args["M"] = m
-        grid = (cdiv(m, block_m), cdiv(n, _GEMM_BLOCK_N))
-        launch(kernel, op, grid, args, consts, {"num_warps": 4, "num_stages": 3})
+        grid = (cdiv(m, tile.block_m), cdiv(n, tile.block_n), split)
+        launch("quant_gemm", op, grid, args, consts, options)
+    if split > 1:
+        reduce_args = dict(part_ptr=part, b_ptr=b, out_ptr=o2, N=n, stride_ps=m * n, stride_pm=n,
+                           stride_om=o2.stride(0))  # fmt: skip
+        reduce_consts = {"SPLIT_K": split, "HAS_BIAS": bias is not None, "BLOCK_N": _REDUCE_BLOCK_N}
+        launch("quant_reduce", op, (m, cdiv(n, _REDUCE_BLOCK_N)), reduce_args, reduce_consts, {"num_warps": 4})
     return out
 
 
@@ -107,9 +143,10 @@ def linear_w8(
     *,
     out: torch.Tensor | None = None,
     kernel: str | None = None,
+    tile: QuantTile | None = None,
 ) -> torch.Tensor:
     """kiln::linear_w8: x [..., K] @ (qweight int8 [N, K] * scales [N, None]).T (+ bias) in x's dtype; 2-D scales
-    [N, K / G] scale each group of G along K."""
+    [N, K / G] scale each group of G along K. kernel / tile override choose_tile (tests, bench/quant.py --sweep)."""
     check_tensor(qweight, "qweight", ndim=2, dtypes=(torch.int8,))
     check_tensor(scales, "scales", dtypes=(torch.float32,))
     n, k = qweight.shape
@@ -117,7 +154,7 @@ def linear_w8(
         raise CodegenError(f"scales of shape {tuple(scales.shape)} do not fit qweight [N={n}, K={k}]: expected [N] "
                            "or [N, K / G] with G dividing K")
     group = k // scales.shape[1] if scales.dim() == 2 else 0
-    return _launch(x, qweight, scales, None, bias, 8, group, k, out, kernel)
+    return _launch(x, qweight, scales, None, bias, 8, group, k, out, kernel, tile)
 
 
 def linear_w4(
@@ -130,15 +167,17 @@ def linear_w4(
     *,
     out: torch.Tensor | None = None,
     kernel: str | None = None,
+    tile: QuantTile | None = None,
 ) -> torch.Tensor:
-    """kiln::linear_w4: group-wise int4 (uint8 [N, K / 2], two codes per byte); zeros None = symmetric, uint8 =
-    zero points, fp32 = per-group minimums (w = q * s + m)."""
+    """kiln::linear_w4: group-wise int4 (uint8 [N, K / 2], two codes per byte in 32-k blocks); zeros None =
+    symmetric, uint8 = zero points, fp32 = per-group minimums (w = q * s + m). kernel / tile: as linear_w8."""
     check_tensor(qweight, "qweight", ndim=2, dtypes=(torch.uint8,))
     check_tensor(scales, "scales", ndim=2, dtypes=(torch.float32,))
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    if group <= 0 or k % group or scales.shape != (n, k // group):
+    if group <= 0 or group % 32 or k % group or scales.shape != (n, k // group):
         raise CodegenError(
-            f"int4 weight [N={n}, K={k}] with group {group} needs K a multiple of the group and "
+            f"int4 weight [N={n}, K={k}] with group {group} needs a group that is a multiple of 32 (the packing "
+            "block), K a multiple of the group and "
             f"scales of shape {(n, k // group) if group > 0 and k % group == 0 else '?'}, "
             f"got scales {tuple(scales.shape)}"
         )
@@ -146,4 +185,4 @@ def linear_w4(
         check_tensor(zeros, "zeros", ndim=2, dtypes=(torch.uint8, torch.float32))
         if zeros.shape != scales.shape:
             raise CodegenError(f"zeros shape {tuple(zeros.shape)} differs from scales shape {tuple(scales.shape)}")
-    return _launch(x, qweight, scales, zeros, bias, 4, group, k, out, kernel)
+    return _launch(x, qweight, scales, zeros, bias, 4, group, k, out, kernel, tile)

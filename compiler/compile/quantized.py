@@ -4,7 +4,9 @@ A checkpoint directory holds
 - model.safetensors: every parameter and persistent buffer of the quantized graph under its graph name
   (qweight / scales / zeros buffers, the unquantized weights, fused qkv / gate_up tensors);
 - quantization.json: {"format": "kiln-quantized", "version", "scheme", "passes" (run before quantize), "dtype",
-  "weights": {original weight name: names of its stored tensors}};
+  "weights": {original weight name: names of its stored tensors}}. The version is the stored layout's
+  (kiln.quant.formats.LAYOUT_VERSION): 2 packs int4 in GGML's 32-k block order; a version-1 checkpoint (neighbouring
+  k paired in a byte) is repacked on load, codes unchanged; any other version is refused.
 - spec.kiln: the model part, so the directory alone describes the model.
 Loading rebuilds the Level-1 graph on the meta device (nothing allocated), re-runs the recorded passes and
 the quantize rewrite with the stored tensors, then puts the file's tensors in place.
@@ -27,11 +29,13 @@ from kiln.ir.attrs import set_tensor
 from kiln.ir.frontend import INV_FREQ, build_graph, propagate_fake, rope_inv_freq
 from kiln.model_config import ModelConfig
 from kiln.passes.quantize import rewrite
-from kiln.quant.formats import QuantizedWeight, QuantScheme, as_scheme
+from kiln.quant.formats import LAYOUT_VERSION, QuantizedWeight, QuantScheme, as_scheme, repack_int4_v1
 from kiln.spec.formatter import format_spec
 from kiln.spec.loader import load_spec
 
-FORMAT, VERSION = "kiln-quantized", 1
+FORMAT = "kiln-quantized"
+VERSION = LAYOUT_VERSION  # what save_quantized writes; load_quantized also reads READABLE
+READABLE = (1, LAYOUT_VERSION)
 TENSORS, META, SPEC = "model.safetensors", "quantization.json", "spec.kiln"
 
 
@@ -128,15 +132,19 @@ def load_quantized(
     if not is_quantized_checkpoint(src):
         raise WeightError(f"{src}: not a kiln quantized checkpoint (expected {META} and {TENSORS} there)")
     meta = _meta(src)
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in READABLE:
         raise WeightError(
             f"{src / META}: format {meta.get('format')} v{meta.get('version')}, expected {FORMAT} "
-            f"v{VERSION}; quantize the model again with this kiln version"
+            f"v{' or v'.join(map(str, READABLE))}; quantize the model again with this kiln version (kiln quantize)"
         )
     if cfg is None:
 
         cfg = load_spec(src / SPEC).model
     tensors = load_file(str(src / TENSORS), device=str(device))
+    if meta["version"] == 1:  # int4 codes paired by neighbouring k: the same codes in today's block order
+        for e in meta.get("weights", {}).values():
+            if isinstance(e, dict) and e.get("bits") == 4 and e.get("qweight") in tensors:
+                tensors[e["qweight"]] = repack_int4_v1(tensors[e["qweight"]])
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point() and t.dim() >= 1}
     dtype = next((d for d in (torch.bfloat16, torch.float16) if d in dtypes), torch.float32)
     gm = build_graph(cfg, dtype=dtype, device="meta")

@@ -18,7 +18,7 @@ import torch
 
 from kiln.gguf.config import ROPE_FREQS, GGUFError, check_rope_freqs
 from kiln.model_config import ModelConfig, param_shapes
-from kiln.quant.formats import QuantizedWeight, pack_int4
+from kiln.quant.formats import QuantizedWeight
 
 BLOCK = 32  # Q4_0, Q4_1 and Q8_0 blocks: 32 weights along K with one f16 scale (and Q4_1 an f16 minimum)
 _SITE_NAMES = {"attn_norm": "norm0.weight", "ffn_norm": "norm1.weight",
@@ -82,9 +82,9 @@ def keep_quantized(t: Any, perm_heads: int | None) -> QuantizedWeight:
     qs = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
     if kind == "Q4_1":
         mins = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].astype(np.float32))
-    # GGML packs element j in the low nibble and j + 16 in the high nibble of byte j; kiln packs k pairs.
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, groups * BLOCK)
-    packed = pack_int4(torch.from_numpy(codes.astype(np.uint8)))
+    # GGML packs element j in the low nibble and j + 16 in the high nibble of byte j: kiln's int4 layout
+    # (kiln.quant.formats, layout version 2), so the bytes are kept as they are.
+    packed = torch.from_numpy(np.ascontiguousarray(qs).reshape(n, groups * (BLOCK // 2)))
     return QuantizedWeight(packed, d.contiguous(), mins.contiguous() if mins is not None else None, 4, BLOCK)
 
 

@@ -1,12 +1,18 @@
 """Weight quantization math: schemes, quantize / dequantize, int4 packing.
 
-Stored forms (what the quantized-linear ops and kernels read):
+Stored forms (what the quantized-linear ops and kernels read; layout version LAYOUT_VERSION = 2):
 - int8 (W8A16): qweight int8 [N, K] symmetric per output channel, w = q * scales[n]; scales fp32 [N]. With 2-D
-  scales fp32 [N, K / G] the scale is per group of G along K (GGUF's Q8_0, G = 32, kept as stored).
-- int4: qweight uint8 [N, K / 2], two codes per byte along K (low nibble = even k); scales fp32 [N, K / G];
-  w = (q - z) * scales[n, k // G] with z = zeros[n, k // G] (uint8 [N, K / G]) when asymmetric, and z = 8 when
-  symmetric (codes are the signed value + 8, so no zeros tensor is stored). A float `zeros` (fp32 [N, K / G]) is
-  instead a per-group minimum: w = q * scales[n, k // G] + zeros[n, k // G] (GGUF's Q4_1, kept as stored).
+  scales fp32 [N, K / G] the scale is per group of G along K (GGUF's Q8_0, G = 32, kept as stored). Row-major,
+  contiguous in K for each output row (the GEMV streams each row with 16-byte loads).
+- int4: qweight uint8 [N, K / 2], two codes per byte, in blocks of 32 along K (32 divides every group): byte j
+  (0..15) of block b holds element 32 b + j in its low nibble and element 32 b + 16 + j in its high nibble. This is
+  GGML's Q4_0 / Q4_1 block order, so a GGUF's blocks are kept byte for byte, and it lets a kernel unpack 16
+  bytes into two runs of 16 consecutive k whose activations are contiguous too (layout version 1 paired
+  neighbours, k = 2i low and 2i + 1 high, which made every activation load a stride-2 gather; `repack_int4_v1`
+  converts). scales fp32 [N, K / G]; w = (q - z) * scales[n, k // G] with z = zeros[n, k // G] (uint8
+  [N, K / G]) when asymmetric, and z = 8 when symmetric (codes are the signed value + 8, so no zeros tensor is
+  stored). A float `zeros` (fp32 [N, K / G]) is instead a per-group minimum: w = q * scales[n, k // G] +
+  zeros[n, k // G] (GGUF's Q4_1, kept as stored).
 Scales stay fp32 whatever the model dtype: a bf16 scale would add a per-row error as large as int8's own.
 
 One fake-quant rule (`fake_quant`) serves round-to-nearest and GPTQ, so both produce the same stored form.
@@ -22,6 +28,8 @@ from kiln.errors import KilnError
 from kiln.model_config import INT4_GROUPS
 
 METHODS = ("rtn", "gptq")
+LAYOUT_VERSION = 2  # the int4 packing above; 1 = neighbouring k paired in a byte (repack_int4_v1 converts)
+INT4_BLOCK = 32  # int4 codes are packed in blocks of this many k (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -150,14 +158,27 @@ def fake_quant(
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K / 2] from codes in 0..15 [N, K]: low nibble = even k, high nibble = odd k."""
-    c = codes.to(torch.uint8)
-    return c[:, 0::2] | (c[:, 1::2] << 4)
+    """uint8 [..., K / 2] from codes in 0..15 [..., K] (K a multiple of 32): per block of 32, byte j = element j
+    (low nibble) | element j + 16 (high nibble)."""
+    lead, k = codes.shape[:-1], codes.shape[-1]
+    if k % INT4_BLOCK:
+        raise KilnError(f"int4 packing needs K a multiple of {INT4_BLOCK}, got K = {k}")
+    c = codes.to(torch.uint8).reshape(*lead, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*lead, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 uint8 [N, K] from packed [N, K / 2]."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    """Codes 0..15 uint8 [..., K] from packed [..., K / 2] (the inverse of pack_int4)."""
+    lead, half = packed.shape[:-1], packed.shape[-1]
+    p = packed.reshape(*lead, half // (INT4_BLOCK // 2), 1, INT4_BLOCK // 2)
+    return torch.cat((p & 0xF, p >> 4), dim=-2).reshape(*lead, half * 2)
+
+
+def repack_int4_v1(packed: torch.Tensor) -> torch.Tensor:
+    """A layout-version-1 int4 qweight (byte i = k 2i low | k 2i + 1 high) in the current layout; same codes."""
+    lead = packed.shape[:-1]
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*lead, -1)
+    return pack_int4(codes)
 
 
 def store(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int, symmetric: bool):
@@ -209,8 +230,7 @@ def dequantize_parts(
             g = qweight.shape[-1] // scales.shape[-1]
             return (qweight.float().reshape(*lead, scales.shape[-1], g) * scales.float()[..., None]).reshape(*lead, -1)
         return qweight.float() * scales.float()[..., None]
-    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(*lead, -1).float()
-    codes = codes.reshape(*lead, scales.shape[-1], group)
+    codes = unpack_int4(qweight).float().reshape(*lead, scales.shape[-1], group)
     if zeros is not None and zeros.is_floating_point():  # a float minimum per group (GGUF Q4_1): w = q * s + m
         return (codes * scales.float()[..., None] + zeros.float()[..., None]).reshape(*lead, -1)
     z = zeros.float() if zeros is not None else torch.full_like(scales, 8.0, dtype=torch.float32)

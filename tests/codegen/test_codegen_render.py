@@ -45,15 +45,18 @@ RENDER_CASES = {
     ),
     "quant_gemv": dict(
         op="linear_w4",
-        tile={"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4},
+        tile={"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1},
         params={"BITS": 4, "GROUP": 128, "HAS_ZEROS": True, "HAS_BIAS": False, "ZERO_IS_MIN": True,
-                "GROUP_SCALES8": False},
+                "GROUP_SCALES8": False, "EVEN_K": True, "SPLIT_K": 2},
     ),
     "quant_gemm": dict(
         op="linear_w8",
         tile={"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
         params={"BITS": 8, "GROUP": 32, "HAS_ZEROS": False, "HAS_BIAS": True, "INPUT_PRECISION": None,
-                "DOT_FP32": False, "ZERO_IS_MIN": False, "GROUP_SCALES8": True},
+                "DOT_FP32": False, "ZERO_IS_MIN": False, "GROUP_SCALES8": True, "EVEN_K": False, "SPLIT_K": 1},
+    ),
+    "quant_reduce": dict(
+        op="linear_w4", tile={"BLOCK_N": 256, "num_warps": 4}, params={"SPLIT_K": 3, "HAS_BIAS": True}
     ),
     "spec_verify": dict(op="spec_verify", tile={"BLOCK_V": 4096, "num_warps": 8}, params={"HAS_DRAFT_PROBS": True}),
 }

@@ -152,6 +152,8 @@ def _run_every_wrapper() -> None:
         quant.linear_w8(r(rows, 64), q8.qweight, q8.scales, r(24))
         q4 = quantize_rtn(r(24, 64), parse_scheme("int4-g32-asym"))
         quant.linear_w4(r(rows, 64), q4.qweight, q4.scales, q4.zeros, 32)
+    split = quant.QuantTile("quant_gemv", 1, 8, 32, split_k=2)  # split-K: partials, then quant_reduce
+    quant.linear_w4(r(1, 64), q4.qweight, q4.scales, q4.zeros, 32, r(24), tile=split)
     x, pos = r(2, 9, 24), torch.arange(9).expand(2, 9).contiguous()
     score, index, count, xs, _ = mod.mod_route(x, pos, r(1, 24) * 0.2, r(1), torch.zeros(1))
     mod.mod_gather(x, pos, torch.rand(2, 9, generator=g) < 0.5, 9)

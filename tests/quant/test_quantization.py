@@ -14,6 +14,7 @@ from kiln.quant.formats import (
     pack_int4,
     parse_scheme,
     quantize_rtn,
+    repack_int4_v1,
     unpack_int4,
 )
 from kiln.spec.loader import load_spec, parse_and_resolve
@@ -26,7 +27,17 @@ def test_pack_unpack_round_trip():
     packed = pack_int4(codes)
     assert packed.shape == (5, 32) and packed.dtype == torch.uint8
     assert torch.equal(unpack_int4(packed), codes)
-    assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)  # low nibble = even k
+    # GGML's block order: byte j of a 32-k block = k j (low nibble) | k j + 16 (high nibble)
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 16] << 4)
+    assert packed[1, 16 + 3] == codes[1, 32 + 3] | (codes[1, 32 + 16 + 3] << 4)
+    with pytest.raises(KilnError, match="multiple of 32"):
+        pack_int4(codes[:, :48])
+
+
+def test_layout_v1_repacks_to_the_same_codes():
+    codes = torch.randint(0, 16, (3, 96), dtype=torch.uint8)
+    v1 = codes[:, 0::2] | (codes[:, 1::2] << 4)  # version 1: neighbouring k paired in a byte
+    assert torch.equal(unpack_int4(repack_int4_v1(v1)), codes)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label)
@@ -163,6 +174,47 @@ def test_save_and_load_quantized_checkpoint(tmp_path, scheme):
     tokens = torch.randint(0, cfg.vocab, (2, 9))
     positions = torch.arange(9).expand(2, 9)
     assert torch.equal(loaded(tokens, positions), gm(tokens, positions))
+
+
+def _rewrite_checkpoint(path, version: int, repack=None) -> None:
+    """Set quantization.json's version and pass each int4 qweight through repack (a layout change)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    meta = json.loads((path / "quantization.json").read_text())
+    meta["version"] = version
+    (path / "quantization.json").write_text(json.dumps(meta))
+    if repack is not None:
+        tensors = load_file(str(path / "model.safetensors"))
+        for e in meta["weights"].values():
+            if e["bits"] == 4:
+                tensors[e["qweight"]] = repack(tensors[e["qweight"]]).contiguous()
+        save_file(tensors, str(path / "model.safetensors"))
+
+
+def test_a_layout_v1_checkpoint_loads_repacked_and_an_unknown_version_is_refused(tmp_path):
+    from kiln.compile.pipeline import quantize_graph
+    from kiln.compile.quantized import load_quantized, save_quantized
+    from kiln.errors import WeightError
+    from kiln.ir.frontend import build_graph
+
+    cfg = load_spec("tiny-llama").model
+    gm = quantize_graph(build_graph(cfg), parse_scheme("int4-g32", embeddings=True))
+    save_quantized(gm, tmp_path, cfg)
+
+    def to_v1(packed):  # what kiln before layout 2 wrote for the same codes
+        codes = unpack_int4(packed)
+        return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+    _rewrite_checkpoint(tmp_path, 1, to_v1)
+    loaded = load_quantized(tmp_path)
+    assert all(torch.equal(t, gm.state_dict()[k]) for k, t in loaded.state_dict().items())
+    tokens, positions = torch.randint(0, cfg.vocab, (1, 7)), torch.arange(7)[None]
+    assert torch.equal(loaded(tokens, positions), gm(tokens, positions))
+    _rewrite_checkpoint(tmp_path, 99)
+    with pytest.raises(WeightError, match="v99, expected kiln-quantized v1 or v2; quantize the model again"):
+        load_quantized(tmp_path)
 
 
 def test_loading_against_another_model_is_a_weight_error(tmp_path):

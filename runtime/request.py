@@ -54,7 +54,7 @@ class RequestMetrics:
         return (self.finish_time - self.first_token_time) / (num_tokens - 1)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: queues find and remove it by identity, not by comparing every field
 class Request:
     request_id: str
     prompt: str | None

@@ -232,3 +232,35 @@ class OverlapMachine(EngineMachine):
 
 OverlapMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
 test_no_leak_under_random_add_step_abort_with_overlap = OverlapMachine.TestCase
+
+
+def test_llm_generate_and_streams_are_the_same_with_overlap():
+    """LLM.generate and interleaved generate_stream generators on tiny-llama (reference ops), overlap off and on."""
+    from kiln import LLM
+
+    llm = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
+    prompts = ["Hello", "Once upon a time", "x"]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=9, seed=5, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+
+    def run(overlap: bool) -> tuple[list[tuple], list[list[tuple]]]:
+        llm.engine.overlap_outputs = overlap
+        final = [view(o) for o in llm.generate(prompts, params)]
+        a, b = llm.generate_stream(prompts[:2], params[:2]), llm.generate_stream(prompts[2:], params[2:])
+        streamed: list[list[tuple]] = [[], []]
+        live = {0: a, 1: b}
+        while live:  # one output of each stream in turn
+            for k in list(live):
+                out = next(live[k], None)
+                if out is None:
+                    del live[k]
+                else:
+                    streamed[k].append(view(out))
+        assert not llm.engine.has_unfinished()
+        # Each request's outputs, in order (how a stream interleaves its requests depends on when steps run).
+        by_request = per_request(streamed)
+        runs = [[v[1:] for v in r] for _, r in sorted(by_request.items(), key=lambda kv: int(kv[0]))]
+        return [v[1:] for v in final], runs
+
+    assert run(True) == run(False)

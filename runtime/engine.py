@@ -157,6 +157,7 @@ class Engine:
         # The last step's output work, done by the next step while its model call runs (overlap_outputs): requests
         # that got tokens (their text and output object still to make) and outputs already made (failures), in order.
         self._deferred: list[Request | RequestOutput] = []
+        self._token_text: dict[int, str] = {}  # decode([id]) for every request's detokenizer (see Detokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0
@@ -185,7 +186,7 @@ class Engine:
             rid = str(next(self._ids))
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
-        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop),
+        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop, self._token_text),
                       make_generator(params.seed, self.model.device), order)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -262,7 +263,7 @@ class Engine:
                 spec.append(SpecRow(s, row, drafts[id(s)]))
             else:
                 plain.append((s, row))
-            row += s.num_rows
+            row += 1 + s.num_drafts  # s.num_rows of a sampled chunk
         launched = self._launch_plain(plain, logits) if plain else None
         outputs += self._emit(deferred)  # host work while the device runs this step (on CUDA)
         for s in sched.seqs:

@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kiln.errors import KilnError, RequestError
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, BatchSample, LaunchedSample, launch_batch
 from kiln.runtime.block_manager import BlockManager
@@ -32,7 +34,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
-from kiln.runtime.sampler import SamplingParams, check_stop, make_generator
+from kiln.runtime.sampler import SamplingParams, check_stop, make_generator, to_device
 from kiln.runtime.scheduler import ScheduledSeq, Scheduler
 from kiln.runtime.speculative import (
     DEFAULT_SPECULATION_MAX_BATCH,
@@ -311,7 +313,9 @@ class Engine:
         """The sampler's device work for the plain rows, or why it failed (then every plain row fails)."""
         reqs = [s.request for s, _ in plain]
         try:
-            rows = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
+            # A list index would be a synchronous host -> device copy (the host would wait for the model call).
+            rows = logits if len(plain) == logits.shape[0] else logits.index_select(
+                0, to_device(torch.tensor([r for _, r in plain]), logits.device))
             return launch_batch(rows, [r.params for r in reqs], [r.generator for r in reqs],
                                 [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
         except Exception as e:  # not one row's fault (launch_batch isolates rows): the batch is lost, not the engine

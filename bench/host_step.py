@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the engine's host thread; the GPU machine's sampler work is not on the CPU
     rows = []
+    load_before = os.getloadavg()[0]  # a shared machine's other work shows up in every figure
     for n in args.seqs:
         profile = bool(args.profile) and n == max(args.seqs)
         off = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False)
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     note = ("the model call is synchronous here (no device), so overlap_outputs hides nothing: overlap_step_ms is "
             "all the host work; on a GPU overlap_output_ms runs beside the model call and overlap_critical_ms is "
             "what a step cannot hide")
-    result = {"bench": "host_step", **run_metadata(), "note": note, "rows": rows}
+    result = {"bench": "host_step", **run_metadata(), "note": note,
+              "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
     path = write_json(result_path(args.out_dir, "host_step"), result)
     print(f"wrote {path}", file=sys.stderr)
     return result

@@ -246,11 +246,11 @@ class Engine:
         it is dropped.
         """
         outputs, self._pending = self._pending, []
-        deferred, self._deferred = self._deferred, []
         sched = self.scheduler.schedule()
         if not sched.seqs:
             # Cannot happen while the pool holds one max-length sequence; fail loudly rather than spin forever.
             assert not self.scheduler.has_unfinished(), "the scheduler made no progress with requests queued"
+            deferred, self._deferred = self._deferred, []
             return outputs + self._emit(deferred)
         reserved = [s for s in sched.seqs if s.num_drafts]
         drafts = self._propose(reserved)
@@ -267,6 +267,8 @@ class Engine:
                 plain.append((s, row))
             row += 1 + s.num_drafts  # s.num_rows of a sampled chunk
         launched = self._launch_plain(plain, logits) if plain else None
+        # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
+        deferred, self._deferred = self._deferred, []
         outputs += self._emit(deferred)  # host work while the device runs this step (on CUDA)
         for s in sched.seqs:
             if s.request.status.done:  # its last output failed just now: what this step computed for it is dropped

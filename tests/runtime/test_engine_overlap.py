@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
@@ -264,3 +265,16 @@ def test_llm_generate_and_streams_are_the_same_with_overlap():
         return [v[1:] for v in final], runs
 
     assert run(True) == run(False)
+
+
+def test_a_model_call_that_raises_keeps_the_last_steps_outputs(monkeypatch):
+    eng = make_engine(True)
+    rid = eng.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=4))
+    assert eng.step() == []
+    monkeypatch.setattr(eng.runner, "execute", lambda sched: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError, match="device lost"):
+        eng.step()
+    monkeypatch.undo()
+    assert eng.has_unfinished()
+    outs = eng.step()  # the output of the step before the failure comes with the next call
+    assert [(o.request_id, o.outputs[0].token_ids) for o in outs] == [(rid, fake_generate([1, 2, 3], 1, V))]

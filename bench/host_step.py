@@ -9,8 +9,15 @@ row, so every request keeps decoding) and writes no K/V. Everything else is kiln
 scheduler, ModelRunner.prepare (staging buffers, block tables), the sampler on the logits, token bookkeeping, the
 detokenizer (with --detokenize, kiln's byte-level tokenizer) and RequestOutputs. `--seqs` requests decode at once
 (prompts of --prompt-len tokens, prefilled before timing); per step: median and p90 wall time, and with --profile a
-cProfile summary of one run. On a GPU the sampler's tensor work runs on the device; here it runs on the CPU, so
-a large --vocab overstates the host share (the default 32000 is a Llama-2 size; 128256 is Llama 3's).
+cProfile summary of a third, untimed run (overlap off: all of the host work). On a GPU the sampler's tensor work runs
+on the device; here it runs on the CPU, so a large --vocab overstates the host share (the default 32000 is a Llama-2
+size; 128256 is Llama 3's).
+
+Each size runs twice: Engine(overlap_outputs=False), and True, where a step makes the previous step's outputs
+(detokenization, RequestOutputs) after launching its model call and before reading its sampled ids back. Here the
+model call is synchronous, so the overlap hides nothing: the figures for it are the step's total host time, the
+output work inside it (which a GPU step runs beside), and the rest, the critical path a GPU step cannot hide
+(`overlap_critical_ms_median`: what must stay below the GPU step).
 Writes bench/results/host_step-<device>-<date>.json.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -58,45 +66,68 @@ class NullModel:
         return self.table.index_select(0, rows)
 
 
+class TimedEngine(Engine):
+    """The engine, clocking its output work (with overlap_outputs, what runs beside the next model call)."""
+
+    output_s = 0.0
+
+    def _emit(self, made):
+        t = time.perf_counter()
+        try:
+            return super()._emit(made)
+        finally:
+            self.output_s += time.perf_counter() - t
+
+
 @dataclass
 class Limits:
     context: int = 4096
 
 
-def run(num_seqs: int, steps: int, prompt_len: int, vocab: int, detokenize: bool, profile: bool) -> dict:
+def run(num_seqs: int, steps: int, prompt_len: int, vocab: int, detokenize: bool, profile: bool,
+        overlap: bool = False) -> dict:
     model = NullModel(vocab)
     tok = ByteTokenizer(vocab) if detokenize else None
     per_seq = -(-(prompt_len + steps + 2) // model.block_size)
-    engine = Engine(model, tok, Limits(), max_num_seqs=num_seqs, num_blocks=num_seqs * per_seq + 260,
-                    max_num_batched_tokens=max(2048, prompt_len * num_seqs))
+    engine = TimedEngine(model, tok, Limits(), max_num_seqs=num_seqs, num_blocks=num_seqs * per_seq + 260,
+                         max_num_batched_tokens=max(2048, prompt_len * num_seqs), overlap_outputs=overlap)
     params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
     g = torch.Generator().manual_seed(1)
     for _ in range(num_seqs):
         engine.add_request(prompt_token_ids=torch.randint(vocab, (prompt_len,), generator=g).tolist(), params=params)
     engine.step()  # the prefill of every prompt (the token budget covers them all)
-    times = []
+    times, output = [], []
     prof = cProfile.Profile() if profile else None
     if prof is not None:
         prof.enable()
     for _ in range(steps):
+        before = engine.output_s
         t = time.perf_counter()
         outs = engine.step()
         times.append(time.perf_counter() - t)
+        output.append(engine.output_s - before)
         assert len(outs) == num_seqs, "every request decodes one token per step"
     if prof is not None:
         prof.disable()
     while engine.has_unfinished():
         engine.step()
-    times.sort()
-    row = {"seqs": num_seqs, "steps": steps, "prompt_len": prompt_len, "vocab": vocab, "detokenize": detokenize,
-           "step_ms_median": round(statistics.median(times) * 1e3, 3),
-           "step_ms_p90": round(times[int(0.9 * (len(times) - 1))] * 1e3, 3),
+    critical = [t - o for t, o in zip(times, output, strict=True)]
+    row = {"step_ms_median": ms(statistics.median(times)), "step_ms_p90": ms(p90(times)),
+           "output_ms_median": ms(statistics.median(output)), "critical_ms_median": ms(statistics.median(critical)),
            "us_per_seq_per_step": round(statistics.median(times) / num_seqs * 1e6, 2)}
     if prof is not None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(30)
         row["profile"] = buf.getvalue()
     return row
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def p90(values: list[float]) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -111,16 +142,27 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # the engine's host thread; the GPU machine's sampler work is not on the CPU
     rows = []
+    load_before = os.getloadavg()[0]  # a shared machine's other work shows up in every figure
     for n in args.seqs:
         profile = bool(args.profile) and n == max(args.seqs)
-        row = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=profile)
-        prof = row.pop("profile", None)
-        if prof is not None:
+        off = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False)
+        on = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False, overlap=True)
+        if profile:  # a run of its own: cProfile's overhead would inflate the timed ones
+            prof = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=True)["profile"]
             Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
             Path(args.profile).write_text(prof)
+        row = {"seqs": n, "steps": args.steps, "prompt_len": args.prompt_len, "vocab": args.vocab,
+               "detokenize": args.detokenize, "step_ms_median": off["step_ms_median"],
+               "step_ms_p90": off["step_ms_p90"], "output_ms_median": off["output_ms_median"],
+               "us_per_seq_per_step": off["us_per_seq_per_step"],
+               **{f"overlap_{k}": v for k, v in on.items() if k != "us_per_seq_per_step"}}
         print(row, file=sys.stderr)
         rows.append(row)
-    result = {"bench": "host_step", **run_metadata(), "rows": rows}
+    note = ("the model call is synchronous here (no device), so overlap_outputs hides nothing: overlap_step_ms is "
+            "all the host work; on a GPU overlap_output_ms runs beside the model call and overlap_critical_ms is "
+            "what a step cannot hide")
+    result = {"bench": "host_step", **run_metadata(), "note": note,
+              "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
     path = write_json(result_path(args.out_dir, "host_step"), result)
     print(f"wrote {path}", file=sys.stderr)
     return result

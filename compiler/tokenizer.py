@@ -78,7 +78,11 @@ class ByteTokenizer:
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        try:
+            data = bytes(ids)  # all of them bytes (the detokenizer's windows mostly are): no per-id Python filter
+        except ValueError:
+            data = bytes(i for i in ids if 0 <= i < 256)
+        return data.decode("utf-8", errors="replace")
 
     def token_strings(self) -> list[str | None]:
         """Every id's token string, in id order: `<0xNN>` for the bytes, None for the ids above them."""

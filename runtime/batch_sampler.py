@@ -4,7 +4,7 @@ engine can end that request alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,12 +57,43 @@ def sample_batch(
     Rows whose params ask for logprobs also get log-probabilities, reported as vLLM v1 does: from the raw model
     distribution, log_softmax of the logits before penalties, temperature and top-k/p filtering. They are
     computed batched for just those rows and ride in the same host copy, so other rows pay nothing.
+
+    It is launch_batch(...).result(): the engine calls the two halves apart, to do host work in between.
     """
+    return launch_batch(logits, params, generators, prev_tokens).result()
+
+
+@dataclass
+class LaunchedSample:
+    """sample_batch's device work, queued (asynchronous on CUDA); result() makes the one device -> host copy."""
+
+    packed: torch.Tensor | None  # everything the host needs, in one tensor (None: no rows)
+    errors: list[str | None]  # rows whose sampling raised while launching
+    unpack: Callable[[list], tuple[list[int], list[int], list[dict[int, float] | None]]]
+
+    def result(self) -> BatchSample:
+        if self.packed is None:
+            return BatchSample([], self.errors, [])
+        tokens, ok_flags, logprobs = self.unpack(self.packed.tolist())  # the step's one device -> host copy
+        errors = self.errors
+        for i, ok in enumerate(ok_flags):
+            if not ok and errors[i] is None:
+                errors[i] = NONFINITE_LOGITS
+        return BatchSample(tokens, errors, logprobs)
+
+
+def launch_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    prev_tokens: Sequence[Sequence[int]],
+) -> LaunchedSample:
+    """sample_batch's tensor work without its host copy: on CUDA nothing here waits for the device."""
     rows = logits.float()
     n = rows.shape[0]
     errors: list[str | None] = [None] * n
     if n == 0:
-        return BatchSample([], errors, [])
+        return LaunchedSample(None, errors, _unpack_plain)
     finite = ~nonfinite_rows(rows)
     rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
     argmax = rows.argmax(dim=-1)  # every plain greedy row's token, in one kernel and without an index upload
@@ -80,20 +111,20 @@ def sample_batch(
         toks = torch.cat(parts)
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not asked:
-        host = torch.stack([toks, finite.long()]).tolist()  # the step's one device -> host copy
-        tokens, ok_flags, logprobs = host[0], host[1], [None] * n
-    else:
-        tokens, ok_flags, logprobs = _with_logprobs(rows, toks, finite, params, asked)
-    for i, ok in enumerate(ok_flags):
-        if not ok and errors[i] is None:
-            errors[i] = NONFINITE_LOGITS
-    return BatchSample(tokens, errors, logprobs)
+        return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain)
+    packed, unpack = _with_logprobs(rows, toks, finite, params, asked)
+    return LaunchedSample(packed, errors, unpack)
+
+
+def _unpack_plain(host: list) -> tuple[list[int], list[int], list[dict[int, float] | None]]:
+    tokens, ok_flags = host
+    return tokens, ok_flags, [None] * len(tokens)
 
 
 def _with_logprobs(rows: torch.Tensor, toks: torch.Tensor, finite: torch.Tensor, params: Sequence[SamplingParams],
-                   asked: list[int]) -> tuple[list[int], list[int], list[dict[int, float] | None]]:
-    """Tokens, finite flags and the asked rows' logprobs in one float64 device -> host copy (token ids < 2**53
-    are exact in float64)."""
+                   asked: list[int]) -> tuple[torch.Tensor, Callable]:
+    """Tokens, finite flags and the asked rows' logprobs packed into one float64 device tensor (token ids < 2**53
+    are exact in float64), and the function that unpacks its host copy."""
     n, m = rows.shape[0], len(asked)
     k = min(max(params[i].logprobs for i in asked), rows.shape[-1])  # one topk for all asked rows
     idx = torch.tensor(asked, dtype=torch.long) if m < n else None
@@ -104,17 +135,19 @@ def _with_logprobs(rows: torch.Tensor, toks: torch.Tensor, finite: torch.Tensor,
     if k > 0:
         top = logp.topk(k, dim=-1)
         parts += [top.values.double().flatten(), top.indices.double().flatten()]
-    host = torch.cat(parts).tolist()  # the step's one device -> host copy
-    tokens = [int(t) for t in host[:n]]
-    ok_flags = [int(f) for f in host[n : 2 * n]]
-    sampled_lp = host[2 * n : 2 * n + m]
-    vals = host[2 * n + m : 2 * n + m + m * k]
-    ids = host[2 * n + m + m * k :]
-    logprobs: list[dict[int, float] | None] = [None] * n
-    for j, i in enumerate(asked):
-        want = params[i].logprobs
-        d = {int(ids[j * k + r]): vals[j * k + r] for r in range(min(want, k))}
-        d.setdefault(tokens[i], sampled_lp[j])
-        logprobs[i] = d
-    return tokens, ok_flags, logprobs
 
+    def unpack(host: list[float]) -> tuple[list[int], list[int], list[dict[int, float] | None]]:
+        tokens = [int(t) for t in host[:n]]
+        ok_flags = [int(f) for f in host[n : 2 * n]]
+        sampled_lp = host[2 * n : 2 * n + m]
+        vals = host[2 * n + m : 2 * n + m + m * k]
+        ids = host[2 * n + m + m * k :]
+        logprobs: list[dict[int, float] | None] = [None] * n
+        for j, i in enumerate(asked):
+            want = params[i].logprobs
+            d = {int(ids[j * k + r]): vals[j * k + r] for r in range(min(want, k))}
+            d.setdefault(tokens[i], sampled_lp[j])
+            logprobs[i] = d
+        return tokens, ok_flags, logprobs
+
+    return torch.cat(parts), unpack

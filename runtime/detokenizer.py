@@ -23,9 +23,13 @@ MAX_PENDING = 8  # tokens an incomplete character may wait for before its replac
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: TokenizerLike | None, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer: TokenizerLike | None, stop: Sequence[str] = (),
+                 token_text: dict[int, str] | None = None):
+        """token_text: a cache of decode([id]) that detokenizers of one tokenizer share (the engine's), filled as
+        they go: a one-token context, what most windows start from, is then decoded once per id, not per use."""
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self._token_text = token_text
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
         self.text = ""
@@ -41,7 +45,7 @@ class Detokenizer:
         self._pending.append(token_id)
         before = len(self.text)
         self.text += self._delta(final=False)
-        return self._find_stop(before)
+        return self._find_stop(before) if self.stop else None
 
     def flush(self) -> None:
         """At the end of the request: emit what the window held back (an incomplete character included)."""
@@ -58,7 +62,15 @@ class Detokenizer:
     def _delta(self, final: bool) -> str:
         assert self.tokenizer is not None
         if self._context_text is None:
-            self._context_text = self.tokenizer.decode(self._context)
+            cache = self._token_text
+            if cache is not None and len(self._context) == 1:
+                tok = self._context[0]
+                text = cache.get(tok)
+                if text is None:
+                    text = cache[tok] = self.tokenizer.decode(self._context)
+                self._context_text = text
+            else:
+                self._context_text = self.tokenizer.decode(self._context)
         prefix_text = self._context_text
         new_text = self.tokenizer.decode(self._context + self._pending)
         # A character is at most 4 bytes (4 byte tokens): pending longer than MAX_PENDING is not a character that

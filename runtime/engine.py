@@ -30,15 +30,17 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kiln.errors import KilnError, RequestError
-from kiln.runtime.batch_sampler import NONFINITE_LOGITS, BatchSample, sample_batch
+from kiln.runtime.batch_sampler import NONFINITE_LOGITS, BatchSample, LaunchedSample, launch_batch
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
 from kiln.runtime.routed_blocks import RoutedBlockManager, make_block_manager, pool_bytes
-from kiln.runtime.sampler import SamplingParams, check_stop, make_generator
+from kiln.runtime.sampler import SamplingParams, check_stop, make_generator, to_device
 from kiln.runtime.scheduler import ScheduledSeq, Scheduler
 from kiln.runtime.speculative import (
     DEFAULT_SPECULATION_MAX_BATCH,
@@ -51,6 +53,10 @@ from kiln.runtime.speculative import (
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
 
 log = logging.getLogger("kiln.runtime")
+
+
+class _BatchLost(Exception):
+    """The sampler failed for the whole batch before its host copy (the message says why)."""
 
 
 @dataclass
@@ -114,11 +120,14 @@ class Engine:
         drafter: NgramDrafter | ModelDrafter | None = None,
         speculation_max_batch: int | None = None,
         routed_num_blocks: int | None = None,
+        overlap_outputs: bool | None = None,
     ):
         """drafter: speculative decoding (the verifier is step_model.verify). speculation_max_batch: speculate only
         while at most this many decode-ready requests run (None: DEFAULT_SPECULATION_MAX_BATCH, measured).
         routed_num_blocks: blocks in each routed layer's pool of a Mixture-of-Depths model (None: from its routed
-        capacity, see runtime/kv_pool.py)."""
+        capacity, see runtime/kv_pool.py). overlap_outputs: build each step's outputs during the next step's model
+        call (see step(); None: on for a CUDA model, whose calls are asynchronous, off elsewhere, where it could
+        only delay the outputs)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise KilnError(f"{name} = {value!r} is out of range; allowed: an integer >= 1")
@@ -170,6 +179,11 @@ class Engine:
         self.spec = {"proposed": 0, "accepted": 0, "verify_steps": 0, "rows": 0, "emitted": 0, "drafter_failures": 0}
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
+        self.overlap_outputs = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
+        # The last step's output work, done by the next step while its model call runs (overlap_outputs): requests
+        # that got tokens (their text and output object still to make) and outputs already made (failures), in order.
+        self._deferred: list[Request | RequestOutput] = []
+        self._token_text: dict[int, str] = {}  # decode([id]) for every request's detokenizer (see Detokenizer)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0
@@ -198,7 +212,7 @@ class Engine:
             rid = str(next(self._ids))
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
-        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop),
+        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop, self._token_text),
                       make_generator(params.seed, self.model.device), order)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -219,39 +233,54 @@ class Engine:
     def abort(self, request_id: str, notify: bool = True) -> bool:
         """Stop a request (waiting or running) and free its blocks; False if it is unknown or already done.
 
-        With notify, its final output (finish_reason "abort") comes with the next step.
+        With notify, its final output (finish_reason "abort") comes with the next step. With overlap_outputs, the
+        output of its last step, not made yet, comes first (notify or not), and a request that finished in the last
+        step gives False: its final output is still to come.
         """
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
+        if any(e is req for e in self._deferred):  # the last step's output for it is not made yet: it comes first
+            self._deferred = [e for e in self._deferred if e is not req]
+            self._pending.append(self._emit_one(req))  # an ordinary output (made a step earlier without overlap)
+            if req.status.done:  # making it failed: the request ended there, as it would have a step earlier
+                return False
         self.scheduler.finish(req, RequestStatus.ABORTED)
         self._finish(req, "abort", None)
         if notify:
+            self._flush(req)
             self._pending.append(self._output(req))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._deferred)
 
     # ---- stepping -----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batched model step; outputs for every request that got a token or finished."""
+        """Run one batched model step; outputs for every request that got a token or finished.
+
+        Whether a request finishes is decided here, from the sampled ids (stop token, eos, max_tokens) or, for a
+        request with stop strings, from its text, which is then made at once. The rest of the output work (the
+        text of requests without stop strings, the RequestOutput objects) is done at the end of the step or,
+        with overlap_outputs, by the next step between launching its model call and reading its sampled ids
+        back: the host works while the device computes, and each output comes one step() call later. Nothing is
+        computed for a finished request either way; a request whose output work fails (its detokenizer raised)
+        ends with finish_reason "error", as without the overlap, and the row the step in flight computed for
+        it is dropped.
+        """
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.seqs:
             # Cannot happen while the pool holds one max-length sequence; fail loudly rather than spin forever.
             assert not self.scheduler.has_unfinished(), "the scheduler made no progress with requests queued"
-            return outputs
+            deferred, self._deferred = self._deferred, []
+            return outputs + self._emit(deferred)
         reserved = [s for s in sched.seqs if s.num_drafts]
         drafts = self._propose(reserved)
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens
         logits, sampled = self.runner.execute(sched)
-        for s in sched.seqs:
-            s.request.num_computed_tokens = s.start + s.num_new
-            if not s.sample:
-                self._commit(s.request, s.start)
         plain: list[tuple[ScheduledSeq, int]] = []
         spec: list[SpecRow] = []
         row = 0
@@ -260,16 +289,31 @@ class Engine:
                 spec.append(SpecRow(s, row, drafts[id(s)]))
             else:
                 plain.append((s, row))
-            row += s.num_rows
+            row += 1 + s.num_drafts  # s.num_rows of a sampled chunk
+        launched = self._launch_plain(plain, logits) if plain else None
+        # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
+        deferred, self._deferred = self._deferred, []
+        outputs += self._emit(deferred)  # host work while the device runs this step (on CUDA)
+        for s in sched.seqs:
+            if s.request.status.done:  # its last output failed just now: what this step computed for it is dropped
+                continue
+            s.request.num_computed_tokens = s.start + s.num_new
+            if not s.sample:
+                self._commit(s.request, s.start)
         now = time.perf_counter()
+        made: list[Request | RequestOutput] = []
         if plain:
-            self._sample_plain(plain, logits, now, outputs)
+            self._sample_plain(plain, launched, now, made)
+        spec = [it for it in spec if not it.seq.request.status.done]
         if spec:
-            self._verify(spec, logits, now, outputs)
+            self._verify(spec, logits, now, made)
         for s in reserved:  # slots of drafts not proposed or not accepted
             if not s.request.status.done:
                 self.block_manager.truncate(s.request.request_id, s.request.num_computed_tokens)
-        return outputs
+        if self.overlap_outputs:
+            self._deferred = made
+            return outputs
+        return outputs + self._emit(made)
 
     def _propose(self, reserved: list[ScheduledSeq]) -> dict[int, Draft]:
         """Fill the reserved draft slots; a sequence that gets no draft runs as a plain decode."""
@@ -290,29 +334,43 @@ class Engine:
             out[id(s)] = d
         return out
 
-    def _sample_plain(self, plain: list[tuple[ScheduledSeq, int]], logits, now: float,
-                      outputs: list[RequestOutput]) -> None:
+    @staticmethod
+    def _launch_plain(plain: list[tuple[ScheduledSeq, int]], logits) -> LaunchedSample | str:
+        """The sampler's device work for the plain rows, or why it failed (then every plain row fails)."""
         reqs = [s.request for s, _ in plain]
-        rows = logits if len(plain) == logits.shape[0] else logits[[r for _, r in plain]]
         try:
-            result = sample_batch(
-                rows, [r.params for r in reqs], [r.generator for r in reqs],
-                [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
-        except Exception as e:  # not one row's fault (sample_batch isolates rows): the batch is lost, not the engine
-            result = BatchSample([0] * len(reqs), [f"sampling the batch failed ({type(e).__name__}: {e})"] * len(reqs))
+            # A list index would be a synchronous host -> device copy (the host would wait for the model call).
+            rows = logits if len(plain) == logits.shape[0] else logits.index_select(
+                0, to_device(torch.tensor([r for _, r in plain]), logits.device))
+            return launch_batch(rows, [r.params for r in reqs], [r.generator for r in reqs],
+                                [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
+        except Exception as e:  # not one row's fault (launch_batch isolates rows): the batch is lost, not the engine
+            return f"sampling the batch failed ({type(e).__name__}: {e})"
+
+    def _sample_plain(self, plain: list[tuple[ScheduledSeq, int]], launched: LaunchedSample | str, now: float,
+                      made: list[Request | RequestOutput]) -> None:
+        try:
+            if isinstance(launched, str):
+                raise _BatchLost(launched)
+            result = launched.result()
+        except Exception as e:
+            err = str(e) if isinstance(e, _BatchLost) else f"sampling the batch failed ({type(e).__name__}: {e})"
+            result = BatchSample([0] * len(plain), [err] * len(plain))
         for (s, _), tok, err, lp in zip(plain, result.tokens, result.errors, result.logprobs, strict=True):
             req = s.request
+            if req.status.done:  # ended while this step ran (its previous output failed)
+                continue
             if err is None:
                 try:
                     self._commit(req, s.start)  # only now: K/V next to non-finite logits is not offered for reuse
                     self._append(req, tok, now, lp)
-                    outputs.append(req.make_output())
+                    made.append(req)
                     continue
-                except Exception as e:  # a detokenizer or stop-string failure ends this request only
+                except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
                     err = f"emitting its output failed ({type(e).__name__}: {e})"
-            outputs.append(self._fail(req, s.start, err))
+            made.append(self._fail(req, s.start, err))
 
-    def _verify(self, spec: list[SpecRow], logits, now: float, outputs: list[RequestOutput]) -> None:
+    def _verify(self, spec: list[SpecRow], logits, now: float, made: list[Request | RequestOutput]) -> None:
         """Accept each speculative decode's draft prefix, append it and the next token, roll back the rest."""
         try:
             results = verify_rows(self.verify, logits, spec)
@@ -326,7 +384,7 @@ class Engine:
             s, req, n = it.seq, it.seq.request, it.seq.num_drafts
             req.draft_tokens = []
             if err_all is not None or not finite:
-                outputs.append(self._fail(req, s.start, err_all or NONFINITE_LOGITS))
+                made.append(self._fail(req, s.start, err_all or NONFINITE_LOGITS))
                 continue
             req.num_computed_tokens = s.start + 1 + a
             self.drafter.verified(req, s.start, n, a)
@@ -343,9 +401,9 @@ class Engine:
                         break  # a stop token, stop string or max_tokens: the rest is dropped
                 if not req.status.done:  # the unused draft slots are freed with the step's other reservations
                     self._commit(req, s.start)
-                outputs.append(req.make_output())
-            except Exception as e:  # a detokenizer or stop-string failure ends this request only
-                outputs.append(self._fail(req, s.start, f"emitting its output failed ({type(e).__name__}: {e})"))
+                made.append(req)
+            except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
+                made.append(self._fail(req, s.start, f"emitting its output failed ({type(e).__name__}: {e})"))
 
     def _commit(self, req: Request, start: int) -> None:
         if req.num_computed_tokens // self.block_manager.block_size > start // self.block_manager.block_size:
@@ -381,7 +439,8 @@ class Engine:
         self.num_generated_tokens += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        stop_str = req.detokenizer.add(tok)
+        # Only a stop string needs the text now; other requests' text is made with their output (_emit_one).
+        stop_str = req.detokenizer.add(tok) if req.detokenizer.stop else None
         done = ("stop", stop_str) if stop_str is not None else check_stop(
             tok, len(req.output_token_ids), req.params, self.eos_token_ids)
         if done is not None:
@@ -391,14 +450,33 @@ class Engine:
 
     @staticmethod
     def _finish(req: Request, reason: str, stop_reason: int | str | None) -> None:
+        """Record why a request ended; its held-back text is flushed when its last output is made."""
         req.finish_reason, req.stop_reason = reason, stop_reason
         req.metrics.finish_time = time.perf_counter()
-        if reason == "error":
-            return  # the detokenizer may be what failed; the text stays as sent
+
+    @staticmethod
+    def _flush(req: Request) -> None:
         try:
             req.detokenizer.flush()
         except Exception as e:  # the held-back tail is lost, the request still ends as asked
             req.error = f"request {req.request_id!r}: flushing its text failed ({type(e).__name__}: {e})"
+
+    def _emit(self, made: list[Request | RequestOutput]) -> list[RequestOutput]:
+        return [e if isinstance(e, RequestOutput) else self._emit_one(e) for e in made]
+
+    def _emit_one(self, req: Request) -> RequestOutput:
+        """The output of a request that got tokens: the text of those not detokenized yet, the held-back tail if
+        it finished, the RequestOutput. A failure here ends this request only, with the tokens no output carried
+        rolled back."""
+        try:
+            det = req.detokenizer
+            for tok in req.output_token_ids[len(det.tokens) :]:
+                det.add(tok)  # no stop strings here (those requests were detokenized when sampled)
+            if req.status.done:
+                self._flush(req)
+            return req.make_output()
+        except Exception as e:  # a detokenizer failure ends this request only
+            return self._fail(req, req.num_computed_tokens, f"emitting its output failed ({type(e).__name__}: {e})")
 
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every request has finished, yielding each step's outputs."""

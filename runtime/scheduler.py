@@ -109,12 +109,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         done: set[str] = set()
         spare = self._spec_spare(budget)
+        chunks = False  # a running request has more than one token to compute (else the second pass has nothing)
         for decode in (True, False):
+            if not decode and not chunks:
+                break  # a pure decode step: skip the second walk over the running requests
             i = 0
             while i < len(self.running) and budget > 0:
                 req = self.running[i]
                 remaining = req.num_tokens - req.num_computed_tokens
-                if req.request_id in done or remaining <= 0 or (remaining == 1) != decode:
+                if (remaining == 1) != decode or remaining <= 0 or req.request_id in done:
+                    chunks = chunks or remaining > 1
                     i += 1
                     continue
                 n = min(remaining, budget)

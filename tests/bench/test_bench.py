@@ -96,5 +96,9 @@ def test_host_step_bench_times_the_runtime_without_a_model(tmp_path, monkeypatch
                        "--profile", str(prof), "--out-dir", str(tmp_path)])
     assert [r["seqs"] for r in result["rows"]] == [1, 3]
     assert all(r["step_ms_median"] > 0 and r["step_ms_p90"] >= r["step_ms_median"] for r in result["rows"])
+    for r in result["rows"]:  # overlap on: the output work is part of the step, the critical path the rest
+        assert 0 < r["overlap_output_ms_median"] < r["overlap_step_ms_median"] <= r["overlap_step_ms_p90"]
+        assert 0 < r["overlap_critical_ms_median"] < r["overlap_step_ms_p90"]
+    assert "synchronous" in result["note"]
     assert "engine.py" in prof.read_text()  # the profile covers the engine's step
     assert json.loads(next(tmp_path.glob("host_step-*.json")).read_text())["rows"] == result["rows"]

@@ -97,3 +97,36 @@ def test_stop_strings_still_trim_with_the_new_window():
     for t in ids:
         found = found or d.add(t)
     assert found == "glowed" and d.text == "the towers "
+
+
+@pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
+def test_a_shared_one_token_cache_gives_the_same_text_with_fewer_decodes(kind):
+    """Detokenizers of one engine share decode([id]) (Metaspace drops a lone token's leading space, so a cached
+    text is only ever used as a one-token context, where it was decoded alone too)."""
+    tok = _train(kind)
+    rng = random.Random(2)
+    streams = []
+    for _ in range(12):
+        start = rng.randrange(len(TEXT) // 2)
+        streams.append(tok.encode(TEXT[start : start + rng.randint(1, 120)]))
+
+    def run(cache: dict[int, str] | None) -> tuple[list[list[str]], int]:
+        tok.calls.clear()
+        dets = [Detokenizer(tok, (), cache) for _ in streams]
+        deltas: list[list[str]] = [[] for _ in streams]
+        for i in range(max(map(len, streams))):  # interleaved, as an engine's step adds one token to each
+            for d, ids, out in zip(dets, streams, deltas, strict=True):
+                if i < len(ids):
+                    before = len(d.text)
+                    d.add(ids[i])
+                    out.append(d.text[before:])
+        for d, out in zip(dets, deltas, strict=True):
+            d.flush()
+            out.append(d.text)
+        return deltas, len(tok.calls)
+
+    plain, plain_calls = run(None)
+    cache: dict[int, str] = {}
+    cached, cached_calls = run(cache)
+    assert cached == plain and [out[-1] for out in plain] == [tok.tok.decode(ids) for ids in streams]
+    assert cache and cached_calls < 0.85 * plain_calls, (cached_calls, plain_calls)

@@ -200,19 +200,26 @@ def test_nan_weights_in_the_tiny_spec_end_requests_with_an_error():
     assert_no_leak(eng)
 
 
-def test_a_sampler_crash_for_the_whole_batch_fails_that_batch_and_the_engine_goes_on(monkeypatch):
+@pytest.mark.parametrize("phase", ["launch", "copy"])
+def test_a_sampler_crash_for_the_whole_batch_fails_that_batch_and_the_engine_goes_on(monkeypatch, phase):
+    """Whether the sampler's tensor work raises or its host copy does (a device fault shows up there)."""
+    import kiln.runtime.batch_sampler as sampler_mod
     import kiln.runtime.engine as engine_mod
 
     eng = make_engine()
     a = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
     b = eng.add_request(prompt_token_ids=[3, 4, 5], params=SamplingParams(temperature=0, max_tokens=4))
-    real = engine_mod.sample_batch
-    monkeypatch.setattr(engine_mod, "sample_batch", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kaput")))
+    kaput = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kaput"))  # noqa: E731
+    if phase == "launch":
+        monkeypatch.setattr(engine_mod, "launch_batch", kaput)
+    else:
+        monkeypatch.setattr(sampler_mod.LaunchedSample, "result", kaput)
     outs = eng.step()
     assert {o.request_id for o in outs} == {a, b}
     assert all(o.outputs[0].finish_reason == "error" and "kaput" in o.error for o in outs)
+    assert all("sampling the batch failed" in o.error for o in outs)
     assert_no_leak(eng)
-    monkeypatch.setattr(engine_mod, "sample_batch", real)
+    monkeypatch.undo()
     c = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
     assert run_all(eng)[c].outputs[0].token_ids == fake_generate([1, 2], 4, V)
 

@@ -1,14 +1,21 @@
 """`torch.compile(model, backend="kiln")`: Dynamo graphs -> kiln ops -> the kiln pass pipeline and kernels.
 
-    model = torch.compile(model, backend="kiln", options={"fallback": "inductor", "dump_dir": "kiln-dump"})
+    model = torch.compile(model, backend="kiln")                              # the rest compiled by inductor
+    model = torch.compile(model, backend="kiln", mode="reduce-overhead")      # ... and run as CUDA graphs
+    model = torch.compile(model, backend="kiln", options={"fallback": "eager", "dump_dir": "kiln-dump"})
 
 Per graph Dynamo hands over: normalize (kiln.dynamo.normalize: pattern-match the torch-level graph into kiln ops),
 group the kiln ops into regions and send each through `build_pipeline` / `run_pipeline` and `lower` with its
-generated kernels (kiln.dynamo.regions), and run everything else as torch: the outer graph as is
-(fallback="eager") or compiled by inductor with the regions as opaque custom ops (fallback="inductor").
+generated kernels (kiln.dynamo.regions), and run everything else as torch: compiled by inductor with the regions
+inside the same graph as opaque ops with fake kernels (fallback="inductor", the default: inductor neither breaks
+the graph at a region nor sees into it), or the outer graph as is (fallback="eager").
 
 Options (`options={...}`; any other key is a KilnError naming these):
-  fallback     "eager" (default) or "inductor": how the unclaimed part of each graph runs
+  fallback     "inductor" (default) or "eager": how the unclaimed part of each graph runs
+  mode         inductor's mode for the unclaimed part: "default", "reduce-overhead" (CUDA graphs around the whole
+               graph, kiln regions included), "max-autotune", "max-autotune-no-cudagraphs". torch.compile's own
+               mode= argument arrives here too (torch.compile refuses mode= together with options=); it needs
+               fallback="inductor"
   dump_dir     write the Dynamo graph, the normalized graph, and per region the graph after every pass, the
                lowered graph and the kernels' requests (also KILN_DUMP_DIR)
   use_kernels  True / False / None (default: generated kernels when CUDA or TRITON_INTERPRET=1, else the
@@ -52,14 +59,15 @@ from torch import fx
 
 from kiln import env
 from kiln.compile.pipeline import known_passes
-from kiln.dynamo.masks import MaskOracle
+from kiln.dynamo.masks import MaskGuard, MaskOracle
 from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, site_of
-from kiln.dynamo.regions import INFERENCE_ONLY, extract_regions
+from kiln.dynamo.regions import INFERENCE_ONLY, Region, extract_regions, retarget
 from kiln.dynamo.rules import normalize
 from kiln.errors import KilnError
 
-FALLBACKS = ("eager", "inductor")
-OPTIONS = ("dump_dir", "fallback", "passes", "use_kernels")
+FALLBACKS = ("inductor", "eager")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+OPTIONS = ("dump_dir", "fallback", "mode", "passes", "use_kernels")
 # Torch calls that only move data around (views, casts, shape queries): not reported as fallen-back compute.
 _GLUE = {"reshape", "transpose", "contiguous", "getitem", "unsqueeze", "expand", "cast", "size", "flatten",
          "unflatten", "dropout", "sym_sum"}  # fmt: skip
@@ -67,10 +75,11 @@ _GLUE = {"reshape", "transpose", "contiguous", "getitem", "unsqueeze", "expand",
 
 @dataclass(frozen=True)
 class Options:
-    fallback: str = "eager"
+    fallback: str = "inductor"
     dump_dir: str | None = None
     use_kernels: bool | None = None
     passes: dict[str, bool] | None = None
+    mode: str = "default"
 
 
 def _passes_option(passes: Any) -> dict[str, bool] | None:
@@ -108,7 +117,8 @@ def _dump_option(dump: Any) -> str | None:
     return str(path)
 
 
-def parse_options(options: dict[str, Any] | None) -> Options:
+def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Options:
+    """The backend's options checked up front (mode: torch.compile's mode= argument, when it was given)."""
     if options is not None and not isinstance(options, dict):
         raise KilnError(f"options={options!r} for backend 'kiln'; expected a dict with keys among {', '.join(OPTIONS)}")
     options = dict(options or {})
@@ -117,14 +127,22 @@ def parse_options(options: dict[str, Any] | None) -> Options:
         raise KilnError(
             f"unknown option(s) {', '.join(map(repr, unknown))} for backend 'kiln'; allowed: {', '.join(OPTIONS)}"
         )
-    fallback = options.get("fallback", "eager")
+    fallback = options.get("fallback", "inductor")
     if fallback not in FALLBACKS:
         raise KilnError(f"option fallback={fallback!r} for backend 'kiln'; expected one of {', '.join(FALLBACKS)}")
+    mode = options.get("mode", mode) or "default"
+    if mode not in MODES:
+        raise KilnError(f"mode={mode!r} for backend 'kiln'; expected one of {', '.join(MODES)}")
+    if mode != "default" and fallback != "inductor":
+        raise KilnError(
+            f"mode={mode!r} with fallback={fallback!r}: modes are inductor's (CUDA graphs, autotuning); "
+            "use fallback='inductor' (the default) or leave mode out"
+        )
     use_kernels = options.get("use_kernels")
     if use_kernels not in (None, True, False):
         raise KilnError(f"option use_kernels={use_kernels!r}; expected True, False or None")
     dump = _dump_option(options.get("dump_dir") or env.dump_dir())
-    return Options(fallback, dump, use_kernels, _passes_option(options.get("passes")))
+    return Options(fallback, dump, use_kernels, _passes_option(options.get("passes")), mode)
 
 
 @dataclass
@@ -146,7 +164,8 @@ class GraphReport:
     regions: int = 0
     kernels: list[str] = field(default_factory=list)
     masks: dict[str, tuple[bool, int]] = field(default_factory=dict)
-    fallback: str = "eager"
+    fallback: str = "inductor"
+    mode: str = "default"
 
     def counts(self) -> Counter:
         """Claimed kiln ops by name (attention, rms_norm, layer_norm, rope, gated_act, act, linear, add)."""
@@ -167,8 +186,22 @@ class Stats:
         return sum(g.failures for g in self.guards)
 
 
+@dataclass
+class Compiled:
+    """What the backend made of one graph, for kiln.dynamo.explain's timing: the callable Dynamo runs, the graph
+    as Dynamo handed it over (the eager baseline), the outer graph with its region calls, and the regions."""
+
+    run: Callable[..., Any]
+    original: fx.GraphModule
+    outer: fx.GraphModule
+    regions: list[Region]
+    guard: MaskGuard | None = None
+    last_args: tuple | None = None  # the inputs of the latest call (kept only while explain listens)
+
+
 STATS = Stats()
-_listeners: list[list[GraphReport]] = []  # kiln.dynamo.explain collects reports here while it runs
+# kiln.dynamo.explain listens while it runs: called with each graph's report and what was compiled.
+_listeners: list[Callable[[GraphReport, Compiled], None]] = []
 
 
 def reset_stats() -> None:
@@ -207,11 +240,21 @@ def _dump(path: Path | None, name: str, gm: fx.GraphModule) -> None:
         (path / name).write_text(gm.print_readable(print_output=False))
 
 
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str) -> Callable[..., Any]:
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs), config_patches=list_mode_options(mode) or None)
+
+
 def kiln_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable[..., Any]:
     """The Dynamo backend (registered as "kiln" through the torch_dynamo_backends entry point)."""
-    opts = parse_options(options)
+    opts = parse_options(options, mode)
     index = STATS.graphs
     STATS.graphs += 1
     dump = Path(opts.dump_dir) / f"graph_{index}" if opts.dump_dir else None
@@ -222,6 +265,9 @@ def kiln_backend(
     _dump(dump, "01_normalized.py", gm)
     fallbacks = _fallbacks(gm, nz.rejections, opts.fallback)
     regions = extract_regions(gm, example_inputs, use_kernels=opts.use_kernels, dump_dir=dump, overrides=opts.passes)
+    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+    # Dynamo guards on grad mode and requires_grad, so a graph compiled here never runs in the other case.
+    retarget(gm, "autograd" if grad else "op" if opts.fallback == "inductor" else "direct")
     _dump(dump, "02_regions.py", gm)
     report = GraphReport(
         index,
@@ -232,14 +278,12 @@ def kiln_backend(
         sorted({k for r in regions for k in r.kernels}),
         dict(nz.masks),
         opts.fallback,
+        opts.mode,
     )
     STATS.regions += len(regions)
     STATS.claims.update(report.counts())
     STATS.reports.append(report)
-    for listener in _listeners:
-        listener.append(report)
     torch._dynamo.utils.counters["kiln"]["graphs"] += 1
-    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
     if opts.fallback == "inductor" and regions and grad:
         # aot_autograd would trace the regions' backward, which kiln does not have, and fail this forward;
         # run the outer graph eagerly so the forward works and only a backward raises the inference-only error.
@@ -248,17 +292,26 @@ def kiln_backend(
         )
         compiled = gm.forward
     elif opts.fallback == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled = compile_fx(gm, list(example_inputs))
+        compiled = _inductor(gm, example_inputs, opts.mode)
     else:
         compiled = gm.forward
-    if not nz.masks:
-        return compiled
-    guard = oracle.guard(nz.masks)
-    STATS.guards.append(guard)
+    guard = oracle.guard(nz.masks) if nz.masks else None
+    if guard is not None:
+        STATS.guards.append(guard)
 
-    def run(*args: Any) -> Any:
-        return compiled(*args) if guard(args) else original.forward(*args)
+        def run(*args: Any) -> Any:
+            return compiled(*args) if guard(args) else original.forward(*args)
 
-    return run
+    else:
+        run = compiled
+    if not _listeners:
+        return run
+    what = Compiled(run, original, gm, regions, guard)
+    for listener in _listeners:
+        listener(report, what)
+
+    def recorded(*args: Any) -> Any:  # explain(timing=True) replays the latest call of every graph
+        what.last_args = args
+        return run(*args)
+
+    return recorded

@@ -19,7 +19,7 @@ def fresh_dynamo():
 
 
 def test_explain_gpt2_lists_claims_refusals_and_fallbacks():
-    report = kiln.explain(build_hf_model("gpt2"), prompts(length=7))
+    report = kiln.explain(build_hf_model("gpt2"), prompts(length=7), fallback="eager")
     assert isinstance(report, kiln.ExplainReport) and len(report.graphs) == 1
     assert dict(report.counts()) == {"attention": 2, "layer_norm": 5, "act": 2, "linear": 1, "add": 4}
     text = str(report)
@@ -38,7 +38,7 @@ def test_explain_unknown_module_claims_nothing():
 
 
 def test_explain_rejects_unknown_options():
-    with pytest.raises(KilnError, match="allowed: dump_dir, fallback, passes, use_kernels"):
+    with pytest.raises(KilnError, match="allowed: dump_dir, fallback, mode, passes, use_kernels"):
         kiln.explain(Unknown(), torch.randn(2, 3, 7), fallbak="eager")
     with pytest.raises(KilnError, match="option passes='all'"):
         kiln.explain(Unknown(), torch.randn(2, 3, 7), passes="all")
@@ -47,7 +47,7 @@ def test_explain_rejects_unknown_options():
 
 
 def test_explain_header_says_reference_ops_when_no_kernels_run():
-    report = kiln.explain(build_hf_model("gpt2"), prompts(length=5), use_kernels=False)
+    report = kiln.explain(build_hf_model("gpt2"), prompts(length=5), use_kernels=False, fallback="eager")
     header, first = str(report).splitlines()[:2]
     assert "kiln ops claimed: act 2, add 4, attention 2" in header
     assert "kernels: none (claimed ops run as kiln reference ops" in header and "kernels: none;" in first
@@ -58,7 +58,7 @@ def test_explain_generate_covers_every_decode_graph(monkeypatch):
     model = build_hf_model("llama")
     model.set_attn_implementation("sdpa")
     forward = model.forward
-    report = kiln.explain(model, prompts(length=4), generate=3, use_kernels=False)
+    report = kiln.explain(model, prompts(length=4), generate=3, use_kernels=False, fallback="eager")
     assert model.forward == forward  # restored
     # prefill, the first decode step, then the decode graph with a symbolic key length: all claim attention
     assert len(report.graphs) == 3 and all(g.counts()["attention"] == 2 for g in report.graphs)

@@ -1,0 +1,152 @@
+"""backend="kiln" with its default fallback, inductor: the unclaimed part compiled by inductor with the kiln regions
+inside the same graph (no graph break), their call path free of host syncs (what CUDA graphs need), and
+mode="reduce-overhead" on a GPU. Inductor compiles C++ on CPU, seconds per graph: one tiny model per test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kiln.dynamo import regions
+from kiln.dynamo.backend import STATS
+from kiln.errors import KilnError
+from tests.support.hf_models import build_hf_model, prompts
+
+DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(monkeypatch):
+    monkeypatch.setenv("KILN_DEBUG", "0")  # debug re-propagates shapes after every pass: not the path users take
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _sdpa_llama():
+    model = build_hf_model("llama")
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def test_regions_are_opaque_ops_inside_one_inductor_graph():
+    model, tokens = _sdpa_llama(), prompts(length=7)
+    first = len(STATS.reports)
+    compiled = torch.compile(model, backend="kiln")  # the default: fallback="inductor"
+    with torch.no_grad():
+        got, code = run_and_get_code(lambda: compiled(tokens).logits)
+        want = model(tokens).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    (report,) = STATS.reports[first:]
+    assert report.fallback == "inductor" and dict(report.counts()) == DECODER
+    # One Dynamo graph, no break; inductor compiled it once and calls every region from its output code.
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len(code) == 1 and code[0].count("torch.ops.kiln_dynamo.region.default(") == report.regions >= 3
+
+
+# Ops that read a device value on the host (a sync, and a branch CUDA graph capture cannot record) or compute a
+# data-dependent shape. A CUDA graph replays launches only: none of these may run in a region's call path.
+_SYNCS = {
+    torch.ops.aten._local_scalar_dense.default,  # .item(), bool(t), int(t), .tolist()
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default,
+    torch.ops.aten.repeat_interleave.Tensor,
+    torch.ops.aten._pin_memory.default,
+}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any op in _SYNCS, and on tensors made or copied onto another device than the region's inputs."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device, self.ops = device, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        masked = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        )  # x[mask]: nonzero inside
+        if func in _SYNCS or masked:
+            raise AssertionError(f"{func} in a kiln region's call path: a host sync, not CUDA-graph safe")
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != self.device.type:
+            raise AssertionError(f"{func} makes a tensor on {device} in a region on {self.device}")
+        return func(*args, **kwargs)
+
+
+def test_region_call_path_has_no_host_sync(monkeypatch):
+    """Prefill and a cached decode step: every region call (weight check, kernels' host wrappers and launches,
+    output copies) runs under NoHostSync."""
+    from transformers import DynamicCache
+
+    checked = []
+    run = regions.Region.run
+
+    def checked_run(self, inputs):
+        with NoHostSync(inputs[0].device) as mode:
+            out = run(self, inputs)
+        checked.append(mode.ops)
+        return out
+
+    monkeypatch.setattr(regions.Region, "run", checked_run)
+    model, tokens = _sdpa_llama(), prompts(length=5)
+    compiled = torch.compile(model, backend="kiln", options={"fallback": "eager"})  # the same regions, no C++
+    with torch.no_grad():
+        cache, want_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        got = compiled(tokens, past_key_values=cache, use_cache=True).logits
+        want = model(tokens, past_key_values=want_cache, use_cache=True).logits
+        step = tokens[:, -1:]
+        got_step = compiled(step, past_key_values=cache, use_cache=True).logits
+        want_step = model(step, past_key_values=want_cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_step, want_step, atol=1e-4, rtol=1e-4)
+    reports = [r for r in STATS.reports[-2:]]
+    assert sum(r.regions for r in reports) == len(checked) >= 6 and all(n > 0 for n in checked)
+
+
+def test_the_mode_checks_what_it_claims_to():
+    with NoHostSync(torch.device("cpu")):
+        x = torch.arange(4.0)
+        x + 1  # launches only: fine
+        with pytest.raises(AssertionError, match="_local_scalar_dense.*host sync"):
+            float(x.sum())
+        with pytest.raises(AssertionError, match="nonzero"):
+            torch.nonzero(x)
+        with pytest.raises(AssertionError, match="index.Tensor"):
+            x[x > 1]
+        with pytest.raises(AssertionError, match="makes a tensor on meta"):
+            torch.empty(2, device="meta")
+
+
+def test_reduce_overhead_needs_the_inductor_fallback():
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(Exception, match="mode='reduce-overhead' with fallback='eager'") as info:
+        torch.compile(model, backend="kiln", options={"fallback": "eager", "mode": "reduce-overhead"})(
+            torch.randn(2, 8)
+        )
+    assert isinstance(getattr(info.value, "inner_exception", info.value), KilnError)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_cuda_graphs_equal_eager():
+    model, tokens = _sdpa_llama().cuda(), prompts(length=9).cuda()
+    counters = torch._dynamo.utils.counters
+    compiled = torch.compile(model, backend="kiln", mode="reduce-overhead")
+    with torch.no_grad():
+        want = model(tokens, use_cache=False).logits
+        # warm-up, recording, then replays: each output cloned before the next call reuses the graph's memory
+        outs = [compiled(tokens, use_cache=False).logits.clone() for _ in range(4)]
+    for got in outs:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert counters["inductor"].get("cudagraph_skips", 0) == 0, dict(counters["inductor"])
+    assert STATS.reports[-1].mode == "reduce-overhead" and STATS.reports[-1].counts()["attention"] == 2

@@ -15,7 +15,7 @@ from kiln.errors import KilnError
 from tests.support.hf_models import build_hf_model, prompts
 
 NEW_TOKENS = 3
-EAGER = {"fallback": "eager"}  # the same regions without inductor's C++ compiles (tests/dynamo/test_inductor_fallback.py)
+EAGER = {"fallback": "eager"}  # the same regions, no C++ compile (inductor: tests/dynamo/test_inductor_fallback.py)
 DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}
 
 

@@ -192,6 +192,7 @@ class Compiled:
     as Dynamo handed it over (the eager baseline), the outer graph with its region calls, and the regions."""
 
     run: Callable[..., Any]
+    inner: Callable[..., Any]  # run without the mask check
     original: fx.GraphModule
     outer: fx.GraphModule
     regions: list[Region]
@@ -306,7 +307,7 @@ def kiln_backend(
         run = compiled
     if not _listeners:
         return run
-    what = Compiled(run, original, gm, regions, guard)
+    what = Compiled(run, compiled, original, gm, regions, guard)
     for listener in _listeners:
         listener(report, what)
 

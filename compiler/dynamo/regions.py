@@ -42,6 +42,10 @@ _REGIONS: dict[int, Region] = {}
 _ids = itertools.count()
 
 
+def new_region_id() -> int:
+    return next(_ids)
+
+
 def run_region(inputs: list[torch.Tensor], region: int) -> list[torch.Tensor]:
     """A region's call as the outer graph makes it (the ops below, or this function itself under no_grad with
     fallback="eager", which skips the dispatcher)."""
@@ -102,6 +106,7 @@ class Region:
     kernels: list[str] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)  # the kiln nodes of the outer graph it replaced
+    inputs: list[str] = field(default_factory=list)  # the outer graph's nodes it reads
     fallbacks: int = 0
 
     def __post_init__(self) -> None:
@@ -261,7 +266,7 @@ def extract_regions(
         rid = next(_ids)
         kiln_nodes = [n for n in ref.graph.nodes if is_kiln(n)]
         region = Region(rid, ref, frozen, ops=[str(n.target).split(".")[1] for n in kiln_nodes])
-        region.nodes = [n.name for n in kiln_nodes]
+        region.nodes, region.inputs = [n.name for n in kiln_nodes], [a.name for a in node.args]
         sub_dump = Path(dump_dir) / f"region_{len(regions)}" if dump_dir is not None else None
         region.fast, region.passes, region.kernels = _build(ref, frozen, names, use_kernels, sub_dump, overrides)
         _REGIONS[rid] = region

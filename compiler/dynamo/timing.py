@@ -7,13 +7,15 @@ For every graph the backend compiled, on the inputs of its last call (captured w
                 inputs it received, against the torch nodes it replaced (their "cone": the nodes computing the
                 region's values whose results nothing else reads), eagerly and compiled by inductor
   mask checks   the per-call check of claimed masks (kiln only; the baselines have none)
-  rest          total minus the regions (and mask checks): the unclaimed part with its glue
+  rest          the same graph with every region (kiln) or cone (eager, inductor) replaced by an opaque op that
+                returns the values it recorded: the unclaimed part with its glue, measured on its own
 Times are medians over `iters` calls after warm-up: CUDA events when the graph's tensors are on a GPU, else
 perf_counter. Nothing here is asserted anywhere: it is for reading.
 """
 
 from __future__ import annotations
 
+import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,7 +26,8 @@ import torch
 from torch import fx
 
 from kiln.dynamo.backend import Compiled, GraphReport
-from kiln.dynamo.regions import _REGIONS, Region
+from kiln.dynamo.normalize import val
+from kiln.dynamo.regions import _REGIONS, CALLS, Region, new_region_id
 
 BASELINES = ("eager", "inductor")
 
@@ -81,14 +84,37 @@ class _Capture:
         return self.region.fake(inputs)
 
 
-def _cone(original: fx.GraphModule, replaced: set[str]) -> tuple[fx.GraphModule, list[fx.Node]] | None:
-    """The nodes of `original` that compute the values in `replaced` and whose results nothing else reads, as a
-    graph over the values they read (returned too), or None when none of them is in the graph."""
+class _Replay:
+    """Stands in for a region (or a cone of torch nodes): returns the values recorded for it, no compute."""
+
+    def __init__(self, outputs: Sequence[torch.Tensor]):
+        self.outputs = list(outputs)
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return list(self.outputs)
+
+    def fake(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device) for o in self.outputs]
+
+
+@dataclass
+class _Cone:
+    gm: fx.GraphModule  # the cone as a graph over `needs`
+    nodes: set[fx.Node]  # of the original graph
+    needs: list[fx.Node]
+
+
+def _cone(original: fx.GraphModule, replaced: set[str], stop: set[str]) -> _Cone | None:
+    """The nodes of `original` that compute the values in `replaced` and whose results nothing else reads, back to
+    the nodes named in `stop` (the region's inputs, other regions' values), as a graph over the values they read;
+    None when none of them is in the graph."""
     cone = {n for n in original.graph.nodes if n.name in replaced}
     if not cone:
         return None
     for n in reversed(list(original.graph.nodes)):
-        if n not in cone and n.op in ("call_function", "call_method") and n.users and set(n.users) <= cone:
+        if n in cone or n.name in stop or n.op not in ("call_function", "call_method"):
+            continue
+        if n.users and set(n.users) <= cone:
             cone.add(n)
     graph, env = fx.Graph(), {}
     inputs = [n for n in original.graph.nodes if n not in cone and any(u in cone for u in n.users)]
@@ -101,7 +127,29 @@ def _cone(original: fx.GraphModule, replaced: set[str]) -> tuple[fx.GraphModule,
             if any(u not in cone for u in n.users):
                 outputs.append(env[n])
     graph.output(tuple(outputs))
-    return fx.GraphModule(original, graph), inputs
+    return _Cone(fx.GraphModule(original, graph), cone, inputs)
+
+
+def _rest(original: fx.GraphModule, values: dict[str, torch.Tensor]) -> fx.GraphModule | None:
+    """A copy of `original` where every node named in `values` is a replay op returning its recorded value (reading
+    the graph's first tensor input, so that the op has a device to dispatch on), and the torch nodes only they
+    needed are gone. None when the graph has no tensor input."""
+    gm = _copy(original)
+    first = next((n for n in gm.graph.find_nodes(op="placeholder") if isinstance(val(n), torch.Tensor)), None)
+    if first is None:
+        return None
+    for n in list(gm.graph.nodes):
+        if n.name in values:
+            rid = new_region_id()
+            _REGIONS[rid] = _Replay([values[n.name]])
+            with gm.graph.inserting_before(n):
+                call = gm.graph.call_function(CALLS["op"], ([first], rid))
+                item = gm.graph.call_function(operator.getitem, (call, 0))
+            n.replace_all_uses_with(item)
+            gm.graph.erase_node(n)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
 
 
 class _Values(fx.Interpreter):
@@ -130,46 +178,55 @@ def time_graph(
 ) -> list[Timing]:
     """The Timing rows of one graph (see the module docstring), measured on `args`."""
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+
+    def ms(fn: Callable[[], Any]) -> float:
+        return median_ms(fn, iters, cuda)
+
+    def baseline(gm: fx.GraphModule, vals: Sequence[Any], kind: str) -> float:
+        fn = gm.forward if kind == "eager" else _inductor(gm, vals)
+        return ms(lambda: fn(*vals))
+
     rows: list[Timing] = []
+    saved = {r.rid: r for r in compiled.regions}
     with torch.no_grad():
-        captures = {r.rid: _Capture(r) for r in compiled.regions}
+        captures = {rid: _Capture(r) for rid, r in saved.items()}
         _REGIONS.update(captures)
         try:
             compiled.run(*args)
         finally:
-            _REGIONS.update({r.rid: r for r in compiled.regions})
-        total = Timing("total", "the whole graph", median_ms(lambda: compiled.run(*args), iters, cuda))
+            _REGIONS.update(saved)
+        total = Timing("total", "the whole graph", ms(lambda: compiled.run(*args)))
         for b in baselines:
-            fn = compiled.original.forward if b == "eager" else _inductor(_copy(compiled.original), args)
-            setattr(total, b, median_ms(lambda fn=fn: fn(*args), iters, cuda))
-        cones = {}
-        for region in compiled.regions:
-            replaced = {c.replaced for c in report.claims if c.node in set(region.nodes)}
-            cones[region.rid] = _cone(compiled.original, replaced)
-        keep = {n for cone in cones.values() if cone is not None for n in cone[1]}
+            setattr(total, b, baseline(_copy(compiled.original), args, b))
+        replaced = [{c.replaced for c in report.claims if c.node in set(r.nodes)} for r in compiled.regions]
+        everything = set().union(*replaced)
+        cones = [_cone(compiled.original, mine, set(r.inputs) | (everything - mine))
+                 for r, mine in zip(compiled.regions, replaced, strict=True)]  # fmt: skip
+        # the cones' inputs, and their outputs (what the rest reads of them)
+        outputs = {n.name for c in cones if c is not None for n in c.nodes if any(u not in c.nodes for u in n.users)}
+        keep = {n for c in cones if c is not None for n in c.needs} | {
+            n for n in compiled.original.graph.nodes if n.name in outputs
+        }
         values = _Values(compiled.original, keep)
         values.run(*args)
-        for i, region in enumerate(compiled.regions):
+        for i, (region, cone) in enumerate(zip(compiled.regions, cones, strict=True)):
             inputs = captures[region.rid].inputs
-            if inputs is None:  # not reached on this call (a branch Dynamo traced does not exist: defensive)
-                continue
-            row = Timing(f"region {i}", _label(region), median_ms(lambda r=region, x=inputs: r.run(x), iters, cuda))
-            cone = cones[region.rid]
+            row = Timing(f"region {i}", _label(region), ms(lambda r=region, x=inputs: r.run(x)))
             if cone is not None:
-                gm, needs = cone
-                vals = [values.kept[n] for n in needs]
+                vals = [values.kept[n] for n in cone.needs]
                 for b in baselines:
-                    fn = gm.forward if b == "eager" else _inductor(gm, vals)
-                    setattr(row, b, median_ms(lambda fn=fn, v=vals: fn(*v), iters, cuda))
+                    setattr(row, b, baseline(cone.gm, vals, b))
             rows.append(row)
-        guard = compiled.guard
-        if guard is not None:
-            rows.append(Timing("mask checks", "claimed masks re-checked", median_ms(lambda: guard(args), iters, cuda)))
-    rest = Timing("rest", "total - regions - mask checks", total.kiln - sum(r.kiln for r in rows))
-    for b in baselines:
-        parts = [getattr(r, b) for r in rows if r.part.startswith("region")]
-        if getattr(total, b) is not None and None not in parts:
-            setattr(rest, b, getattr(total, b) - sum(parts))
+        if compiled.guard is not None:
+            rows.append(Timing("mask checks", "claimed masks re-checked", ms(lambda: compiled.guard(args))))
+        _REGIONS.update({rid: _Replay(c.outputs) for rid, c in captures.items()})
+        try:
+            rest = Timing("rest", "unclaimed ops and glue, regions replayed", ms(lambda: compiled.inner(*args)))
+        finally:
+            _REGIONS.update(saved)
+        rest_gm = _rest(compiled.original, {n.name: v for n, v in values.kept.items() if n.name in outputs})
+        for b in baselines if rest_gm is not None else ():
+            setattr(rest, b, baseline(rest_gm, args, b))
     return [*rows, rest, total]
 
 

@@ -64,3 +64,49 @@ def test_explain_generate_covers_every_decode_graph(monkeypatch):
     assert len(report.graphs) == 3 and all(g.counts()["attention"] == 2 for g in report.graphs)
     assert report.refusals() == {} and "refused: nothing" in str(report)
     assert str(report).count("claimed   attention  model.layers.0.self_attn") == 3
+
+
+def _rows(report, graph=0):
+    return {row.part: row for row in report.timings[report.graphs[graph].index]}
+
+
+def test_explain_timing_covers_every_region_the_rest_and_the_total(monkeypatch):
+    """The numbers are not checked (CPU, a shared machine): that every region has a kiln time and an eager time
+    of the torch nodes it replaced, that the rest and the total are there, and that the table prints them."""
+    monkeypatch.setenv("KILN_DEBUG", "0")
+    model = build_hf_model("llama")
+    report = kiln.explain(model, prompts(length=6), timing=True, iters=2, baselines=("eager",), fallback="eager")
+    (graph,) = report.graphs
+    rows = _rows(report)
+    assert set(rows) == {f"region {i}" for i in range(graph.regions)} | {"rest", "total", "mask checks"}
+    assert all(r.kiln > 0 and r.eager is not None and r.eager > 0 and r.inductor is None for r in rows.values()
+               if r.part != "mask checks")  # fmt: skip
+    assert "attention" in rows["region 0"].what and rows["mask checks"].eager is None  # eager attention: a mask
+    text = str(report)
+    assert f"timing of graph {graph.index} (median ms" in text
+    assert "part           kiln ms     eager ms     vs eager" in text
+    for i in range(graph.regions):
+        assert f"    region {i} " in text
+    assert "    rest " in text and "    total " in text
+
+
+class RmsMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(16))
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return torch.cumsum(x + self.down(torch.nn.functional.silu(self.up(h))), dim=-1)
+
+
+def test_explain_timing_against_inductor():
+    report = kiln.explain(RmsMlp(), torch.randn(2, 3, 16), timing=True, iters=1)  # fallback inductor, both baselines
+    rows = _rows(report)
+    assert set(rows) == {"region 0", "rest", "total"} and rows["region 0"].what == "rms_norm, linear x2, act"
+    assert all(r.eager is not None and r.inductor is not None for r in rows.values())
+    assert "vs inductor" in str(report)
+    with pytest.raises(KilnError, match="baselines=.*subset of"):
+        kiln.explain(RmsMlp(), torch.randn(2, 3, 16), timing=True, baselines=("tensorrt",))

@@ -21,11 +21,13 @@ Needs CUDA for figures: without it this says so and exits 2. --smoke runs a tiny
 writes no figures: what tests/dynamo/test_bench_torch_backend.py runs so that the GPU run finds no typo.
 
     python bench/torch_backend.py [--prefill 2048] [--iters 20] [--variants ...] [--explain] [--out-dir DIR]
+                                  [--kiln-options '{"claims": {"attention": false}}']
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -60,15 +62,19 @@ def build_model(shape: dict, device: str, dtype: torch.dtype):
     return model.eval()
 
 
-def compiled_forward(model, variant: str):
+def compiled_forward(model, variant: str, kiln_options: dict | None = None):
     torch._dynamo.reset()
     f = model.forward
     if variant == "eager":
         return f
-    backend = "kiln" if variant.startswith("kiln") else "inductor"
+    mode = "reduce-overhead" if variant.endswith("-ro") else None
+    if not variant.startswith("kiln"):
+        return torch.compile(f, mode=mode)
     if variant == "kiln-eager":
-        return torch.compile(f, backend=backend, options={"fallback": "eager"})
-    return torch.compile(f, backend=backend, mode="reduce-overhead" if variant.endswith("-ro") else None)
+        return torch.compile(f, backend="kiln", options={**(kiln_options or {}), "fallback": "eager"})
+    if kiln_options:  # torch.compile takes mode= or options=, not both: kiln reads its mode from options too
+        return torch.compile(f, backend="kiln", options={**kiln_options, **({"mode": mode} if mode else {})})
+    return torch.compile(f, backend="kiln", mode=mode)
 
 
 def time_ms(fn, setup, iters: int, warmup: int, cuda: bool) -> list[float]:
@@ -113,9 +119,13 @@ def workloads(model, prefill: int, device: str):
     def run_prefill(f):
         return f(tokens, use_cache=False).logits
 
-    def rewind():  # every decode call advances the cache's fill level in place: back to the prompt's end
+    def rewind():  # every decode call advances the cache's fill level (transformers 5.2x): back to the prompt's end
         for layer in cache.layers:
-            layer.cumulative_length.fill_(prefill)
+            filled = getattr(layer, "cumulative_length", None)  # versions writing at cache_position have none
+            if isinstance(filled, torch.Tensor):
+                filled.fill_(prefill)
+            elif isinstance(filled, int):
+                layer.cumulative_length = prefill
 
     def run_decode(f):
         return f(step, past_key_values=cache, cache_position=pos, use_cache=True).logits
@@ -127,12 +137,13 @@ def workloads(model, prefill: int, device: str):
     return {"prefill": (run_prefill, lambda: None, prefilled), "decode": (run_decode, rewind, want)}
 
 
-def explain_text(model, prefill: int, device: str, iters: int) -> dict[str, str]:
+def explain_text(model, prefill: int, device: str, iters: int, baselines: str, options: dict | None) -> str:
+    """kiln.explain(timing=True) of the prefill forward (HF's default DynamicCache: the cache writes are in it)."""
     import kiln
 
     tokens = torch.randint(3, model.config.vocab_size, (1, prefill), device=device)
-    report = kiln.explain(model, tokens, timing=True, iters=iters, use_cache=False)
-    return {"prefill": str(report)}
+    report = kiln.explain(model, tokens, timing=True, iters=iters, baselines=baselines.split(","), **(options or {}))
+    return str(report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per variant (>= 3 for reduce-overhead)")
     ap.add_argument("--variants", default="eager,inductor,inductor-ro,kiln,kiln-ro")
     ap.add_argument("--explain", action="store_true", help="add kiln.explain(timing=True) of the prefill graph")
+    ap.add_argument("--explain-baselines", default="eager,inductor", help="what --explain times kiln against")
+    ap.add_argument("--kiln-options", type=json.loads, default=None,
+                    help='kiln variants\' options as JSON, e.g. \'{"claims": {"attention": false}}\'')  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="tiny model, any device, correctness only, no figures")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -160,9 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(TINY if args.smoke else LLAMA_1B, device, dtype)
     loads = workloads(model, prefill, device)
     results: dict[str, dict] = {}
+    graphs: dict[str, int] = {}  # Dynamo graphs compiled per variant: 2 (prefill, decode) unless something recompiled
     failed = []
+    counters = torch._dynamo.utils.counters
     for variant in variants:
-        fwd = compiled_forward(model, variant)
+        fwd = compiled_forward(model, variant, args.kiln_options)
+        before = counters["stats"]["unique_graphs"]
         results[variant] = {}
         for name, (call, setup, want) in loads.items():
             with torch.no_grad():
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             if err > TOLERANCE[dtype]:
                 failed.append(f"{variant} {name}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}")
             print(f"{variant:>12} {name:>8}: {row['median_ms']:9.3f} ms  (rel err vs eager {err:.1e})", flush=True)
+        graphs[variant] = counters["stats"]["unique_graphs"] - before
     for rows in results.values():
         for name, row in rows.items():
             for base in ("eager", "inductor"):
@@ -182,17 +200,24 @@ def main(argv: list[str] | None = None) -> int:
                     row[f"speedup_vs_{base}"] = results[base][name]["median_ms"] / row["median_ms"]
     for line in failed:
         print(f"MISMATCH {line}", file=sys.stderr)
+    explained = None
+    if args.explain:
+        torch._dynamo.reset()
+        explained = explain_text(model, prefill, device, 1 if args.smoke else min(args.iters, 10),
+                                 args.explain_baselines, args.kiln_options)  # fmt: skip
+        print(explained[explained.find("  timing of graph"):])
     if args.smoke:
+        print(f"Dynamo graphs per variant: {graphs}")
         print(f"smoke: {len(variants)} variant(s) x {len(loads)} workloads checked against eager; no figures written")
         return 1 if failed else 0
     out = {
         "bench": "torch_backend", "model": "llama-3.2-1b shape, random weights, bf16, sdpa", "batch": 1,
         "prefill_tokens": prefill, "decode": "1 token, StaticCache", "iters": args.iters, "timing": "CUDA events",
-        "results": results, "mismatches": failed, **run_metadata(device),
+        "kiln_options": args.kiln_options, "results": results, "dynamo_graphs": graphs, "mismatches": failed,
+        **run_metadata(device),
     }  # fmt: skip
-    if args.explain:
-        out["explain"] = explain_text(model, prefill, device, min(args.iters, 10))
-        print(out["explain"]["prefill"].split("timing of graph")[-1])
+    if explained is not None:
+        out["explain_prefill"] = explained
     print(f"wrote {write_json(result_path(args.out_dir, 'torch_backend'), out)}")
     return 1 if failed else 0
 

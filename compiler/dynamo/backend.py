@@ -21,6 +21,9 @@ Options (`options={...}`; any other key is a KilnError naming these):
   use_kernels  True / False / None (default: generated kernels when CUDA or TRITON_INTERPRET=1, else the
                kiln ops' reference implementations)
   passes       {pass name: bool} overrides of the default pipeline, as the CLI flags
+  claims       {kiln op: bool}: False leaves that op to torch, e.g. {"attention": False} where kiln.explain's
+               timing shows kiln's attention slower than the fallback's (ops: attention, rms_norm, layer_norm,
+               rope, gated_act, act, linear, add)
 Every option is checked up front (names, types, known pass names, dump_dir writable): a KilnError naming the
 option, which Dynamo reports wrapped in BackendCompilerFailed (kiln.dynamo.explain raises the KilnError itself).
 
@@ -59,6 +62,7 @@ from torch import fx
 
 from kiln import env
 from kiln.compile.pipeline import known_passes
+from kiln.dynamo.claims import CLAIMABLE
 from kiln.dynamo.masks import MaskGuard, MaskOracle
 from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, site_of
 from kiln.dynamo.regions import INFERENCE_ONLY, Region, extract_regions, retarget
@@ -67,7 +71,7 @@ from kiln.errors import KilnError
 
 FALLBACKS = ("inductor", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-OPTIONS = ("dump_dir", "fallback", "mode", "passes", "use_kernels")
+OPTIONS = ("claims", "dump_dir", "fallback", "mode", "passes", "use_kernels")
 # Torch calls that only move data around (views, casts, shape queries): not reported as fallen-back compute.
 _GLUE = {"reshape", "transpose", "contiguous", "getitem", "unsqueeze", "expand", "cast", "size", "flatten",
          "unflatten", "dropout", "sym_sum"}  # fmt: skip
@@ -80,6 +84,7 @@ class Options:
     use_kernels: bool | None = None
     passes: dict[str, bool] | None = None
     mode: str = "default"
+    off: frozenset[str] = frozenset()  # kiln ops not claimed (option claims)
 
 
 def _passes_option(passes: Any) -> dict[str, bool] | None:
@@ -96,6 +101,20 @@ def _passes_option(passes: Any) -> dict[str, bool] | None:
     if unknown:
         raise KilnError(f"option passes names unknown pass(es) {', '.join(unknown)}; known passes: {', '.join(known)}")
     return dict(passes)
+
+
+def _claims_option(claims: Any) -> frozenset[str]:
+    if claims is None:
+        return frozenset()
+    if not isinstance(claims, dict) or not all(isinstance(v, bool) for v in claims.values()):
+        raise KilnError(
+            f"option claims={claims!r} for backend 'kiln'; expected a dict of kiln op -> True / False, "
+            f"e.g. {{'attention': False}}; ops: {', '.join(CLAIMABLE)}"
+        )
+    unknown = sorted(str(op) for op in claims if op not in CLAIMABLE)
+    if unknown:
+        raise KilnError(f"option claims names unknown kiln op(s) {', '.join(unknown)}; ops: {', '.join(CLAIMABLE)}")
+    return frozenset(op for op, on in claims.items() if not on)
 
 
 def _dump_option(dump: Any) -> str | None:
@@ -142,7 +161,8 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Op
     if use_kernels not in (None, True, False):
         raise KilnError(f"option use_kernels={use_kernels!r}; expected True, False or None")
     dump = _dump_option(options.get("dump_dir") or env.dump_dir())
-    return Options(fallback, dump, use_kernels, _passes_option(options.get("passes")), mode)
+    passes = _passes_option(options.get("passes"))
+    return Options(fallback, dump, use_kernels, passes, mode, _claims_option(options.get("claims")))
 
 
 @dataclass
@@ -262,7 +282,7 @@ def kiln_backend(
     _dump(dump, "00_dynamo.py", gm)
     original = _copy(gm)
     oracle = MaskOracle(original, example_inputs)
-    nz = normalize(gm, oracle.spec)
+    nz = normalize(gm, oracle.spec, opts.off)
     _dump(dump, "01_normalized.py", gm)
     fallbacks = _fallbacks(gm, nz.rejections, opts.fallback)
     regions = extract_regions(gm, example_inputs, use_kernels=opts.use_kernels, dump_dir=dump, overrides=opts.passes)

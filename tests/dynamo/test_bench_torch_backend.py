@@ -24,10 +24,13 @@ def bench(monkeypatch):
 
 
 def test_smoke_checks_kiln_with_reduce_overhead_against_eager(bench, capsys, tmp_path):
-    assert bench.main(["--smoke", "--variants", "eager,kiln-ro", "--out-dir", str(tmp_path)]) == 0
+    argv = ["--smoke", "--variants", "eager,kiln-ro", "--explain", "--explain-baselines", "eager"]
+    assert bench.main([*argv, "--out-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "kiln-ro  prefill:" in out and "kiln-ro   decode:" in out
+    assert "  timing of graph" in out and "    region 0 " in out and "    rest " in out
     assert "smoke: 2 variant(s) x 2 workloads checked against eager; no figures written" in out
+    assert "Dynamo graphs per variant: {'eager': 0, 'kiln-ro': 2}" in out  # prefill and decode, no recompile
     assert list(tmp_path.iterdir()) == []
 
 
@@ -44,8 +47,9 @@ def test_without_cuda_or_with_bad_variants_there_are_no_figures(bench, capsys):
 def test_a_mismatch_fails_the_smoke_run(bench, monkeypatch, capsys):
     wrong = bench.compiled_forward
 
-    def off_by_one(model, variant):
-        f = wrong(model, variant)
+    def off_by_one(model, variant, options):
+        assert options == {"claims": {"attention": False}}
+        f = wrong(model, variant, options)
         if variant == "eager":
             return f
 
@@ -57,5 +61,6 @@ def test_a_mismatch_fails_the_smoke_run(bench, monkeypatch, capsys):
         return shifted
 
     monkeypatch.setattr(bench, "compiled_forward", off_by_one)
-    assert bench.main(["--smoke", "--variants", "eager,kiln-eager"]) == 1
+    options = '{"claims": {"attention": false}}'  # and --kiln-options reaches the kiln variant
+    assert bench.main(["--smoke", "--variants", "eager,kiln-eager", "--kiln-options", options]) == 1
     assert "MISMATCH kiln-eager prefill: relative error" in capsys.readouterr().err

@@ -159,8 +159,25 @@ def test_unknown_options_are_an_error_naming_the_allowed_ones():
         parse_options({"fallback": "eager", "mode": "reduce-overhead"})
     assert parse_options(None) == parse_options({"fallback": "inductor", "mode": "default"})
     assert parse_options(None, mode="reduce-overhead").mode == "reduce-overhead"
-    with pytest.raises(Exception, match="allowed: dump_dir, fallback"):
+    with pytest.raises(Exception, match="allowed: claims, dump_dir, fallback"):
         torch.compile(Unknown(), backend="kiln", options={"bogus": True})(torch.randn(2, 7))
+
+
+def test_claims_option_leaves_an_op_to_torch():
+    model, tokens = build_hf_model("llama"), prompts(length=8)  # eager attention: a mask, checked per call if claimed
+    first = len(STATS.reports)
+    compiled = torch.compile(model, backend="kiln", options={**EAGER, "claims": {"attention": False, "rope": True}})
+    with torch.no_grad():
+        assert close(compiled(tokens).logits, model(tokens).logits)
+    (report,) = STATS.reports[first:]
+    assert dict(report.counts()) == {op: n for op, n in DECODER.items() if op != "attention"}
+    assert [r.reason for r in report.rejections] == ["claims of attention are switched off (option claims)"] * 2
+    assert report.masks == {}  # no mask check for an attention left to torch
+    with pytest.raises(KilnError, match="option claims names unknown kiln op.*flash.*ops: attention, rms_norm"):
+        parse_options({"claims": {"flash": False}})
+    with pytest.raises(KilnError, match="option claims=.*expected a dict of kiln op -> True / False"):
+        parse_options({"claims": ["attention"]})
+    assert parse_options({"claims": {"linear": False, "add": True}}).off == {"linear"}
 
 
 def test_entry_point_without_importing_kiln():

@@ -38,7 +38,7 @@ def test_explain_unknown_module_claims_nothing():
 
 
 def test_explain_rejects_unknown_options():
-    with pytest.raises(KilnError, match="allowed: dump_dir, fallback, mode, passes, use_kernels"):
+    with pytest.raises(KilnError, match="allowed: claims, dump_dir, fallback, mode, passes, use_kernels"):
         kiln.explain(Unknown(), torch.randn(2, 3, 7), fallbak="eager")
     with pytest.raises(KilnError, match="option passes='all'"):
         kiln.explain(Unknown(), torch.randn(2, 3, 7), passes="all")

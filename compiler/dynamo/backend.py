@@ -42,7 +42,9 @@ when the batch size changes; pass dynamic=True to start symbolic, or mark dims w
 torch._dynamo.mark_dynamic to skip the static first graph. In a decode graph the cached keys and values are
 separate inputs with their own length (and batch) symbols: attention claims them equal behind a Dynamo guard
 (kiln.dynamo.normalize.equal_guarded), as sdpa requires them equal anyway. Under dynamic=True Dynamo also passes float
-constants (eps, the attention scale) as inputs; a claim specializes them with a guard on their value.
+constants (eps, the attention scale) as inputs; a claim specializes them with a guard on their value, and
+inductor may make Dynamo restart the frame once to specialize the rest (the backend works on a copy of
+Dynamo's graph, which Dynamo then clears, so kiln simply builds that graph again).
 Masks computed in the graph are claimed behind a run-time value check (kiln.dynamo.masks): a call with
 padding runs the original graph eagerly. Weights are frozen into the kiln regions, guarded per call.
 """
@@ -194,7 +196,7 @@ class GraphReport:
 
 @dataclass
 class Stats:
-    graphs: int = 0  # graphs compiled by this backend in this process (recompilations included)
+    graphs: int = 0  # graphs handed to this backend in this process (recompilations and restarts included)
     regions: int = 0
     claims: Counter = field(default_factory=Counter)
     reports: list[GraphReport] = field(default_factory=list)
@@ -231,9 +233,13 @@ def reset_stats() -> None:
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    """A copy of gm (node meta included, and the Dynamo source of each placeholder, which aot_autograd reads)."""
+    graph, env = fx.Graph(), {}
+    out = graph.graph_copy(gm.graph, env)
     graph.output(out)
+    for old, new in env.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
     return fx.GraphModule(gm, graph)
 
 
@@ -280,7 +286,9 @@ def kiln_backend(
     STATS.graphs += 1
     dump = Path(opts.dump_dir) / f"graph_{index}" if opts.dump_dir else None
     _dump(dump, "00_dynamo.py", gm)
-    original = _copy(gm)
+    # Work on a copy: Dynamo clears its own graph afterwards, also when inductor makes it restart the frame
+    # (TensorifyScalarRestartAnalysis, for the float inputs of dynamic=True), and the rewrite would break that.
+    original, gm = _copy(gm), _copy(gm)
     oracle = MaskOracle(original, example_inputs)
     nz = normalize(gm, oracle.spec, opts.off)
     _dump(dump, "01_normalized.py", gm)
@@ -301,10 +309,6 @@ def kiln_backend(
         opts.fallback,
         opts.mode,
     )
-    STATS.regions += len(regions)
-    STATS.claims.update(report.counts())
-    STATS.reports.append(report)
-    torch._dynamo.utils.counters["kiln"]["graphs"] += 1
     if opts.fallback == "inductor" and regions and grad:
         # aot_autograd would trace the regions' backward, which kiln does not have, and fail this forward;
         # run the outer graph eagerly so the forward works and only a backward raises the inference-only error.
@@ -316,6 +320,11 @@ def kiln_backend(
         compiled = _inductor(gm, example_inputs, opts.mode)
     else:
         compiled = gm.forward
+    # Counted once compiled: a frame inductor restarted (see above) comes back here and is counted then.
+    STATS.regions += len(regions)
+    STATS.claims.update(report.counts())
+    STATS.reports.append(report)
+    torch._dynamo.utils.counters["kiln"]["graphs"] += 1
     guard = oracle.guard(nz.masks) if nz.masks else None
     if guard is not None:
         STATS.guards.append(guard)

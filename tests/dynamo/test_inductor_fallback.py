@@ -48,6 +48,24 @@ def test_regions_are_opaque_ops_inside_one_inductor_graph():
     assert len(code) == 1 and code[0].count("torch.ops.kiln_dynamo.region.default(") == report.regions >= 3
 
 
+def test_generate_with_dynamic_shapes_through_inductor():
+    """dynamic=True hands eps and the attention scale over as float inputs; inductor then makes Dynamo restart the
+    frame with them specialized (TensorifyScalarRestartAnalysis), which needs Dynamo's own graph left untouched."""
+    model, tokens = _sdpa_llama(), prompts(length=5)
+    first = len(STATS.reports)
+    eager = model.forward
+    with torch.no_grad():
+        want = model.generate(tokens, max_new_tokens=6, do_sample=False)
+        model.forward = torch.compile(eager, backend="kiln", dynamic=True)
+        try:
+            got = model.generate(tokens, max_new_tokens=6, do_sample=False)
+        finally:
+            model.forward = eager
+    assert torch.equal(got, want)
+    reports = STATS.reports[first:]  # 1 prefill + 5 decode steps; no graph per step, each counted once
+    assert len(reports) <= 3 and all(dict(r.counts()) == DECODER for r in reports)
+
+
 # Ops that read a device value on the host (a sync, and a branch CUDA graph capture cannot record) or compute a
 # data-dependent shape. A CUDA graph replays launches only: none of these may run in a region's call path.
 _SYNCS = {

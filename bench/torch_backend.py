@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ TOLERANCE = {torch.bfloat16: 5e-2, torch.float32: 1e-3}
 
 
 def build_model(shape: dict, device: str, dtype: torch.dtype):
-    import transformers as tf
+    import transformers as tf  # the test extra; only the benchmark itself needs it
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -79,8 +80,6 @@ def compiled_forward(model, variant: str, kiln_options: dict | None = None):
 
 def time_ms(fn, setup, iters: int, warmup: int, cuda: bool) -> list[float]:
     """Milliseconds per call of fn() after `warmup` untimed calls; setup() runs before each, untimed."""
-    import time
-
     for _ in range(warmup):
         setup()
         fn()
@@ -105,7 +104,7 @@ def time_ms(fn, setup, iters: int, warmup: int, cuda: bool) -> list[float]:
 
 def workloads(model, prefill: int, device: str):
     """name -> (call(forward) -> logits, setup() before each call, the eager logits)."""
-    from transformers import StaticCache
+    from transformers import StaticCache  # as in build_model
 
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(1)
@@ -139,7 +138,7 @@ def workloads(model, prefill: int, device: str):
 
 def explain_text(model, prefill: int, device: str, iters: int, baselines: str, options: dict | None) -> str:
     """kiln.explain(timing=True) of the prefill forward (HF's default DynamicCache: the cache writes are in it)."""
-    import kiln
+    import kiln  # only for --explain: the other variants reach kiln through torch.compile's entry point
 
     tokens = torch.randint(3, model.config.vocab_size, (1, prefill), device=device)
     report = kiln.explain(model, tokens, timing=True, iters=iters, baselines=baselines.split(","), **(options or {}))

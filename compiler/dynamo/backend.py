@@ -268,6 +268,7 @@ def _dump(path: Path | None, name: str, gm: fx.GraphModule) -> None:
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str) -> Callable[..., Any]:
+    # inductor is imported when a graph first goes to it: fallback="eager" never loads it
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 

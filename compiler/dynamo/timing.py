@@ -65,7 +65,7 @@ def median_ms(fn: Callable[[], Any], iters: int, cuda: bool, warmup: int = 2) ->
 
 
 def _inductor(gm: fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx  # only when an inductor baseline is asked for
 
     return compile_fx(gm, list(args))
 

@@ -1,19 +1,29 @@
 """`torch.compile(model, backend="kiln")`: Dynamo graphs -> kiln ops -> the kiln pass pipeline and kernels.
 
-    model = torch.compile(model, backend="kiln", options={"fallback": "inductor", "dump_dir": "kiln-dump"})
+    model = torch.compile(model, backend="kiln")                              # the rest compiled by inductor
+    model = torch.compile(model, backend="kiln", mode="reduce-overhead")      # ... and run as CUDA graphs
+    model = torch.compile(model, backend="kiln", options={"fallback": "eager", "dump_dir": "kiln-dump"})
 
 Per graph Dynamo hands over: normalize (kiln.dynamo.normalize: pattern-match the torch-level graph into kiln ops),
 group the kiln ops into regions and send each through `build_pipeline` / `run_pipeline` and `lower` with its
-generated kernels (kiln.dynamo.regions), and run everything else as torch: the outer graph as is
-(fallback="eager") or compiled by inductor with the regions as opaque custom ops (fallback="inductor").
+generated kernels (kiln.dynamo.regions), and run everything else as torch: compiled by inductor with the regions
+inside the same graph as opaque ops with fake kernels (fallback="inductor", the default: inductor neither breaks
+the graph at a region nor sees into it), or the outer graph as is (fallback="eager").
 
 Options (`options={...}`; any other key is a KilnError naming these):
-  fallback     "eager" (default) or "inductor": how the unclaimed part of each graph runs
+  fallback     "inductor" (default) or "eager": how the unclaimed part of each graph runs
+  mode         inductor's mode for the unclaimed part: "default", "reduce-overhead" (CUDA graphs around the whole
+               graph, kiln regions included), "max-autotune", "max-autotune-no-cudagraphs". torch.compile's own
+               mode= argument arrives here too (torch.compile refuses mode= together with options=); it needs
+               fallback="inductor"
   dump_dir     write the Dynamo graph, the normalized graph, and per region the graph after every pass, the
                lowered graph and the kernels' requests (also KILN_DUMP_DIR)
   use_kernels  True / False / None (default: generated kernels when CUDA or TRITON_INTERPRET=1, else the
                kiln ops' reference implementations)
   passes       {pass name: bool} overrides of the default pipeline, as the CLI flags
+  claims       {kiln op: bool}: False leaves that op to torch, e.g. {"attention": False} where kiln.explain's
+               timing shows kiln's attention slower than the fallback's (ops: attention, rms_norm, layer_norm,
+               rope, gated_act, act, linear, add)
 Every option is checked up front (names, types, known pass names, dump_dir writable): a KilnError naming the
 option, which Dynamo reports wrapped in BackendCompilerFailed (kiln.dynamo.explain raises the KilnError itself).
 
@@ -32,14 +42,15 @@ when the batch size changes; pass dynamic=True to start symbolic, or mark dims w
 torch._dynamo.mark_dynamic to skip the static first graph. In a decode graph the cached keys and values are
 separate inputs with their own length (and batch) symbols: attention claims them equal behind a Dynamo guard
 (kiln.dynamo.normalize.equal_guarded), as sdpa requires them equal anyway. Under dynamic=True Dynamo also passes float
-constants (eps, the attention scale) as inputs; a claim specializes them with a guard on their value.
+constants (eps, the attention scale) as inputs; a claim specializes them with a guard on their value, and
+inductor may make Dynamo restart the frame once to specialize the rest (the backend works on a copy of
+Dynamo's graph, which Dynamo then clears, so kiln simply builds that graph again).
 Masks computed in the graph are claimed behind a run-time value check (kiln.dynamo.masks): a call with
 padding runs the original graph eagerly. Weights are frozen into the kiln regions, guarded per call.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -50,81 +61,15 @@ from typing import Any
 import torch
 from torch import fx
 
-from kiln import env
-from kiln.compile.pipeline import known_passes
-from kiln.dynamo.masks import MaskOracle
+from kiln.dynamo.masks import MaskGuard, MaskOracle
 from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, site_of
-from kiln.dynamo.regions import INFERENCE_ONLY, extract_regions
+from kiln.dynamo.options import FALLBACKS, MODES, OPTIONS, Options, parse_options  # noqa: F401  (re-exported)
+from kiln.dynamo.regions import INFERENCE_ONLY, Region, extract_regions, retarget
 from kiln.dynamo.rules import normalize
-from kiln.errors import KilnError
 
-FALLBACKS = ("eager", "inductor")
-OPTIONS = ("dump_dir", "fallback", "passes", "use_kernels")
 # Torch calls that only move data around (views, casts, shape queries): not reported as fallen-back compute.
 _GLUE = {"reshape", "transpose", "contiguous", "getitem", "unsqueeze", "expand", "cast", "size", "flatten",
          "unflatten", "dropout", "sym_sum"}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Options:
-    fallback: str = "eager"
-    dump_dir: str | None = None
-    use_kernels: bool | None = None
-    passes: dict[str, bool] | None = None
-
-
-def _passes_option(passes: Any) -> dict[str, bool] | None:
-    if passes is None:
-        return None
-
-    known = sorted(known_passes())
-    if not isinstance(passes, dict) or not all(isinstance(v, bool) for v in passes.values()):
-        raise KilnError(
-            f"option passes={passes!r} for backend 'kiln'; expected a dict of pass name -> True / False, "
-            f"e.g. {{'flash_tiling': False}}; known passes: {', '.join(known)}"
-        )
-    unknown = sorted(str(n) for n in passes if n not in known)
-    if unknown:
-        raise KilnError(f"option passes names unknown pass(es) {', '.join(unknown)}; known passes: {', '.join(known)}")
-    return dict(passes)
-
-
-def _dump_option(dump: Any) -> str | None:
-    if not dump:
-        return None
-    if not isinstance(dump, (str, os.PathLike)):
-        raise KilnError(f"option dump_dir={dump!r} for backend 'kiln'; expected a directory path (str or Path)")
-    path = Path(dump)
-    try:  # fail now, naming the option, rather than with an OSError deep inside the first compile
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".kiln-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise KilnError(
-            f"option dump_dir={str(dump)!r} (or KILN_DUMP_DIR) is not a writable directory ({e.strerror or e}); "
-            "pass a directory kiln may create and write, or leave dump_dir out"
-        ) from None
-    return str(path)
-
-
-def parse_options(options: dict[str, Any] | None) -> Options:
-    if options is not None and not isinstance(options, dict):
-        raise KilnError(f"options={options!r} for backend 'kiln'; expected a dict with keys among {', '.join(OPTIONS)}")
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(OPTIONS), key=str)
-    if unknown:
-        raise KilnError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for backend 'kiln'; allowed: {', '.join(OPTIONS)}"
-        )
-    fallback = options.get("fallback", "eager")
-    if fallback not in FALLBACKS:
-        raise KilnError(f"option fallback={fallback!r} for backend 'kiln'; expected one of {', '.join(FALLBACKS)}")
-    use_kernels = options.get("use_kernels")
-    if use_kernels not in (None, True, False):
-        raise KilnError(f"option use_kernels={use_kernels!r}; expected True, False or None")
-    dump = _dump_option(options.get("dump_dir") or env.dump_dir())
-    return Options(fallback, dump, use_kernels, _passes_option(options.get("passes")))
 
 
 @dataclass
@@ -146,7 +91,8 @@ class GraphReport:
     regions: int = 0
     kernels: list[str] = field(default_factory=list)
     masks: dict[str, tuple[bool, int]] = field(default_factory=dict)
-    fallback: str = "eager"
+    fallback: str = "inductor"
+    mode: str = "default"
 
     def counts(self) -> Counter:
         """Claimed kiln ops by name (attention, rms_norm, layer_norm, rope, gated_act, act, linear, add)."""
@@ -155,7 +101,7 @@ class GraphReport:
 
 @dataclass
 class Stats:
-    graphs: int = 0  # graphs compiled by this backend in this process (recompilations included)
+    graphs: int = 0  # graphs handed to this backend in this process (recompilations and restarts included)
     regions: int = 0
     claims: Counter = field(default_factory=Counter)
     reports: list[GraphReport] = field(default_factory=list)
@@ -167,8 +113,23 @@ class Stats:
         return sum(g.failures for g in self.guards)
 
 
+@dataclass
+class Compiled:
+    """What the backend made of one graph, for kiln.dynamo.explain's timing: the callable Dynamo runs, the graph
+    as Dynamo handed it over (the eager baseline), the outer graph with its region calls, and the regions."""
+
+    run: Callable[..., Any]
+    inner: Callable[..., Any]  # run without the mask check
+    original: fx.GraphModule
+    outer: fx.GraphModule
+    regions: list[Region]
+    guard: MaskGuard | None = None
+    last_args: tuple | None = None  # the inputs of the latest call (kept only while explain listens)
+
+
 STATS = Stats()
-_listeners: list[list[GraphReport]] = []  # kiln.dynamo.explain collects reports here while it runs
+# kiln.dynamo.explain listens while it runs: called with each graph's report and what was compiled.
+_listeners: list[Callable[[GraphReport, Compiled], None]] = []
 
 
 def reset_stats() -> None:
@@ -177,9 +138,13 @@ def reset_stats() -> None:
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    """A copy of gm (node meta included, and the Dynamo source of each placeholder, which aot_autograd reads)."""
+    graph, env = fx.Graph(), {}
+    out = graph.graph_copy(gm.graph, env)
     graph.output(out)
+    for old, new in env.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
     return fx.GraphModule(gm, graph)
 
 
@@ -207,21 +172,37 @@ def _dump(path: Path | None, name: str, gm: fx.GraphModule) -> None:
         (path / name).write_text(gm.print_readable(print_output=False))
 
 
+def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str) -> Callable[..., Any]:
+    # inductor is imported when a graph first goes to it: fallback="eager" never loads it
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs), config_patches=list_mode_options(mode) or None)
+
+
 def kiln_backend(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable[..., Any]:
     """The Dynamo backend (registered as "kiln" through the torch_dynamo_backends entry point)."""
-    opts = parse_options(options)
+    opts = parse_options(options, mode)
     index = STATS.graphs
     STATS.graphs += 1
     dump = Path(opts.dump_dir) / f"graph_{index}" if opts.dump_dir else None
     _dump(dump, "00_dynamo.py", gm)
-    original = _copy(gm)
+    # Work on a copy: Dynamo clears its own graph afterwards, also when inductor makes it restart the frame
+    # (TensorifyScalarRestartAnalysis, for the float inputs of dynamic=True), and the rewrite would break that.
+    original, gm = _copy(gm), _copy(gm)
     oracle = MaskOracle(original, example_inputs)
-    nz = normalize(gm, oracle.spec)
+    nz = normalize(gm, oracle.spec, opts.off)
     _dump(dump, "01_normalized.py", gm)
     fallbacks = _fallbacks(gm, nz.rejections, opts.fallback)
     regions = extract_regions(gm, example_inputs, use_kernels=opts.use_kernels, dump_dir=dump, overrides=opts.passes)
+    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+    # Dynamo guards on grad mode and requires_grad, so a graph compiled here never runs in the other case.
+    retarget(gm, "autograd" if grad else "op" if opts.fallback == "inductor" else "direct")
     _dump(dump, "02_regions.py", gm)
     report = GraphReport(
         index,
@@ -232,14 +213,8 @@ def kiln_backend(
         sorted({k for r in regions for k in r.kernels}),
         dict(nz.masks),
         opts.fallback,
+        opts.mode,
     )
-    STATS.regions += len(regions)
-    STATS.claims.update(report.counts())
-    STATS.reports.append(report)
-    for listener in _listeners:
-        listener.append(report)
-    torch._dynamo.utils.counters["kiln"]["graphs"] += 1
-    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
     if opts.fallback == "inductor" and regions and grad:
         # aot_autograd would trace the regions' backward, which kiln does not have, and fail this forward;
         # run the outer graph eagerly so the forward works and only a backward raises the inference-only error.
@@ -248,17 +223,31 @@ def kiln_backend(
         )
         compiled = gm.forward
     elif opts.fallback == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled = compile_fx(gm, list(example_inputs))
+        compiled = _inductor(gm, example_inputs, opts.mode)
     else:
         compiled = gm.forward
-    if not nz.masks:
-        return compiled
-    guard = oracle.guard(nz.masks)
-    STATS.guards.append(guard)
+    # Counted once compiled: a frame inductor restarted (see above) comes back here and is counted then.
+    STATS.regions += len(regions)
+    STATS.claims.update(report.counts())
+    STATS.reports.append(report)
+    torch._dynamo.utils.counters["kiln"]["graphs"] += 1
+    guard = oracle.guard(nz.masks) if nz.masks else None
+    if guard is not None:
+        STATS.guards.append(guard)
 
-    def run(*args: Any) -> Any:
-        return compiled(*args) if guard(args) else original.forward(*args)
+        def run(*args: Any) -> Any:
+            return compiled(*args) if guard(args) else original.forward(*args)
 
-    return run
+    else:
+        run = compiled
+    if not _listeners:
+        return run
+    what = Compiled(run, compiled, original, gm, regions, guard)
+    for listener in _listeners:
+        listener(report, what)
+
+    def recorded(*args: Any) -> Any:  # explain(timing=True) replays the latest call of every graph
+        what.last_args = args
+        return run(*args)
+
+    return recorded

@@ -12,6 +12,7 @@ from torch import fx
 from kiln.dynamo.normalize import Normalizer, St, canon, equal_guarded, kiln_ops, resolve, same, same_shape, tensor
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+CLAIMABLE = ("attention", "rms_norm", "layer_norm", "rope", "gated_act", "act", "linear", "add")
 _MAX_HEAD_DIM = 256  # the flash kernel's limit
 
 
@@ -142,6 +143,8 @@ def claim_attention(
     scale: float,
     enable_gqa: bool,
 ) -> None:
+    if "attention" in nz.off:  # before the mask is read: a mask of an attention not claimed needs no check
+        return nz.reject(node, "attention", "claims of attention are switched off (option claims)")
     (kb, krep), (vb, vrep) = _kv(nz, k), _kv(nz, v)
     tq, tk, tv = tensor(q), tensor(kb), tensor(vb)
     if tk is None or tv is None or tk.dim() != 4 or tv.dim() != 4:

@@ -2,6 +2,7 @@
 
     print(kiln.explain(model, input_ids))
     print(kiln.explain(model, input_ids, generate=8))   # every graph of an HF generate(): prefill and decode
+    print(kiln.explain(model, input_ids, timing=True))  # + per region and the rest: kiln vs eager / inductor ms
 
 Runs the model once (or, with generate=N, `model.generate(..., max_new_tokens=N)` with model.forward compiled,
 so the decode graphs with their variable key length show too) under torch.compile with the kiln backend
@@ -9,25 +10,31 @@ so the decode graphs with their variable key length show too) under torch.compil
 that matched but was refused (with the reason: a dtype that torch would promote, a mask that is not causal,
 a head_dim the kernel does not take, ...), and the torch calls that fell back to eager / inductor, grouped by op
 with a few example sites. The header sums claims and refusals over all graphs and says whether generated kernels
-or kiln's reference ops run the claims.
+or kiln's reference ops run the claims. timing=True then times every graph on the inputs of its last call: each
+kiln region, the mask checks and the rest against the same torch nodes run eagerly and compiled by inductor
+(kiln.dynamo.timing), marking the parts where kiln is slower.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kiln.dynamo.backend import GraphReport, _listeners, kiln_backend, parse_options
+from kiln.dynamo.backend import Compiled, GraphReport, _listeners, kiln_backend, parse_options
+from kiln.dynamo.timing import BASELINES, Timing, format_timings, time_graph
 from kiln.errors import KilnError
 
 
 @dataclass
 class ExplainReport:
     graphs: list[GraphReport]
+    timings: dict[int, list[Timing]] = field(default_factory=dict)  # graph index -> rows (timing=True)
+    baselines: tuple[str, ...] = BASELINES
 
     def counts(self) -> Counter:
         """Claimed kiln ops over all graphs, by op name."""
@@ -73,23 +80,45 @@ class ExplainReport:
             for f in g.fallbacks:
                 sites = ", ".join(f.sites) + (", ..." if f.count > len(f.sites) else "")
                 lines.append(f"  fallback  {f.op} x{f.count} ({sites}): {f.reason}")
+            if g.index in self.timings:
+                lines.append(f"  timing of graph {g.index} (median ms; on the inputs of its last call):")
+                lines += ["  " + line for line in format_timings(self.timings[g.index], self.baselines)]
         return "\n".join(lines)
 
 
 def explain(
-    model: torch.nn.Module | Any, *example_inputs: Any, generate: int | None = None, **options: Any
+    model: torch.nn.Module | Any,
+    *example_inputs: Any,
+    generate: int | None = None,
+    timing: bool = False,
+    iters: int = 10,
+    baselines: Sequence[str] = BASELINES,
+    **options: Any,
 ) -> ExplainReport:
     """Compile `model` with backend="kiln" (options as in torch.compile(..., options=...)), run it once on
     example_inputs without gradients, and report what kiln claimed in every graph Dynamo compiled.
 
     generate=N: instead compile model.forward and run a greedy `model.generate(*example_inputs,
     max_new_tokens=N)` (an HF model), so the report covers the prefill and the decode-step graphs.
+    timing=True: then time every graph on the inputs of its last call, per kiln region, mask checks and the rest,
+    against `baselines` ("eager" and / or "inductor"), median of `iters` calls (kiln.dynamo.timing).
     """
     parse_options(options or None)  # a bad option is a KilnError here, not a backend failure inside Dynamo
     if generate is not None and (not isinstance(generate, int) or generate < 1 or not hasattr(model, "generate")):
         raise KilnError(f"explain(generate={generate!r}) needs a positive int and a model with .generate (HF)")
+    if not isinstance(iters, int) or iters < 1 or not set(baselines) <= set(BASELINES):
+        raise KilnError(
+            f"explain(iters={iters!r}, baselines={baselines!r}): iters is a positive int, baselines a subset of "
+            f"{BASELINES}"
+        )
     reports: list[GraphReport] = []
-    _listeners.append(reports)
+    compiled: list[Compiled] = []
+
+    def listen(report: GraphReport, what: Compiled) -> None:
+        reports.append(report)
+        compiled.append(what)
+
+    _listeners.append(listen)
     try:
         # A fresh backend object: Dynamo recompiles instead of reusing graphs compiled without this report.
         backend = functools.partial(kiln_backend, options=options or None)
@@ -109,5 +138,10 @@ def explain(
             raise inner from None
         raise
     finally:
-        _listeners.remove(reports)
-    return ExplainReport(reports)
+        _listeners.remove(listen)
+    report = ExplainReport(reports, baselines=tuple(baselines))
+    if timing:
+        for g, what in zip(reports, compiled, strict=True):
+            if what.last_args is not None:
+                report.timings[g.index] = time_graph(g, what, what.last_args, iters, tuple(baselines))
+    return report

@@ -188,8 +188,9 @@ def resolve(nz: Normalizer, n: object) -> object:
 class Normalizer:
     """Rewrites gm (in place) with the rules it is run with (kiln.dynamo.rules); see the module docstring."""
 
-    def __init__(self, gm: fx.GraphModule, mask_spec: MaskSpec | None = None):
+    def __init__(self, gm: fx.GraphModule, mask_spec: MaskSpec | None = None, off: frozenset[str] = frozenset()):
         self.gm, self.graph = gm, gm.graph
+        self.off = off  # kiln ops not to claim (the backend's `claims` option)
         self.st: dict[fx.Node, St] = {}
         self.claims: list[Claim] = []
         self.rejections: list[Rejection] = []
@@ -251,7 +252,10 @@ class Normalizer:
         self, node: fx.Node, op: str, args: tuple, *, layout: tuple[str, int, int] | None = None, detail: str = ""
     ) -> fx.Node:
         """Insert kiln::<op>(args) before node and rewire node's users to it (through the [B, T, H, D] or
-        [B, H, T, D] view of its flat output when layout = (form, H, D))."""
+        [B, H, T, D] view of its flat output when layout = (form, H, D)); node itself when claims of op are off."""
+        if op in self.off:
+            self.reject(node, op, f"claims of {op} are switched off (option claims)")
+            return node
         new = self.emit(node, getattr(kiln_ops, op).default, args, name=f"kiln_{op}")
         out = new
         if layout is not None:

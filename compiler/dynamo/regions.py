@@ -35,6 +35,7 @@ from kiln.compile.driver import compile_model
 from kiln.compile.pipeline import propagate
 from kiln.dynamo.normalize import is_kiln, val
 from kiln.errors import KilnError
+from kiln.ir.registry import REFERENCE
 from kiln.passes._graph import set_param
 
 _PREFIX = "kiln_region_"
@@ -42,15 +43,36 @@ _REGIONS: dict[int, Region] = {}
 _ids = itertools.count()
 
 
-@custom_op("kiln_dynamo::region", mutates_args=())
-def region_op(inputs: list[torch.Tensor], region: int) -> list[torch.Tensor]:
+def new_region_id() -> int:
+    return next(_ids)
+
+
+def run_region(inputs: list[torch.Tensor], region: int) -> list[torch.Tensor]:
+    """A region's call as the outer graph makes it (the ops below, or this function itself under no_grad with
+    fallback="eager", which skips the dispatcher)."""
     return _REGIONS[region].run(inputs)
 
 
-@region_op.register_fake
-def _(inputs, region):
+def _fake_region(inputs: list[torch.Tensor], region: int) -> list[torch.Tensor]:
     return _REGIONS[region].fake(inputs)
 
+
+# The inference op: a plain library kernel, about 7 us per call on a 2-core CPU where torch.library.custom_op's
+# Python wrappers (autograd check, redispatch, dynamo-disable, aliasing check) took 33 us. It has no autograd
+# kernel, so it is only placed in graphs compiled without gradients (Dynamo guards on grad mode).
+_LIB = torch.library.Library("kiln_dynamo", "FRAGMENT")
+_LIB.define("region(Tensor[] inputs, int region) -> Tensor[]")
+_LIB.impl("region", run_region, "CompositeExplicitAutograd")
+torch.library.register_fake("kiln_dynamo::region", _fake_region, lib=_LIB)
+
+
+@custom_op("kiln_dynamo::region_autograd", mutates_args=())
+def region_autograd(inputs: list[torch.Tensor], region: int) -> list[torch.Tensor]:
+    """The region op in graphs compiled with gradients enabled: the forward runs, a backward raises."""
+    return run_region(inputs, region)
+
+
+region_autograd.register_fake(_fake_region)
 
 INFERENCE_ONLY = "kiln's backend is for inference; use torch.no_grad() or another backend for training"
 
@@ -60,7 +82,19 @@ def _no_backward(ctx, grads):
     raise KilnError(f"{INFERENCE_ONLY} (a gradient reached a kiln region)")
 
 
-region_op.register_autograd(_no_backward)
+region_autograd.register_autograd(_no_backward)
+CALLS = {"op": torch.ops.kiln_dynamo.region.default, "autograd": torch.ops.kiln_dynamo.region_autograd.default,
+         "direct": run_region}  # fmt: skip
+
+
+def retarget(gm: fx.GraphModule, how: str) -> None:
+    """Make gm's region calls `how` (a key of CALLS): "op" (inductor without gradients), "autograd" (gradients
+    enabled: a backward reaching a region raises) or "direct" (eager without gradients: a Python call)."""
+    targets = set(CALLS.values())
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in targets:
+            n.target = CALLS[how]
+    gm.recompile()
 
 
 @dataclass
@@ -68,23 +102,31 @@ class Region:
     rid: int
     ref: fx.GraphModule  # Level-1 kiln graph; every input (weights too) a placeholder
     frozen: dict[int, tuple[torch.Tensor, int]]  # input index -> (weight frozen into `fast`, its _version then)
-    fast: Callable | None = None  # the lowered graph over the non-frozen inputs
+    fast: Callable | None = None  # the lowered graph's forward over the non-frozen inputs
     passes: list[str] = field(default_factory=list)
     kernels: list[str] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)  # the kiln nodes of the outer graph it replaced
+    inputs: list[str] = field(default_factory=list)  # the outer graph's nodes it reads
     fallbacks: int = 0
 
+    def __post_init__(self) -> None:
+        # Per-call work is a few attribute reads: the frozen weights as flat tuples, the live inputs' indices.
+        self._frozen = tuple((i, t, v) for i, (t, v) in self.frozen.items())
+        self._live = tuple(i for i in range(len(self.ref.graph.find_nodes(op="placeholder"))) if i not in self.frozen)
+
     def _weights_ok(self, inputs: Sequence[torch.Tensor]) -> bool:
-        for i, (t, version) in self.frozen.items():
+        for i, t, version in self._frozen:
             x = inputs[i]
-            if x.data_ptr() != t.data_ptr() or x._version != version or x.shape != t.shape:
+            # Dynamo passes the parameter object itself; anything else must be the same storage and shape.
+            if x._version != version or (x is not t and (x.data_ptr() != t.data_ptr() or x.shape != t.shape)):
                 return False
         return True
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # Contiguous in and out: kernels take dense rows, and the fake kernel promises dense outputs.
         if self.fast is not None and self._weights_ok(inputs):
-            outs = self.fast(*[x.contiguous() for i, x in enumerate(inputs) if i not in self.frozen])
+            outs = self.fast(*[inputs[i].contiguous() for i in self._live])
         else:
             if self.fallbacks == 0 and self.fast is not None:
                 warnings.warn(
@@ -153,6 +195,29 @@ def _fast_graph(ref: fx.GraphModule, frozen: dict[int, tuple[torch.Tensor, int]]
     return propagate(gm)
 
 
+def _flat_weights(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm with every weight read as one plain attribute: a dotted get_attr (model.layers.0.mlp.weight) costs one
+    nn.Module.__getattr__ per dot on every call, a plain instance attribute none (213 lookups per decode step of
+    a 4-layer model before)."""
+    for i, n in enumerate(gm.graph.find_nodes(op="get_attr")):
+        if "." in n.target:
+            flat = f"_w{i}_{n.target.replace('.', '_')}"
+            object.__setattr__(gm, flat, operator.attrgetter(n.target)(gm))  # bypasses Module's registration
+            n.target = flat
+    gm.recompile()
+    return gm
+
+
+def _direct_reference(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm (not lowered: use_kernels off) calling each kiln op's reference function directly: the same torch code
+    without torch.library's per-call wrappers (about 30 us per op, more than the op itself at small sizes)."""
+    for n in gm.graph.nodes:
+        if is_kiln(n) and n.target._schema.name in REFERENCE:
+            n.target = REFERENCE[n.target._schema.name]
+    gm.recompile()
+    return gm
+
+
 def _build(
     ref: fx.GraphModule,
     frozen: dict,
@@ -165,7 +230,8 @@ def _build(
     gm = _fast_graph(ref, frozen, names)
     compiled = compile_model(gm, None, use_kernels=use_kernels, dump_dir=dump_dir, overrides=overrides)
     kernels = [f"{k.template}:{k.params.get('op', k.name)}" for k in compiled.kernels]
-    return compiled.gm, compiled.passes, kernels
+    gm = compiled.gm if compiled.use_kernels else _direct_reference(compiled.gm)
+    return _flat_weights(gm).forward, compiled.passes, kernels  # forward: no nn.Module __call__ per region call
 
 
 def extract_regions(
@@ -209,13 +275,15 @@ def extract_regions(
             if _is_weight(a, example):
                 frozen[i], names[i] = (example, example._version), _weight_name(a.name)
         rid = next(_ids)
-        region = Region(rid, ref, frozen, ops=[str(n.target).split(".")[1] for n in ref.graph.nodes if is_kiln(n)])
+        kiln_nodes = [n for n in ref.graph.nodes if is_kiln(n)]
+        region = Region(rid, ref, frozen, ops=[str(n.target).split(".")[1] for n in kiln_nodes])
+        region.nodes, region.inputs = [n.name for n in kiln_nodes], [a.name for a in node.args]
         sub_dump = Path(dump_dir) / f"region_{len(regions)}" if dump_dir is not None else None
         region.fast, region.passes, region.kernels = _build(ref, frozen, names, use_kernels, sub_dump, overrides)
         _REGIONS[rid] = region
         regions.append(region)
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(torch.ops.kiln_dynamo.region.default, (list(node.args), rid))
+            call = gm.graph.call_function(CALLS["op"], (list(node.args), rid))
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
         delattr(gm, node.target)

@@ -369,6 +369,7 @@ RULES = {
 }  # fmt: skip
 
 
-def normalize(gm: fx.GraphModule, mask_spec: MaskSpec | None = None) -> Normalizer:
-    """Rewrite gm in place with RULES; the returned Normalizer holds the claims, rejections and claimed masks."""
-    return Normalizer(gm, mask_spec).run(RULES)
+def normalize(gm: fx.GraphModule, mask_spec: MaskSpec | None = None, off: frozenset[str] = frozenset()) -> Normalizer:
+    """Rewrite gm in place with RULES, claiming no op in `off`; the returned Normalizer holds the claims,
+    rejections and claimed masks."""
+    return Normalizer(gm, mask_spec, off).run(RULES)

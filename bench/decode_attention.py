@@ -18,12 +18,11 @@ CUDA; writes bench/results/decode_attention-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from functools import partial
 
 import torch
-from attention import DTYPES, _ints, cuda_time_ms, wall_time_ms
+from attention import DTYPES, _ints, run_on_device
 from bench_meta import result_path, run_metadata, write_json
 from ceilings import copy_bandwidth
 
@@ -113,23 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU, Triton's interpreter, tiny shapes: checks kiln against SDPA, writes nothing")
     args = p.parse_args(argv)
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
         args.batches, args.contexts, args.head_dims, args.heads, args.kv_heads = "1,3", "40,77", "64", 4, 2
         args.dtype, args.copy_mib = "fp32", 8
-        device, time_ms = "cpu", wall_time_ms
-    elif not torch.cuda.is_available():
-        print("bench/decode_attention.py needs a CUDA device (or --smoke); nothing was measured", file=sys.stderr)
-        return 2
-    else:
-        device, time_ms = "cuda", cuda_time_ms
-
-    from kiln.codegen import autotune
-
-    prev_timer = autotune.set_timer(wall_time_ms if args.smoke else None)  # the interpreter needs a timer to tune
-    try:
-        return _run(args, device, time_ms)
-    finally:
-        autotune.set_timer(prev_timer)
+    return run_on_device(args.smoke, "bench/decode_attention.py", lambda device, time_ms: _run(args, device, time_ms))
 
 
 def _run(args: argparse.Namespace, device: str, time_ms) -> int:

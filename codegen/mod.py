@@ -1,14 +1,23 @@
 """Host wrappers for the Mixture-of-Depths kernels (kiln.ir.ops_mod has the semantics):
 
-- templates/mod_route.py.j2: kiln::mod_route (router score, threshold, compaction of the selected rows' indices
-  and their gather, in one kernel) and kiln::mod_gather (the same compaction and gather for a given mask);
-- templates/mod_scatter.py.j2: kiln::mod_scatter (the router-weighted scatter-add fused with the residual add).
+- kiln::mod_route (router score, threshold, compaction of the selected rows and their gather) and kiln::mod_gather
+  (the same compaction and gather for a given mask), in two launches parallel over (row block, sequence):
+  templates/mod_select.py.j2 scores each block's rows (mod_route stores r) and counts the selected ones per
+  block; templates/mod_route.py.j2 then gives each block its first compact row (the counts of the blocks before
+  it, an exclusive scan each program does over its sequence's counts), writes its selected rows' index, xpos and
+  xs (features split over a third grid axis) in order, and writes the padding rows count..ROWS-1 it owns. The
+  compact rows keep the tokens' order, every output element has one writer and nothing is atomic, so the result
+  is deterministic and equal to the reference ops'. The per-block counts are a scratch buffer of the wrapper.
+- templates/mod_scatter.py.j2: kiln::mod_scatter (the router-weighted scatter-add fused with the residual add),
+  parallel over (compact row block, sequence, feature block).
 
-Kernel arguments are passed by name. Compact batches have a static row count C with a per-sequence count; see
-passes/mod_routing.py for why.
+Kernel arguments are passed by name; route_tiles picks the tiles. Compact batches have a static row count C with
+a per-sequence count; see passes/mod_routing.py for why.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,11 +33,35 @@ from kiln.codegen._host import (
 from kiln.errors import CodegenError
 
 _INTS = (torch.int64, torch.int32)
-_BLOCK_T = 32
+_MAX_GRID_YZ = 65535  # CUDA's limit on a grid's second and third axes (sequences, feature blocks)
 
 
-def _block_d(d: int) -> int:
-    return min(next_power_of_2(d), 128)
+@dataclass(frozen=True)
+class RouteTiles:
+    """Tiles of the MoD kernels. block_t: rows per program, the unit whose selected rows launch 1 counts (and
+    compact rows per program of mod_scatter); block_d: features per program of the gathers and per step of the
+    score's loop; block_s: per-block counts summed per step of launch 2's offset scan; num_warps: per program."""
+
+    block_t: int
+    block_d: int
+    block_s: int
+    num_warps: int
+
+
+def route_tiles(t: int, d: int) -> RouteTiles:
+    """Tiles for x [B, t, d]. 32 x 128 tiles (16 KiB of fp32 per step of the score) give a flat batch of 8192 rows
+    256 row blocks and, at d = 4096, 8192 gather programs: enough to fill a GPU, while the offset scan stays a few
+    hundred ints per program. block_s takes every block count in one step up to 1024 blocks (32768 rows)."""
+    block_t = 32
+    blocks = max(cdiv(t, block_t), 1)
+    return RouteTiles(block_t=block_t, block_d=min(next_power_of_2(d), 128),
+                      block_s=min(max(next_power_of_2(blocks), 16), 1024), num_warps=4)
+
+
+def _check_grid(op: str, b: int) -> None:
+    if b > _MAX_GRID_YZ:  # sequences are the grid's second axis (row blocks the first, which may be far longer)
+        raise CodegenError(f"{op}: a batch of {b} sequences exceeds the kernel grid's {_MAX_GRID_YZ}; "
+                           f"run it in parts of at most {_MAX_GRID_YZ} sequences")
 
 
 def _check_rows(x: torch.Tensor, positions: torch.Tensor) -> tuple[int, int, int]:
@@ -61,20 +94,33 @@ def _compact(op: str, x: torch.Tensor, positions: torch.Tensor, rows: int, score
     count = _out(out, "count", (b,), torch.int64, dev)
     xs = _out(out, "xs", (b, rows, d), x.dtype, dev)
     xpos = _out(out, "xpos", (b, rows), torch.int64, dev)
-    keep = keep if keep is not None else r  # unread when SCORE
-    args = {
-        "x_ptr": x, "pos_ptr": positions, "w_ptr": weight if score else x, "b_ptr": bias if score else x,
-        "thr_ptr": threshold if score else x, "keep_ptr": keep,
-        "r_ptr": r, "index_ptr": index, "count_ptr": count, "xs_ptr": xs, "xpos_ptr": xpos,
-        "T": t, "D": d, "ROWS": rows,
+    if b == 0:
+        return r, index, count, xs, xpos
+    _check_grid(op, b)
+    tiles = route_tiles(t, d)
+    nb = max(cdiv(t, tiles.block_t), 1)  # one block even for t = 0, which writes the count
+    counts = torch.empty((b, nb), dtype=torch.int32, device=dev)  # launch 1's selected rows per row block
+    keep = r if score else keep  # SCORE: launch 2 reads the scores launch 1 stored
+    options = {"num_warps": tiles.num_warps}
+    select = {
+        "x_ptr": x, "w_ptr": weight if score else x, "b_ptr": bias if score else x,
+        "thr_ptr": threshold if score else x, "keep_ptr": keep, "r_ptr": r, "counts_ptr": counts, "T": t, "D": d,
+        "stride_xb": x.stride(0), "stride_xt": x.stride(1), "stride_kb": keep.stride(0),
+        "stride_kt": keep.stride(1), "stride_rb": r.stride(0), "stride_cb": counts.stride(0),
+    }  # fmt: skip
+    consts = {"SCORE": score, "BLOCK_T": tiles.block_t, "BLOCK_D": tiles.block_d}
+    launch("mod_select", op, (nb, b), select, consts, options)
+    route = {
+        "x_ptr": x, "pos_ptr": positions, "thr_ptr": threshold if score else x, "keep_ptr": keep,
+        "counts_ptr": counts, "index_ptr": index, "count_ptr": count, "xs_ptr": xs, "xpos_ptr": xpos,
+        "T": t, "D": d, "ROWS": rows, "NB": nb,
         "stride_xb": x.stride(0), "stride_xt": x.stride(1), "stride_pb": positions.stride(0),
         "stride_pt": positions.stride(1), "stride_kb": keep.stride(0), "stride_kt": keep.stride(1),
-        "stride_rb": r.stride(0), "stride_ib": index.stride(0), "stride_sb": xs.stride(0), "stride_st": xs.stride(1),
-        "stride_qb": xpos.stride(0),
+        "stride_cb": counts.stride(0), "stride_ib": index.stride(0), "stride_sb": xs.stride(0),
+        "stride_st": xs.stride(1), "stride_qb": xpos.stride(0),
     }  # fmt: skip
-    if b > 0:
-        consts = {"SCORE": score, "BLOCK_T": _BLOCK_T, "BLOCK_D": _block_d(d)}
-        launch("mod_route", op, (b,), args, consts, {"num_warps": 4})
+    nd = max(cdiv(d, tiles.block_d), 1)  # one feature block even for d = 0, which writes index and count
+    launch("mod_route", op, (nb, b, nd), route, consts | {"BLOCK_S": tiles.block_s}, options)
     return r, index, count, xs, xpos
 
 
@@ -135,6 +181,9 @@ def mod_scatter(x: torch.Tensor, ys: torch.Tensor, r: torch.Tensor, index: torch
             "stride_yt": ys.stride(1), "stride_rb": r.stride(0), "stride_ib": index.stride(0),
             "stride_ob": out.stride(0), "stride_ot": out.stride(1),
         }  # fmt: skip
-        consts = {"BLOCK_C": _BLOCK_T, "BLOCK_D": _block_d(d)}
-        launch("mod_scatter", "mod_scatter", (b, cdiv(rows, _BLOCK_T)), args, consts, {"num_warps": 4})
+        _check_grid("mod_scatter", b)
+        tiles = route_tiles(t, d)
+        consts = {"BLOCK_C": tiles.block_t, "BLOCK_D": tiles.block_d}
+        grid = (cdiv(rows, tiles.block_t), b, max(cdiv(d, tiles.block_d), 1))
+        launch("mod_scatter", "mod_scatter", grid, args, consts, {"num_warps": tiles.num_warps})
     return out

@@ -16,7 +16,9 @@ from kiln.codegen.render import render, template_names
 from kiln.errors import CodegenError
 
 RENDER_CASES = {
-    "mod_route": dict(op="mod_route", tile={"BLOCK_T": 32, "BLOCK_D": 128, "num_warps": 4}, params={"SCORE": True}),
+    "mod_route": dict(op="mod_route", tile={"BLOCK_T": 32, "BLOCK_D": 128, "BLOCK_S": 16, "num_warps": 4},
+                      params={"SCORE": True}),
+    "mod_select": dict(op="mod_route", tile={"BLOCK_T": 32, "BLOCK_D": 128, "num_warps": 4}, params={"SCORE": True}),
     "mod_scatter": dict(op="mod_scatter", tile={"BLOCK_C": 32, "BLOCK_D": 128, "num_warps": 4}, params={}),
     "norm": dict(
         op="rms_norm",

@@ -7,6 +7,12 @@ feature blocks). Outputs are poisoned before each run, so an element no program 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +21,7 @@ from kiln.codegen.mod import RouteTiles, mod_gather, mod_route, mod_scatter, rou
 from kiln.ir.ops_mod import mod_rows
 
 ops = torch.ops.kiln
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Every dtype at the default tiles; the tiny tiles (which need more interpreted programs) in a 16-bit dtype.
 TILES_DTYPES = [("default", torch.float32), ("default", torch.bfloat16), ("default", torch.float16),
@@ -165,3 +172,48 @@ def test_a_long_flat_batch_on_the_gpu(dtype):
            ("r", "index", "count", "xs", "xpos"))
     _exact(mod_gather(x, positions, keep, 2000), ops.mod_gather(x, positions, keep, _capacity(2000, 8191)),
            ("index", "count", "xs", "xpos"))
+
+
+def _ptxas_available() -> bool:
+    try:
+        import triton.backends.nvidia as nv
+    except ImportError:
+        return False
+    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
+
+
+def _request(template: str, op: str, consts: dict, arch: int, dtypes: dict, divisible: list[str]) -> dict:
+    return {"template": template, "name": f"{template}_kernel", "op": op, "consts": consts, "arch": arch,
+            "options": {"num_warps": route_tiles(8192, 4096).num_warps}, "dtypes": dtypes, "divisible": divisible}
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
+def test_the_kernels_compile_for_h100_and_a100():
+    """Built by triton's own ptxas for sm90 / sm80 in a subprocess (this one has TRITON_INTERPRET=1), at the tiles
+    a flat batch of 8192 rows of 4096 features gets, in both forms and with int32 / int64 positions."""
+    tiles = route_tiles(8192, 4096)
+    tile = {"BLOCK_T": tiles.block_t, "BLOCK_D": tiles.block_d}
+    ints = {"counts_ptr": "*i32", "index_ptr": "*i64", "count_ptr": "*i64", "xpos_ptr": "*i64"}
+    rows = ["stride_xt", "stride_st"]
+    requests = [
+        _request("mod_select", "mod_route", {"SCORE": True, **tile}, 90,
+                 {"*": "*bf16", "r_ptr": "*fp32", "keep_ptr": "*fp32", "counts_ptr": "*i32"}, rows),
+        _request("mod_select", "mod_gather", {"SCORE": False, **tile}, 80,
+                 {"*": "*fp16", "r_ptr": "*fp32", "keep_ptr": "*i1", "counts_ptr": "*i32"}, rows),
+        _request("mod_route", "mod_route", {"SCORE": True, **tile, "BLOCK_S": tiles.block_s}, 90,
+                 {"*": "*bf16", "pos_ptr": "*i64", "keep_ptr": "*fp32", **ints}, rows),
+        _request("mod_route", "mod_gather", {"SCORE": False, **tile, "BLOCK_S": tiles.block_s}, 80,
+                 {"*": "*fp16", "pos_ptr": "*i32", "keep_ptr": "*i1", **ints}, rows),
+        _request("mod_scatter", "mod_scatter", {"BLOCK_C": tiles.block_t, "BLOCK_D": tiles.block_d}, 90,
+                 {"*": "*bf16", "r_ptr": "*fp32", "index_ptr": "*i64", "count_ptr": "*i64"},
+                 ["stride_xt", "stride_yt", "stride_ot"]),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "tests.support.cuda_compile"], input=json.dumps(requests), env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(requests), r.stderr[-3000:]
+    for req, res in zip(requests, results, strict=True):
+        assert res["error"] is None, f"{req['template']} {req['consts']} for sm{req['arch']}: {res['error']}"
+        assert res["shared"] <= 4096, (req, res)  # only reductions' scratch: no tile is staged in shared memory

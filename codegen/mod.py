@@ -97,6 +97,7 @@ def _compact(op: str, x: torch.Tensor, positions: torch.Tensor, rows: int, score
     if b == 0:
         return r, index, count, xs, xpos
     _check_grid(op, b)
+    assert 0 <= rows <= t, (rows, t)  # padding row c is written by the program of row block c // block_t
     tiles = route_tiles(t, d)
     nb = max(cdiv(t, tiles.block_t), 1)  # one block even for t = 0, which writes the count
     counts = torch.empty((b, nb), dtype=torch.int32, device=dev)  # launch 1's selected rows per row block

@@ -1,7 +1,7 @@
 """Mixture-of-Depths figures (issue 13): held-out perplexity against forward FLOPs per token.
 
     python bench/mod_routers.py distil  [--spec smollm2-135m] [--capacities 1.0 0.5 0.25 0.125] [--every 2]
-                                        [--steps 40] [--decide threshold] [--eval-tokens 4096]
+                                        [--steps 0] [--decide threshold] [--eval-tokens 4096] [--init auto]
     python bench/mod_routers.py scratch [--capacities 0.5 0.25 0.125] [--every 2] [--steps 400]
 
 distil: the routers of an existing model (default SmolLM2-135M-Instruct, the bundled GGUF dequantized to fp32)
@@ -90,16 +90,19 @@ def run_distil(args: argparse.Namespace) -> dict:
     for c in args.capacities:
         t0 = time.perf_counter()
         opts = RouterTraining(capacity=c, every=args.every, decide=args.decide, steps=args.steps, batch=args.batch,
-                              seq_len=args.seq_len, lr=args.lr, hidden=args.hidden)
+                              seq_len=args.seq_len, lr=args.lr, hidden=args.hidden, init=args.init,
+                              calib_windows=args.calib_windows)
         res = distil(cfg, weights, train_ids, opts)
-        extra = {"decide": args.decide, "distil_kl_first": res.losses[0] if res.losses else None,
+        extra = {"decide": args.decide, "init": args.init, "fit_correlation": res.fit_correlation,
+                 "distil_kl_first": res.losses[0] if res.losses else None,
                  "distil_kl_last": sum(res.losses[-5:]) / max(len(res.losses[-5:]), 1),
                  "seconds": time.perf_counter() - t0}
         rows.append(row(res.cfg, {**weights, **res.tensors}, eval_ids, args.window, extra))
         print(f"capacity {c}: perplexity {rows[-1]['perplexity_causal']:.3f}", file=sys.stderr)
     return {"mode": "distil", "spec": args.spec, "train_text": TRAIN_TEXT.name, "eval_text": EVAL_TEXT.name,
             "train_tokens": len(train_ids), "eval_tokens": len(eval_ids), "window": args.window, "every": args.every,
-            "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "rows": rows}
+            "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "init": args.init,
+            "calib_windows": args.calib_windows, "rows": rows}
 
 
 def scratch_config(every: int, capacity: float | None) -> ModelConfig:
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--decide", choices=("threshold", "predictor"), default="threshold")
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--init", choices=("auto", "fit", "flat"), default="auto",
+                    help="distil: how the routers start (kiln.train.routers; auto: fitted below capacity 1)")
+    ap.add_argument("--calib-windows", type=int, default=32, help="distil: windows for the fit and thresholds")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.mode == "distil":
         args.capacities = args.capacities or [1.0, 0.5, 0.25, 0.125]
-        args.steps = args.steps or 40
+        args.steps = 0 if args.steps is None else args.steps
         args.eval_tokens = args.eval_tokens or 4096
         result = run_distil(args)
     else:

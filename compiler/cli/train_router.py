@@ -33,7 +33,8 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     check_input_file("--eval-text", args.eval_text)
     out = check_output_file("-o", args.output)
     opts = RouterTraining(capacity=args.capacity, every=args.every, decide=args.decide, hidden=args.hidden,
-                          steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed)
+                          steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                          init=args.init, calib_windows=args.calib_windows)
     opts.mod()  # bad settings fail before the model loads
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype="fp32", device=args.device)  # a GGUF is dequantized off CUDA
@@ -48,7 +49,7 @@ def cmd_train_router(args: argparse.Namespace) -> int:
         f"{fractions}")
     if args.eval_text:
         eval_ids = m.tokenizer.encode(Path(args.eval_text).read_text(encoding="utf-8"))[: args.eval_tokens]
-        window = min(args.seq_len * 2, m.model.context)
+        window = min(args.seq_len, m.model.context)
         for name, cfg, gm in (("dense", m.model, m.gm),
                               ("routed", res.cfg, build_graph(res.cfg, {**weights, **res.tensors}))):
             nll, n = window_nll(gm, eval_ids, window)
@@ -74,9 +75,16 @@ def add_train_router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decide", choices=("threshold", "predictor"), default="threshold",
                    help="how generation decides per token (default threshold)")
     p.add_argument("--hidden", type=int, default=128, help="predictor width (decide = predictor)")
-    p.add_argument("--steps", type=int, default=100, help="distillation steps (default 100)")
+    p.add_argument("--init", choices=("auto", "fit", "flat"), default="auto",
+                   help="how the routers start: fit (to the tokens the dense model attends to most), flat (every "
+                   "score 1), auto (default: fit below capacity 1)")
+    p.add_argument("--calib-windows", type=int, default=32,
+                   help="windows of --seq-len tokens for the fit and the thresholds (default 32)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="KL-distillation steps after the start (default 0: the fit alone; see README, MoD figures)")
     p.add_argument("--batch", type=int, default=4, help="windows per step (default 4)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
+    p.add_argument("--seq-len", type=int, default=256,
+                   help="tokens per window (default 256; fit and score on the context length you serve)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")

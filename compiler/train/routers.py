@@ -1,8 +1,11 @@
 """Distil Mixture-of-Depths routers into an existing dense model (every other weight frozen).
 
-1. Routers: the student is the model with `route = mod(capacity, every)` in the training form (top ceil(c * T)
-   tokens per sequence by router score, block delta scaled by the score); only router.weight / router.bias learn,
-   by KL divergence to the dense teacher's next-token distribution on windows of a text.
+1. Routers: init = "fit" (the default below capacity 1) fits each router to the tokens the dense model attends to
+   most (kiln.train.router_fit: which tokens to keep is learnt from the teacher's attention); init = "flat" starts
+   every score at 1 (weight 0, bias 1: capacity 1 is then exactly the dense model). Then, for `steps` steps, the
+   student, the model with `route = mod(capacity, every)` in the training form (top ceil(c * T) tokens per sequence
+   by router score, block delta scaled by the score), learns router.weight / router.bias only, by KL divergence to
+   the dense teacher's next-token distribution on windows of a text.
 2. The causal decider, which generation needs (top-k over a sequence looks ahead):
    - threshold: routed layers in order, each layer's threshold is the (1 - capacity) quantile of its router scores
      on the calibration windows, measured in the causal form with the earlier layers' thresholds already set (so
@@ -29,6 +32,7 @@ from kiln.errors import KilnError
 from kiln.ir.frontend import build_graph
 from kiln.model_config import ModConfig, ModelConfig, param_shapes
 from kiln.train.differentiable import Differentiable
+from kiln.train.router_fit import EPS, fit_routers
 
 _ROUTER = re.compile(r"^layers\.(\d+)\.router\.")
 
@@ -45,7 +49,9 @@ class RouterTraining:
     lr: float = 3e-3
     predictor_steps: int = 300
     seed: int = 0
-    init_bias: float = 1.0  # the routers' starting score (1: the student starts as the dense model at capacity 1)
+    init_bias: float = 1.0  # init = "flat": the routers' starting score (1: at capacity 1, the dense model)
+    init: str = "auto"  # "fit" (heavy hitters; kiln.train.router_fit), "flat", or "auto": fit below capacity 1
+    calib_windows: int = 32  # windows of seq_len tokens for the fit and the thresholds (fewer if the text is short)
 
     def mod(self) -> ModConfig:
         if not 0 < self.capacity <= 1:
@@ -54,6 +60,8 @@ class RouterTraining:
             raise KilnError(f"every = {self.every} is out of range; allowed: an integer >= 1")
         if self.decide not in ("threshold", "predictor"):
             raise KilnError(f"decide = {self.decide!r}: allowed: threshold or predictor")
+        if self.init not in ("auto", "fit", "flat"):
+            raise KilnError(f"init = {self.init!r}: allowed: auto, fit or flat")
         return ModConfig(self.capacity, self.every, self.decide, self.hidden if self.decide == "predictor" else 0)
 
 
@@ -62,6 +70,7 @@ class RouterResult:
     cfg: ModelConfig  # the routed model's config
     tensors: dict[str, torch.Tensor]  # every router tensor by parameter name (fp32, CPU)
     losses: list[float] = field(default_factory=list)  # distillation KL per step
+    fit_correlation: dict[str, float] = field(default_factory=dict)  # init = fit: per routed layer (router_fit)
     routed_fraction: dict[int, float] = field(default_factory=dict)  # causal form, per routed layer, calibration text
 
 
@@ -97,6 +106,14 @@ def windows(ids: Sequence[int], seq_len: int, batch: int, gen: torch.Generator) 
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
+def calibration_windows(ids: Sequence[int], seq_len: int, count: int) -> torch.Tensor:
+    """[n, seq_len]: up to `count` consecutive windows from the start of the token stream (at least one)."""
+    n = max(1, min(count, len(ids) // seq_len))
+    if len(ids) < seq_len:
+        raise KilnError(f"the training text has {len(ids)} tokens; need at least seq_len = {seq_len}")
+    return torch.as_tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
 def _graph(cfg: ModelConfig, weights: dict[str, torch.Tensor], form: str) -> fx.GraphModule:
     return build_graph(cfg, weights, mod_form=form)
 
@@ -115,10 +132,21 @@ def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int
     mcfg = dataclasses.replace(cfg, route=opts.mod())
     gen = torch.Generator().manual_seed(opts.seed)
     teacher = build_graph(cfg, weights)
-    student_weights = {**weights, **initial_routers(mcfg, opts.seed, opts.init_bias)}
+    routers = initial_routers(mcfg, opts.seed, opts.init_bias)
+    calib = calibration_windows(ids, opts.seq_len, opts.calib_windows)
+    fitted = opts.init == "fit" or (opts.init == "auto" and opts.capacity < 1)
+    corr = {}
+    if fitted:  # fitted on the threshold form: a predictor is trained to copy the fitted routers afterwards
+        fit_cfg = dataclasses.replace(mcfg, route=dataclasses.replace(mcfg.route, decide="threshold", hidden=0))
+        plain = {n: t for n, t in routers.items() if ".predictor." not in n}
+        corr = fit_routers(fit_cfg, weights, plain, calib, progress)
+        routers |= plain
+    student_weights = {**weights, **routers}
     student = _graph(mcfg, student_weights, "training")
     _train_only_routers(student)
-    opt = torch.optim.Adam(_router_groups(student, windows(ids, opts.seq_len, opts.batch, gen), opts.lr))
+    # Fitted scores spread by EPS around 1, so a KL step may move them by a share of that, not by lr itself.
+    lr = opts.lr * (EPS if fitted else 1.0)
+    opt = torch.optim.Adam(_router_groups(student, windows(ids, opts.seq_len, opts.batch, gen), lr))
     run = Differentiable(student)
     losses = []
     from tqdm import tqdm  # lazy: progress only
@@ -134,11 +162,11 @@ def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int
         opt.step()
         losses.append(loss.item())
     trained = {n: p.detach().clone() for n, p in student.named_parameters() if _ROUTER.match(n)}
-    calib = windows(ids, opts.seq_len, max(opts.batch, 8), gen)
     if opts.decide == "predictor":
         trained |= _train_predictors(student, calib, opts, gen)
-    result = RouterResult(mcfg, trained, losses)
-    calibrate(result, weights, calib)
+    result = RouterResult(mcfg, trained, losses, corr)
+    # Fitted thresholds with no KL step after them are already the sequential quantiles calibrate() would compute.
+    calibrate(result, weights, calib, thresholds=not (fitted and opts.steps == 0))
     return result
 
 
@@ -219,13 +247,14 @@ def _train_predictors(student: fx.GraphModule, calib: torch.Tensor, opts: Router
     return out
 
 
-def calibrate(result: RouterResult, weights: dict[str, torch.Tensor], calib: torch.Tensor) -> None:
+def calibrate(result: RouterResult, weights: dict[str, torch.Tensor], calib: torch.Tensor,
+              thresholds: bool = True) -> None:
     """Set each routed layer's threshold (decide = threshold) in layer order on the causal form, and record the
     fraction of calibration tokens each routed layer takes when served."""
     cfg = result.cfg
     gm = _graph(cfg, {**weights, **result.tensors}, "causal")
     layers = routed_layers(cfg)
-    if cfg.route.decide == "threshold":
+    if cfg.route.decide == "threshold" and thresholds:
         for i in layers:  # layer i's scores depend only on the layers before it, whose thresholds are set
             name = f"layers.{i}.router.weight"
             r = _scores(gm, calib)[name][1].flatten()

@@ -1,0 +1,346 @@
+"""Mixture-of-Depths speed (issue 13): prefill and decode tokens/s of a routed model against its dense twin, through
+kiln's engine, in the same run.
+
+    python bench/mod_speed.py [SPEC] [--capacity 0.125] [--every 2] [--prefill-prompts 64] [--prefill-len 2048]
+                              [--decode-batches 1 64] [--decode-prompt 512] [--new-tokens 256] [--temperature 1]
+                              [--max-num-batched-tokens 16384] [--calib-prompts 8] [--calib-len 512]
+                              [--dtype bf16] [--device auto] [--copy-mib 1024] [--prefix-caching] [--out-dir DIR]
+    python bench/mod_speed.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no figures
+
+The dense twin is SPEC (default llama-3.2-1b) with seeded random weights generated on the device; the routed
+model is the same ModelConfig with route = mod(capacity, every, decide = threshold) on the same tensors plus one
+router per routed layer (weight N(0, 1/dim), bias 1, as kiln's random init). Its thresholds are calibrated in
+layer order on the causal form (each layer sees the inputs it will see when served): one eager pass of the Level-1
+graph over --calib-prompts random prompts sets each layer's threshold to the (1 - capacity) quantile of its router
+scores the moment they are computed, so the later layers' scores already follow the earlier thresholds.
+
+Measured through kiln.runtime.engine.Engine (compile_step as served: kernels on a GPU, CUDA graphs for the dense
+decode, none for the routed model, which decodes eagerly), each workload warmed up first on other random prompts
+with the same step shapes:
+- prefill: --prefill-prompts prompts of --prefill-len tokens, max_tokens 1; tokens/s = prompt tokens / wall time;
+- decode at each batch B: B prompts of --decode-prompt tokens, --new-tokens tokens each, EOS ignored, sampled at
+  --temperature (greedy decoding of random weights falls into loops whose routing is no sample of the prompts');
+  every prompt prefills in one step, so the decode interval (every request has its first token -> all done) is
+  B-row decode steps only; tokens/s = tokens generated in it / its wall time.
+Per workload and model: tokens/s, the routed/dense ratio, the fraction of rows each routed layer really routed
+(counted from the step's `routed` output, never assumed), KV bytes per token at those fractions, and the KV
+bytes the engine held when decoding started. Issue 13's targets: prefill >= 1.4x, decode at batch 64 >= 1.2x.
+Each engine gets an explicit pool: the workload's blocks plus a step of slack, the routed pools as large as the
+dense one, because a routed layer reserves its worst case (every new token of a step routed) before each step.
+Prefix caching is off unless --prefix-caching: random prompts never hit, and without it the KV bytes held count
+the live requests' blocks only (a cached entry would hold routed blocks of finished requests).
+Writes bench/results/mod_speed-<spec>-<device>-<date>.json (metadata: bench_meta.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+from bench_meta import result_path, run_metadata, write_json
+from ceilings import copy_bandwidth
+from torch import fx
+
+from kiln.build import resolve_device
+from kiln.compile.step import CompiledStep, compile_step
+from kiln.ir.frontend import TORCH_DTYPES, build_graph, random_weights, router_start
+from kiln.model_config import ModConfig, ModelConfig
+from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import SamplingParams
+from kiln.spec.loader import load_spec
+from kiln.step import kv_bytes_per_layer_block
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"prefill": 1.4, "decode_64": 1.2}  # issue 13: routed over dense tokens/s
+SMOKE = ["tiny-llama", "--prefill-prompts", "3", "--prefill-len", "40", "--decode-batches", "1", "3",
+         "--decode-prompt", "12", "--new-tokens", "6", "--calib-prompts", "4", "--calib-len", "32",
+         "--max-num-batched-tokens", "64", "--dtype", "fp32", "--device", "cpu", "--copy-mib", "4"]
+
+
+def say(msg: str) -> None:
+    print(f"mod_speed: {msg}", file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def routed_twin(cfg: ModelConfig, capacity: float, every: int) -> ModelConfig:
+    return dataclasses.replace(cfg, name=f"{cfg.name}-mod", route=ModConfig(capacity, every, "threshold"))
+
+
+def router_weights(cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """One router per routed layer of `cfg` (routed): weight N(0, 1/dim), bias as kiln's random init, threshold 0
+    until calibrate() sets it."""
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    bias = router_start(cfg)["bias"]
+    out = {}
+    for i in range(cfg.layers):
+        if cfg.route.routed(i):
+            p = f"layers.{i}.router"
+            out[f"{p}.weight"] = (torch.randn(1, cfg.dim, generator=gen, device=device) * cfg.dim**-0.5).to(dtype)
+            out[f"{p}.bias"] = torch.full((1,), bias, dtype=dtype, device=device)
+            out[f"{p}.threshold"] = torch.zeros(1, dtype=dtype, device=device)
+    return out
+
+
+class _Calibrate(fx.Interpreter):
+    """Runs the Level-1 causal form; each router's threshold becomes the (1 - capacity) quantile of its scores as
+    soon as they exist, before its mask reads the threshold (the parameter is filled in place)."""
+
+    def __init__(self, gm: fx.GraphModule, capacity: float):
+        super().__init__(gm)
+        self.capacity, self.thresholds = capacity, {}
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n.op == "call_function" and n.target is torch.ops.kiln.mod_router.default:
+            mask = next(u for u in n.users if u.target is torch.ops.kiln.mod_threshold_mask.default)
+            name = mask.args[1].target
+            q = float(torch.quantile(out.float().flatten(), 1.0 - self.capacity))
+            self.module.get_parameter(name).data.fill_(q)
+            self.thresholds[name] = q
+        return out
+
+
+def calibrate(gm: fx.GraphModule, cfg: ModelConfig, prompts: torch.Tensor) -> dict[str, float]:
+    """Set every routed layer's threshold on `prompts` [B, T]; returns them by parameter name."""
+    run = _Calibrate(gm, cfg.route.capacity)
+    pos = torch.arange(prompts.shape[1], device=prompts.device).expand_as(prompts)
+    with torch.no_grad():
+        run.run(prompts, pos)
+    return run.thresholds
+
+
+class CountRouted:
+    """A step model that counts, per routed layer, the rows it routed (on the device: no extra sync) and the rows
+    run; everything else is the wrapped CompiledStep's."""
+
+    def __init__(self, step: CompiledStep):
+        self.step = step
+        self.reset()
+
+    def __getattr__(self, name: str):
+        return getattr(self.step, name)
+
+    def reset(self) -> None:
+        self.rows, self.routed = 0, None
+
+    def __call__(self, batch, kv_cache):
+        out = self.step(batch, kv_cache)
+        if isinstance(out, tuple):
+            got = out[1].sum(-1, dtype=torch.int64)
+            self.routed = got if self.routed is None else self.routed + got
+            self.rows += batch.tokens.numel()
+        return out
+
+    def fractions(self, layers: list[int]) -> dict[str, float]:
+        if self.routed is None or not self.rows:
+            return {}
+        return {str(i): round(c / self.rows, 4) for i, c in zip(layers, self.routed.tolist(), strict=True)}
+
+
+def kv_bytes_per_token(step: CompiledStep, fractions: dict[str, float]) -> float:
+    """Bytes of K/V one token leaves in the cache: every dense layer's, plus each routed layer's times its measured
+    routed fraction."""
+    layer = kv_bytes_per_layer_block(step, 1)
+    return layer * (step.num_layers + sum(fractions.values()))
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: int
+    prompt_len: int
+    new_tokens: int
+    temperature: float
+    max_batched: int
+    prefix_caching: bool = False
+
+
+def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
+    per_seq = -(-(w.prompt_len + w.new_tokens) // block_size)
+    blocks = w.prompts * per_seq + -(-w.max_batched // block_size) + 2
+    routed = blocks if getattr(step, "num_routed_layers", 0) else None
+    return Engine(step, None, cfg, num_blocks=blocks, max_num_seqs=max(w.prompts, 1),
+                  max_num_batched_tokens=w.max_batched, max_model_len=w.prompt_len + w.new_tokens,
+                  routed_num_blocks=routed, enable_prefix_caching=w.prefix_caching)
+
+
+def _prompts(gen: torch.Generator, vocab: int, n: int, length: int) -> list[list[int]]:
+    return torch.randint(0, vocab, (n, length), generator=gen).tolist()
+
+
+def _run(engine: Engine, prompts: list[list[int]], w: Workload, on_all_started=None) -> tuple[float, dict]:
+    """Run the requests to completion: (wall seconds, {"t0", "tokens_at_t0", "tokens"}) where t0 is when every
+    request had its first token (on_all_started runs just before t0 is taken)."""
+    params = SamplingParams(temperature=w.temperature, max_tokens=w.new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(prompt_token_ids=p, params=params)
+    got: dict[str, int] = {}
+    mark: dict = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] = len(out.outputs[0].token_ids)
+        if not mark and len(got) == len(prompts) and all(got.values()):
+            if on_all_started is not None:
+                mark["at_start"] = on_all_started()
+            mark["t0"], mark["tokens_at_t0"] = time.perf_counter(), sum(got.values())
+    _sync(engine.model.device)
+    end = time.perf_counter()
+    return end - start, {**mark, "end": end, "tokens": sum(got.values())}
+
+
+def kv_in_use(engine: Engine) -> int:
+    """Bytes of K/V blocks the engine's live requests hold now (dense pool + every routed pool)."""
+    st, step = engine.stats, engine.model
+    layer = kv_bytes_per_layer_block(step, engine.block_manager.block_size)
+    return (st.num_blocks - st.num_free_blocks) * layer * step.num_layers + sum(st.routed_blocks_in_use) * layer
+
+
+def measure(step: CountRouted, cfg: ModelConfig, w: Workload, gen: torch.Generator, block_size: int,
+            routed_layers: list[int]) -> dict:
+    """One workload on a fresh engine: a warm-up run of the same shapes, then the timed run."""
+    engine = _engine(step, cfg, w, block_size)
+    # Warm-up (kernel compiles, graph captures) on the timed run's step shapes: one full prefill step and a bit
+    # more, or the whole decode batch for a few tokens.
+    warm = dataclasses.replace(w, prompts=min(w.prompts, w.max_batched // w.prompt_len + 1),
+                               new_tokens=min(w.new_tokens, 4))
+    _run(engine, _prompts(gen, cfg.vocab, warm.prompts, w.prompt_len), warm)
+    step.reset()
+    before = engine.stats
+    held = {}
+    secs, mark = _run(engine, _prompts(gen, cfg.vocab, w.prompts, w.prompt_len), w,
+                      on_all_started=lambda: held.setdefault("kv", kv_in_use(engine)))
+    st = engine.stats
+    row = {"wall_s": round(secs, 4), "steps": st.num_steps - before.num_steps,
+           "preemptions": st.num_preemptions - before.num_preemptions,
+           "kv_pool_bytes_allocated": engine.kv_bytes, "routed_fraction": step.fractions(routed_layers)}
+    if w.new_tokens == 1:
+        row["tok_s"] = round(w.prompts * w.prompt_len / secs, 2)
+    else:
+        row["decode_s"] = round(mark["end"] - mark["t0"], 4)
+        row["tok_s"] = round((mark["tokens"] - mark["tokens_at_t0"]) / (mark["end"] - mark["t0"]), 2)
+        row["kv_bytes_at_decode_start"] = held["kv"]
+    row["kv_bytes_per_token"] = round(kv_bytes_per_token(step, row["routed_fraction"]), 1)
+    return row
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_twins(spec: str, capacity: float, every: int, dtype: str, device: torch.device, seed: int,
+                calib: tuple[int, int]) -> tuple[dict, dict]:
+    """(dense, routed): each {"cfg", "step" (CountRouted), "thresholds"}; the routed model shares the dense tensors."""
+    loaded = load_spec(spec)
+    cfg, comp = loaded.model, dataclasses.replace(loaded.compile, dtype=dtype)
+    if cfg.route is not None:
+        raise SystemExit(f"{spec} is already routed; give its dense form (the routed twin is made here)")
+    tdtype = TORCH_DTYPES[dtype]
+    weights = random_weights(cfg, seed=seed, dtype=tdtype, device=device)
+    rcfg = routed_twin(cfg, capacity, every)
+    rcomp = dataclasses.replace(comp, extra={**comp.extra, "route": rcfg.route})
+    rgm = build_graph(rcfg, {**weights, **router_weights(rcfg, seed=seed, dtype=tdtype, device=device)},
+                      dtype=tdtype, device=device)
+    gen = torch.Generator().manual_seed(seed + 7)
+    calib_prompts = torch.randint(0, cfg.vocab, calib, generator=gen).to(device)
+    thresholds = calibrate(rgm, rcfg, calib_prompts)
+    dgm = build_graph(cfg, weights, dtype=tdtype, device=device)
+    del weights
+    kernels = device.type == "cuda"
+    out = []
+    for c, k, gm in ((cfg, comp, dgm), (rcfg, rcomp, rgm)):
+        t = time.perf_counter()
+        step = compile_step(gm, c, k, device=device, use_kernels=kernels)
+        say(f"{c.name}: compile_step {time.perf_counter() - t:.1f} s ({'kernels' if kernels else 'reference ops'})")
+        out.append({"cfg": c, "step": CountRouted(step), "thresholds": thresholds if c is rcfg else {}})
+    return out[0], out[1]
+
+
+def decode_bytes(step: CompiledStep, weight_bytes: int, batch: int, context: float, per_token: float) -> float:
+    """Bytes one decode step must read at least: the weights (the embedding table aside) and the batch's K/V."""
+    return weight_bytes + batch * context * per_token
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("spec", nargs="?", default="llama-3.2-1b", help="the dense twin (a bundled spec or .kiln file)")
+    ap.add_argument("--capacity", type=float, default=0.125)
+    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--prefill-prompts", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0, help="decode sampling (0: greedy)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="the prefill engine's step budget")
+    ap.add_argument("--calib-prompts", type=int, default=8)
+    ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
+    ap.add_argument("--prefix-caching", action="store_true", help="engines with prefix caching on (as served)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--smoke", action="store_true", help="tiny-llama on the CPU (plumbing only; figures mean nothing)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, "--out-dir", args.out_dir])
+        args.smoke = True
+    if not 0 < args.capacity <= 1 or args.every < 1 or args.new_tokens < 2:
+        raise SystemExit("need 0 < --capacity <= 1, --every >= 1 and --new-tokens >= 2")
+    device = resolve_device(args.device)
+    torch.manual_seed(args.seed)  # the samplers' global RNG (requests carry no seed)
+    copy_bw = copy_bandwidth(device, args.copy_mib << 20, iters=10)
+    dense, routed = build_twins(args.spec, args.capacity, args.every, args.dtype, device, args.seed,
+                                (args.calib_prompts, args.calib_len))
+    cfg = dense["cfg"]
+    layers = [i for i in range(cfg.layers) if routed["cfg"].route.routed(i)]
+    bs = dense["step"].block_size
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in dense["step"].gm.named_parameters()
+                       if "embed" not in n or cfg.tie_embeddings)  # a tied table is read as the lm_head
+    gen = torch.Generator().manual_seed(args.seed + 11)
+    loads = [("prefill", Workload(args.prefill_prompts, args.prefill_len, 1, args.temperature,
+                                  args.max_num_batched_tokens, args.prefix_caching))]
+    loads += [(f"decode_{b}", Workload(b, args.decode_prompt, args.new_tokens, args.temperature,
+                                       max(b * args.decode_prompt, 16), args.prefix_caching))
+              for b in args.decode_batches]
+    rows = []
+    for name, w in loads:
+        row = {"workload": name, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
+        for side, m in (("dense", dense), ("routed", routed)):
+            row[side] = measure(m["step"], m["cfg"], w, gen, bs, layers)
+            _free()  # the engine's pools go before the next one is sized
+            if w.new_tokens > 1:
+                per_step = decode_bytes(m["step"].step, weight_bytes, w.prompts,
+                                        w.prompt_len + w.new_tokens / 2, row[side]["kv_bytes_per_token"])
+                row[side]["bandwidth_share"] = round(row[side]["tok_s"] / w.prompts * per_step / copy_bw, 4)
+        row["routed_over_dense"] = round(row["routed"]["tok_s"] / row["dense"]["tok_s"], 3)
+        if name in TARGETS:
+            row["target"] = TARGETS[name]
+        say(f"{name}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "
+            f"{row['routed_over_dense']:.2f}x{f' (target {TARGETS[name]}x)' if name in TARGETS else ''}; routed "
+            f"fraction per layer {row['routed']['routed_fraction']}")
+        rows.append(row)
+    result = {"bench": "mod_speed", **run_metadata(), "spec": args.spec, "smoke": args.smoke, "dtype": args.dtype,
+              "capacity": args.capacity, "every": args.every, "decide": "threshold", "routed_layers": layers,
+              "thresholds": routed["thresholds"], "temperature": args.temperature,
+              "prefix_caching": args.prefix_caching,
+              "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
+              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": rows}
+    path = write_json(result_path(args.out_dir, f"mod_speed-{args.spec}" + ("-smoke" if args.smoke else "")), result)
+    say(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

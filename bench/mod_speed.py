@@ -29,6 +29,8 @@ Each engine gets an explicit pool: the workload's blocks plus a step of slack, t
 dense one, because a routed layer reserves its worst case (every new token of a step routed) before each step.
 Prefix caching is off unless --prefix-caching: random prompts never hit, and without it the KV bytes held count
 the live requests' blocks only (a cached entry would hold routed blocks of finished requests).
+The routed body's per-row work: prefill steps (N >= kv_cache.NARROW_MIN_ROWS rows) run it on the routed rows
+only, decode steps on all N rows (the padded path; passes/mod_routing.py says why); both knobs are in the JSON.
 Writes bench/results/mod_speed-<spec>-<device>-<date>.json (metadata: bench_meta.py).
 """
 
@@ -50,6 +52,7 @@ from kiln.build import resolve_device
 from kiln.compile.step import CompiledStep, compile_step
 from kiln.ir.frontend import TORCH_DTYPES, build_graph, random_weights, router_start
 from kiln.model_config import ModConfig, ModelConfig
+from kiln.passes import kv_cache as kv_cache_pass
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
 from kiln.spec.loader import load_spec
@@ -336,6 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
               "thresholds": routed["thresholds"], "temperature": args.temperature,
               "prefix_caching": args.prefix_caching,
               "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
+              "narrow_min_rows": kv_cache_pass.NARROW_MIN_ROWS, "narrow_bucket": kv_cache_pass.NARROW_BUCKET,
               "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": rows}
     path = write_json(result_path(args.out_dir, f"mod_speed-{args.spec}" + ("-smoke" if args.smoke else "")), result)
     say(f"wrote {path}")

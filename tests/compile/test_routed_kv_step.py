@@ -131,3 +131,73 @@ def test_what_is_not_built_is_refused():
         step(dense_only, cache)
     with pytest.raises(KilnError, match="this model has 2 routed layers"):
         step(_batch([([1, 2, 3], 0, 3)], [[1]], [[0], [0]], [[[1]], [[1]]]), type(cache)(cache.data))
+
+
+class _CountRows(fx.Interpreter):
+    """Runs a step graph as CompiledStep does, noting the rows every linear node's input had at run time."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.rows: dict[str, int] = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.meta.get("kiln_op", str(n.target)) == "kiln.linear.default":
+            self.rows[n.name] = self.env[n.args[0]].shape[-2]
+        return out
+
+
+@pytest.mark.parametrize(("spec", "use_kernels"), [("tiny-llama-mod", False), ("tiny-llama-mod", True),
+                                                   ("tiny-mistral-mod", False)],
+                         ids=["llama-reference", "llama-kernels", "mistral-reference"])
+def test_the_narrowed_body_equals_the_padded_one_on_fewer_rows(spec, use_kernels, monkeypatch):
+    """NARROW_MIN_ROWS lowered to 1 (and buckets of 2 rows): every step narrows each routed layer's body to its
+    routed count rounded up to 2; the routing equals the padded path's, the logits and both pools equal them up to
+    fp32 rounding, and the routed layers' linears ran on those rows, the dense layers' on all of them."""
+    import kiln.passes.kv_cache as kv_cache_pass
+
+    loaded = load_model(spec, device="cpu", seed=4)
+    padded = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu",
+                          use_kernels=use_kernels)
+    monkeypatch.setattr(kv_cache_pass, "NARROW_MIN_ROWS", 1)
+    monkeypatch.setattr(kv_cache_pass, "NARROW_BUCKET", 2)
+    narrowed = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu",
+                            use_kernels=use_kernels)
+    for step, knobs in ((padded, (256, 64)), (narrowed, (1, 2))):
+        nodes = [n for n in step.gm.graph.nodes if n.name.endswith("_mod_narrow")]
+        assert [n.name for n in nodes] == ["layers_1_mod_narrow", "layers_3_mod_narrow"]
+        assert all(tuple(n.args[2:]) == knobs for n in nodes)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 512, (12,), generator=g).tolist(), torch.randint(0, 512, (8,), generator=g).tolist()]
+    caches = [allocate_kv_cache(s, 9, BS, routed_num_blocks=9) for s in (padded, narrowed)]
+    tables, routed_tables = [[1, 2, 3], [4, 5, 0]], [[[1, 2, 3], [4, 5, 0]], [[6, 7, 8], [3, 2, 0]]]
+    lens = [[0, 0], [0, 0]]
+    saw_fewer = 0
+    for chunks in ([(seqs[0], 0, 7), (seqs[1], 0, 6)], [(seqs[0], 7, 11), (seqs[1], 6, 7)],
+                   [(seqs[0], 11, 12), (seqs[1], 7, 8)]):
+        batch = _batch(chunks, tables, lens, routed_tables)
+        n = batch.tokens.numel()
+        outs, rows = [], []
+        for step, cache in zip((padded, narrowed), caches, strict=True):
+            run = _CountRows(step.gm)
+            with torch.no_grad():
+                outs.append(run.run(*batch.graph_inputs(cache).values()))
+            rows.append(run.rows)
+        (logits_p, *routed_p), (logits_n, *routed_n) = outs
+        # The same routing; the same values up to fp32 rounding, which a GEMM may round differently for another
+        # row count (CPU BLAS picks its kernel by M: F.linear of 5 rows and of their first 2 differ by ~5e-6).
+        assert all(map(torch.equal, routed_p, routed_n))
+        torch.testing.assert_close(logits_n, logits_p, rtol=1e-5, atol=1e-5)
+        for cache_p, cache_n in (caches[0].data, caches[1].data), (caches[0].routed, caches[1].routed):
+            torch.testing.assert_close(cache_n, cache_p, rtol=1e-5, atol=1e-5)
+        counts = [int(r.sum()) for r in routed_n]
+        assert rows[0] == {**rows[1], **{k: n for k in rows[1] if k != "logits"}}  # padded: every body on N rows
+        for name, got in rows[1].items():
+            layer = name.split("_")[1] if name.startswith("layers_") else None
+            want = {None: 2, "0": n, "2": n, "1": min(n, -(-max(counts[0], 1) // 2) * 2),
+                    "3": min(n, -(-max(counts[1], 1) // 2) * 2)}[layer]  # None: the lm_head's sampled rows
+            assert got == want, (name, got, want, counts)
+            saw_fewer += got < n and layer in ("1", "3")
+        starts = [0, *torch.tensor([b - a for _, a, b in chunks]).cumsum(0).tolist()]
+        lens = [[lens[j][i] + int(routed_n[j][starts[i]:starts[i + 1]].sum()) for i in range(2)] for j in range(2)]
+    assert saw_fewer >= 4  # the prefill step's routed linears (4 per layer) really ran on fewer rows

@@ -3,8 +3,9 @@ kiln's engine, in the same run.
 
     python bench/mod_speed.py [SPEC] [--capacity 0.125] [--every 2] [--prefill-prompts 64] [--prefill-len 2048]
                               [--decode-batches 1 64] [--decode-prompt 512] [--new-tokens 256] [--temperature 1]
-                              [--max-num-batched-tokens 16384] [--calib-prompts 8] [--calib-len 512]
-                              [--dtype bf16] [--device auto] [--copy-mib 1024] [--prefix-caching] [--out-dir DIR]
+                              [--max-num-batched-tokens 16384] [--narrow-min-rows 256] [--narrow-bucket 64]
+                              [--calib-prompts 8] [--calib-len 512] [--dtype bf16] [--device auto] [--copy-mib 1024]
+                              [--prefix-caching] [--out-dir DIR]
     python bench/mod_speed.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no figures
 
 The dense twin is SPEC (default llama-3.2-1b) with seeded random weights generated on the device; the routed
@@ -30,7 +31,8 @@ dense one, because a routed layer reserves its worst case (every new token of a 
 Prefix caching is off unless --prefix-caching: random prompts never hit, and without it the KV bytes held count
 the live requests' blocks only (a cached entry would hold routed blocks of finished requests).
 The routed body's per-row work: prefill steps (N >= kv_cache.NARROW_MIN_ROWS rows) run it on the routed rows
-only, decode steps on all N rows (the padded path; passes/mod_routing.py says why); both knobs are in the JSON.
+only, decode steps on all N rows (the padded path; passes/mod_routing.py says why); --narrow-min-rows moves the
+line (--smoke lowers it so that its prefill steps narrow too); both knobs are in the JSON.
 Writes bench/results/mod_speed-<spec>-<device>-<date>.json (metadata: bench_meta.py).
 """
 
@@ -62,7 +64,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"prefill": 1.4, "decode_64": 1.2}  # issue 13: routed over dense tokens/s
 SMOKE = ["tiny-llama", "--prefill-prompts", "3", "--prefill-len", "40", "--decode-batches", "1", "3",
          "--decode-prompt", "12", "--new-tokens", "6", "--calib-prompts", "4", "--calib-len", "32",
-         "--max-num-batched-tokens", "64", "--dtype", "fp32", "--device", "cpu", "--copy-mib", "4"]
+         "--max-num-batched-tokens", "64", "--narrow-min-rows", "16", "--narrow-bucket", "8", "--dtype", "fp32",
+         "--device", "cpu", "--copy-mib", "4"]
 
 
 def say(msg: str) -> None:
@@ -291,6 +294,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
+    ap.add_argument("--narrow-min-rows", type=int, default=kv_cache_pass.NARROW_MIN_ROWS,
+                    help="steps of at least this many rows run the routed bodies on their routed rows only "
+                         "(kv_cache.NARROW_MIN_ROWS; a huge value keeps every step padded, for comparison)")
+    ap.add_argument("--narrow-bucket", type=int, default=kv_cache_pass.NARROW_BUCKET,
+                    help="the narrowed rows are rounded up to a multiple of this (kv_cache.NARROW_BUCKET)")
     ap.add_argument("--prefix-caching", action="store_true", help="engines with prefix caching on (as served)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -301,11 +309,18 @@ def main(argv: list[str] | None = None) -> dict:
         args.smoke = True
     if not 0 < args.capacity <= 1 or args.every < 1 or args.new_tokens < 2:
         raise SystemExit("need 0 < --capacity <= 1, --every >= 1 and --new-tokens >= 2")
+    if args.narrow_min_rows < 1 or args.narrow_bucket < 1:
+        raise SystemExit("--narrow-min-rows and --narrow-bucket must be >= 1")
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)  # the samplers' global RNG (requests carry no seed)
     copy_bw = copy_bandwidth(device, args.copy_mib << 20, iters=10)
-    dense, routed = build_twins(args.spec, args.capacity, args.every, args.dtype, device, args.seed,
-                                (args.calib_prompts, args.calib_len))
+    knobs = (kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET)
+    kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = args.narrow_min_rows, args.narrow_bucket
+    try:  # compile_step's kv_cache pass reads them; restored for whoever compiles next in this process
+        dense, routed = build_twins(args.spec, args.capacity, args.every, args.dtype, device, args.seed,
+                                    (args.calib_prompts, args.calib_len))
+    finally:
+        kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = knobs
     cfg = dense["cfg"]
     layers = [i for i in range(cfg.layers) if routed["cfg"].route.routed(i)]
     bs = dense["step"].block_size
@@ -339,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
               "thresholds": routed["thresholds"], "temperature": args.temperature,
               "prefix_caching": args.prefix_caching,
               "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
-              "narrow_min_rows": kv_cache_pass.NARROW_MIN_ROWS, "narrow_bucket": kv_cache_pass.NARROW_BUCKET,
+              "narrow_min_rows": args.narrow_min_rows, "narrow_bucket": args.narrow_bucket,
               "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": rows}
     path = write_json(result_path(args.out_dir, f"mod_speed-{args.spec}" + ("-smoke" if args.smoke else "")), result)
     say(f"wrote {path}")

@@ -5,7 +5,7 @@ kiln's engine, in the same run.
                               [--decode-batches 1 64] [--decode-prompt 512] [--new-tokens 256] [--temperature 1]
                               [--max-num-batched-tokens 16384] [--narrow-min-rows 256] [--narrow-bucket 64]
                               [--calib-prompts 8] [--calib-len 512] [--dtype bf16] [--device auto] [--copy-mib 1024]
-                              [--prefix-caching] [--out-dir DIR]
+                              [--padded-prefill] [--prefix-caching] [--out-dir DIR]
     python bench/mod_speed.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no figures
 
 The dense twin is SPEC (default llama-3.2-1b) with seeded random weights generated on the device; the routed
@@ -32,17 +32,21 @@ Prefix caching is off unless --prefix-caching: random prompts never hit, and wit
 the live requests' blocks only (a cached entry would hold routed blocks of finished requests).
 The routed body's per-row work: prefill steps (N >= kv_cache.NARROW_MIN_ROWS rows) run it on the routed rows
 only, decode steps on all N rows (the padded path; passes/mod_routing.py says why); --narrow-min-rows moves the
-line (--smoke lowers it so that its prefill steps narrow too); both knobs are in the JSON.
+line (--smoke lowers it so that its prefill steps narrow too); both knobs are in the JSON. --padded-prefill
+compiles a third model, the routed one with narrowing off, and adds its prefill (`routed_padded`): what the
+narrowing buys, in the same run. The JSON is rewritten after every workload, so a run cut short keeps its rows.
 Writes bench/results/mod_speed-<spec>-<device>-<date>.json (metadata: bench_meta.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -61,11 +65,12 @@ from kiln.spec.loader import load_spec
 from kiln.step import kv_bytes_per_layer_block
 
 RESULTS = Path(__file__).resolve().parent / "results"
+NEVER = 1 << 62  # a NARROW_MIN_ROWS no step reaches: the padded path everywhere
 TARGETS = {"prefill": 1.4, "decode_64": 1.2}  # issue 13: routed over dense tokens/s
 SMOKE = ["tiny-llama", "--prefill-prompts", "3", "--prefill-len", "40", "--decode-batches", "1", "3",
          "--decode-prompt", "12", "--new-tokens", "6", "--calib-prompts", "4", "--calib-len", "32",
          "--max-num-batched-tokens", "64", "--narrow-min-rows", "16", "--narrow-bucket", "8", "--dtype", "fp32",
-         "--device", "cpu", "--copy-mib", "4"]
+         "--device", "cpu", "--copy-mib", "4", "--padded-prefill"]
 
 
 def say(msg: str) -> None:
@@ -210,10 +215,12 @@ def kv_in_use(engine: Engine) -> int:
     return (st.num_blocks - st.num_free_blocks) * layer * step.num_layers + sum(st.routed_blocks_in_use) * layer
 
 
-def measure(step: CountRouted, cfg: ModelConfig, w: Workload, gen: torch.Generator, block_size: int,
+def measure(step: CountRouted, cfg: ModelConfig, w: Workload, seed: int, block_size: int,
             routed_layers: list[int]) -> dict:
-    """One workload on a fresh engine: a warm-up run of the same shapes, then the timed run."""
+    """One workload on a fresh engine: a warm-up run of the same shapes, then the timed run; the prompts depend on
+    the seed alone, so every model of a workload gets the same ones."""
     engine = _engine(step, cfg, w, block_size)
+    gen = torch.Generator().manual_seed(seed)
     # Warm-up (kernel compiles, graph captures) on the timed run's step shapes: one full prefill step and a bit
     # more, or the whole decode batch for a few tokens.
     warm = dataclasses.replace(w, prompts=min(w.prompts, w.max_batched // w.prompt_len + 1),
@@ -244,9 +251,22 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def narrow_knobs(min_rows: int, bucket: int) -> Iterator[None]:
+    """kv_cache.NARROW_MIN_ROWS / NARROW_BUCKET for the compile_step calls inside (the pass reads them), restored
+    after for whoever compiles next in this process."""
+    saved = (kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET)
+    kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = min_rows, bucket
+    try:
+        yield
+    finally:
+        kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = saved
+
+
 def build_twins(spec: str, capacity: float, every: int, dtype: str, device: torch.device, seed: int,
-                calib: tuple[int, int]) -> tuple[dict, dict]:
-    """(dense, routed): each {"cfg", "step" (CountRouted), "thresholds"}; the routed model shares the dense tensors."""
+                calib: tuple[int, int], copies: int) -> tuple[list[tuple], dict[str, float]]:
+    """([(cfg, compile cfg, Level-1 graph)] of the dense model and `copies` routed ones, the routed thresholds by
+    name). Every graph holds the same dense tensors (no copy), the routed ones the same calibrated routers."""
     loaded = load_spec(spec)
     cfg, comp = loaded.model, dataclasses.replace(loaded.compile, dtype=dtype)
     if cfg.route is not None:
@@ -255,21 +275,26 @@ def build_twins(spec: str, capacity: float, every: int, dtype: str, device: torc
     weights = random_weights(cfg, seed=seed, dtype=tdtype, device=device)
     rcfg = routed_twin(cfg, capacity, every)
     rcomp = dataclasses.replace(comp, extra={**comp.extra, "route": rcfg.route})
-    rgm = build_graph(rcfg, {**weights, **router_weights(rcfg, seed=seed, dtype=tdtype, device=device)},
-                      dtype=tdtype, device=device)
+    routers = router_weights(rcfg, seed=seed, dtype=tdtype, device=device)
+    rgm = build_graph(rcfg, {**weights, **routers}, dtype=tdtype, device=device)
     gen = torch.Generator().manual_seed(seed + 7)
-    calib_prompts = torch.randint(0, cfg.vocab, calib, generator=gen).to(device)
-    thresholds = calibrate(rgm, rcfg, calib_prompts)
-    dgm = build_graph(cfg, weights, dtype=tdtype, device=device)
-    del weights
+    thresholds = calibrate(rgm, rcfg, torch.randint(0, cfg.vocab, calib, generator=gen).to(device))
+    routers.update({name: torch.full((1,), q, dtype=tdtype, device=device) for name, q in thresholds.items()})
+    graphs = [(cfg, comp, build_graph(cfg, weights, dtype=tdtype, device=device)), (rcfg, rcomp, rgm)]
+    graphs += [(rcfg, rcomp, build_graph(rcfg, {**weights, **routers}, dtype=tdtype, device=device))
+               for _ in range(copies - 1)]
+    return graphs, thresholds
+
+
+def compile_side(cfg: ModelConfig, comp, gm: fx.GraphModule, device: torch.device, knobs: tuple[int, int]
+                 ) -> CountRouted:
     kernels = device.type == "cuda"
-    out = []
-    for c, k, gm in ((cfg, comp, dgm), (rcfg, rcomp, rgm)):
-        t = time.perf_counter()
-        step = compile_step(gm, c, k, device=device, use_kernels=kernels)
-        say(f"{c.name}: compile_step {time.perf_counter() - t:.1f} s ({'kernels' if kernels else 'reference ops'})")
-        out.append({"cfg": c, "step": CountRouted(step), "thresholds": thresholds if c is rcfg else {}})
-    return out[0], out[1]
+    t = time.perf_counter()
+    with narrow_knobs(*knobs):
+        step = compile_step(gm, cfg, comp, device=device, use_kernels=kernels)
+    say(f"{cfg.name}: compile_step {time.perf_counter() - t:.1f} s ({'kernels' if kernels else 'reference ops'}, "
+        f"narrowing at >= {knobs[0]} rows)")
+    return CountRouted(step)
 
 
 def decode_bytes(step: CompiledStep, weight_bytes: int, batch: int, context: float, per_token: float) -> float:
@@ -299,6 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "(kv_cache.NARROW_MIN_ROWS; a huge value keeps every step padded, for comparison)")
     ap.add_argument("--narrow-bucket", type=int, default=kv_cache_pass.NARROW_BUCKET,
                     help="the narrowed rows are rounded up to a multiple of this (kv_cache.NARROW_BUCKET)")
+    ap.add_argument("--padded-prefill", action="store_true",
+                    help="also the routed prefill with narrowing off (a third model): what narrowing buys")
     ap.add_argument("--prefix-caching", action="store_true", help="engines with prefix caching on (as served)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -314,49 +341,54 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)  # the samplers' global RNG (requests carry no seed)
     copy_bw = copy_bandwidth(device, args.copy_mib << 20, iters=10)
-    knobs = (kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET)
-    kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = args.narrow_min_rows, args.narrow_bucket
-    try:  # compile_step's kv_cache pass reads them; restored for whoever compiles next in this process
-        dense, routed = build_twins(args.spec, args.capacity, args.every, args.dtype, device, args.seed,
-                                    (args.calib_prompts, args.calib_len))
-    finally:
-        kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = knobs
+    graphs, thresholds = build_twins(args.spec, args.capacity, args.every, args.dtype, device, args.seed,
+                                     (args.calib_prompts, args.calib_len), 2 if args.padded_prefill else 1)
+    knobs = (args.narrow_min_rows, args.narrow_bucket)
+    steps = [compile_side(*g, device, knobs) for g in graphs[:2]]
+    steps += [compile_side(*g, device, (NEVER, args.narrow_bucket)) for g in graphs[2:]]
+    dense, routed = {"cfg": graphs[0][0], "step": steps[0]}, {"cfg": graphs[1][0], "step": steps[1]}
+    padded = {"cfg": graphs[1][0], "step": steps[2]} if args.padded_prefill else None
+    del graphs
     cfg = dense["cfg"]
     layers = [i for i in range(cfg.layers) if routed["cfg"].route.routed(i)]
     bs = dense["step"].block_size
     weight_bytes = sum(p.numel() * p.element_size() for n, p in dense["step"].gm.named_parameters()
                        if "embed" not in n or cfg.tie_embeddings)  # a tied table is read as the lm_head
-    gen = torch.Generator().manual_seed(args.seed + 11)
+    name = Path(args.spec).name.removesuffix(".kiln")  # a bundled name, or a spec file's stem
+    path = result_path(args.out_dir, f"mod_speed-{name}" + ("-smoke" if args.smoke else ""))
+    result = {"bench": "mod_speed", **run_metadata(), "spec": args.spec, "smoke": args.smoke, "dtype": args.dtype,
+              "capacity": args.capacity, "every": args.every, "decide": "threshold", "routed_layers": layers,
+              "thresholds": thresholds, "temperature": args.temperature, "prefix_caching": args.prefix_caching,
+              "narrow_min_rows": args.narrow_min_rows, "narrow_bucket": args.narrow_bucket,
+              "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
+              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": []}
     loads = [("prefill", Workload(args.prefill_prompts, args.prefill_len, 1, args.temperature,
                                   args.max_num_batched_tokens, args.prefix_caching))]
     loads += [(f"decode_{b}", Workload(b, args.decode_prompt, args.new_tokens, args.temperature,
                                        max(b * args.decode_prompt, 16), args.prefix_caching))
               for b in args.decode_batches]
-    rows = []
-    for name, w in loads:
-        row = {"workload": name, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
-        for side, m in (("dense", dense), ("routed", routed)):
-            row[side] = measure(m["step"], m["cfg"], w, gen, bs, layers)
+    for load, w in loads:
+        row = {"workload": load, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
+        sides = [("dense", dense), ("routed", routed)]
+        sides += [("routed_padded", padded)] if padded is not None and w.new_tokens == 1 else []
+        for side, m in sides:
+            row[side] = measure(m["step"], m["cfg"], w, args.seed + 11 + len(result["rows"]), bs, layers)
             _free()  # the engine's pools go before the next one is sized
             if w.new_tokens > 1:
                 per_step = decode_bytes(m["step"].step, weight_bytes, w.prompts,
                                         w.prompt_len + w.new_tokens / 2, row[side]["kv_bytes_per_token"])
                 row[side]["bandwidth_share"] = round(row[side]["tok_s"] / w.prompts * per_step / copy_bw, 4)
-        row["routed_over_dense"] = round(row["routed"]["tok_s"] / row["dense"]["tok_s"], 3)
-        if name in TARGETS:
-            row["target"] = TARGETS[name]
-        say(f"{name}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "
-            f"{row['routed_over_dense']:.2f}x{f' (target {TARGETS[name]}x)' if name in TARGETS else ''}; routed "
-            f"fraction per layer {row['routed']['routed_fraction']}")
-        rows.append(row)
-    result = {"bench": "mod_speed", **run_metadata(), "spec": args.spec, "smoke": args.smoke, "dtype": args.dtype,
-              "capacity": args.capacity, "every": args.every, "decide": "threshold", "routed_layers": layers,
-              "thresholds": routed["thresholds"], "temperature": args.temperature,
-              "prefix_caching": args.prefix_caching,
-              "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
-              "narrow_min_rows": args.narrow_min_rows, "narrow_bucket": args.narrow_bucket,
-              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": rows}
-    path = write_json(result_path(args.out_dir, f"mod_speed-{args.spec}" + ("-smoke" if args.smoke else "")), result)
+        for side in ("routed", "routed_padded"):
+            if side in row:
+                row[f"{side}_over_dense"] = round(row[side]["tok_s"] / row["dense"]["tok_s"], 3)
+        if load in TARGETS:
+            row["target"] = TARGETS[load]
+        say(f"{load}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "
+            f"{row['routed_over_dense']:.2f}x{f' (target {TARGETS[load]}x)' if load in TARGETS else ''}"
+            + (f", routed without narrowing {row['routed_padded_over_dense']:.2f}x" if "routed_padded" in row else "")
+            + f"; routed fraction per layer {row['routed']['routed_fraction']}")
+        result["rows"].append(row)
+        write_json(path, result)  # after every workload: a run cut short keeps what it measured
     say(f"wrote {path}")
     return result
 

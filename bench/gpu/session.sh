@@ -110,7 +110,9 @@ phase_compare() {
 }
 
 phase_mod() {  # issue 13: a routed 1B (capacity 0.125, every 2) against its dense twin, prefill and decode
-  run mod_speed 420 "$PY" bench/mod_speed.py llama-3.2-1b --capacity 0.125 --every 2 --out-dir "$R"
+  # the targets first (the JSON is rewritten after each workload), then batch 1; the padded routed prefill beside
+  run mod_speed 540 "$PY" bench/mod_speed.py llama-3.2-1b --capacity 0.125 --every 2 --decode-batches 64 1 \
+      --padded-prefill --out-dir "$R"
 }
 
 summary() {

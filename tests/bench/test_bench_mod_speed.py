@@ -82,5 +82,9 @@ def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
         if row["new_tokens"] > 1:
             assert dense["decode_s"] > 0 and 0 < routed["kv_bytes_at_decode_start"] <= dense["kv_bytes_at_decode_start"]
             assert dense["bandwidth_share"] > 0
+    prefill = result["rows"][0]
+    assert prefill["routed_padded"]["tok_s"] > 0 and "routed_padded" not in result["rows"][1]
+    # the same model and prompts with narrowing off: the same routing decisions
+    assert prefill["routed_padded"]["routed_fraction"] == prefill["routed"]["routed_fraction"]
     saved = json.loads(next(tmp_path.glob("mod_speed-tiny-llama-smoke-*.json")).read_text())
     assert saved["rows"] == result["rows"] and saved["torch"] and saved["commit"]

@@ -1,5 +1,5 @@
-"""bench/mod_speed.py: its threshold calibration, and its --smoke run on CPU (figures checked for shape, never
-speed)."""
+"""bench/mod_speed.py: its threshold calibration (bench/mod_twins.py), and its --smoke run on CPU (figures checked
+for shape, never speed)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta and ceilings, as when run as a script
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta, ceilings, mod_twins, as when run as a script
     spec = importlib.util.spec_from_file_location("mod_speed_bench", ROOT / "bench" / "mod_speed.py")
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
-    return mod
+    yield mod
+    sys.modules.pop("mod_twins", None)
 
 
 def _masks(gm: fx.GraphModule, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -45,13 +46,15 @@ def _masks(gm: fx.GraphModule, tokens: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_calibration_routes_the_capacity_share_in_every_layer(bench):
-    cfg = bench.routed_twin(load_spec("tiny-llama-mod").model, 0.25, 2)
-    weights = bench.router_weights(cfg, seed=3, dtype=torch.float32, device=torch.device("cpu"))
+    import mod_twins  # bench/, on sys.path through the fixture
+
+    cfg = mod_twins.routed_twin(load_spec("tiny-llama-mod").model, 0.25, 2)
+    weights = mod_twins.router_weights(cfg, seed=3, dtype=torch.float32, device=torch.device("cpu"))
     dense = {k: v for k, v in random_weights(cfg, seed=3).items() if ".router." not in k}
     gm = build_graph(cfg, {**dense, **weights})
     tokens = torch.randint(0, cfg.vocab, (4, 50), generator=torch.Generator().manual_seed(1))
     before = [m.float().mean().item() for m in _masks(gm, tokens)]
-    thresholds = bench.calibrate(gm, cfg, tokens)
+    thresholds = mod_twins.calibrate(gm, cfg, tokens)
     assert sorted(thresholds) == ["layers.1.router.threshold", "layers.3.router.threshold"]
     after = _masks(gm, tokens)
     n = tokens.numel()

@@ -5,7 +5,7 @@ kiln's engine, in the same run.
                               [--decode-batches 1 64] [--decode-prompt 512] [--new-tokens 256] [--temperature 1]
                               [--max-num-batched-tokens 16384] [--narrow-min-rows 256] [--narrow-bucket 64]
                               [--calib-prompts 8] [--calib-len 512] [--dtype bf16] [--device auto] [--copy-mib 1024]
-                              [--padded-prefill] [--prefix-caching] [--out-dir DIR]
+                              [--padded-prefill] [--eager] [--prefix-caching] [--out-dir DIR]
     python bench/mod_speed.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no figures
 
 The dense twin is SPEC (default llama-3.2-1b) with seeded random weights generated on the device; the routed
@@ -16,8 +16,8 @@ graph over --calib-prompts random prompts sets each layer's threshold to the (1 
 scores the moment they are computed, so the later layers' scores already follow the earlier thresholds.
 
 Measured through kiln.runtime.engine.Engine (compile_step as served: kernels on a GPU, CUDA graphs for the dense
-decode, none for the routed model, which decodes eagerly), each workload warmed up first on other random prompts
-with the same step shapes:
+decode, none for the routed model, which decodes eagerly; --eager drops them for the dense model too), each
+workload warmed up first on other random prompts with the same step shapes:
 - prefill: --prefill-prompts prompts of --prefill-len tokens, max_tokens 1; tokens/s = prompt tokens / wall time;
 - decode at each batch B: B prompts of --decode-prompt tokens, --new-tokens tokens each, EOS ignored, sampled at
   --temperature (greedy decoding of random weights falls into loops whose routing is no sample of the prompts');
@@ -87,6 +87,7 @@ class Workload:
     temperature: float
     max_batched: int
     prefix_caching: bool = False
+    cuda_graphs: bool | None = None  # None: the engine's default (on for a dense CUDA model, off for a routed one)
 
 
 def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
@@ -95,7 +96,7 @@ def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
     routed = blocks if getattr(step, "num_routed_layers", 0) else None
     return Engine(step, None, cfg, num_blocks=blocks, max_num_seqs=max(w.prompts, 1),
                   max_num_batched_tokens=w.max_batched, max_model_len=w.prompt_len + w.new_tokens,
-                  routed_num_blocks=routed, enable_prefix_caching=w.prefix_caching)
+                  routed_num_blocks=routed, enable_prefix_caching=w.prefix_caching, use_cuda_graphs=w.cuda_graphs)
 
 
 def _prompts(gen: torch.Generator, vocab: int, n: int, length: int) -> list[list[int]]:
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the narrowed rows are rounded up to a multiple of this (kv_cache.NARROW_BUCKET)")
     ap.add_argument("--padded-prefill", action="store_true",
                     help="also the routed prefill with narrowing off (a third model): what narrowing buys")
+    ap.add_argument("--eager", action="store_true",
+                    help="no CUDA graphs for the dense model either (routed models decode eagerly): the routing's "
+                         "own effect on decode, apart from the graphs'")
     ap.add_argument("--prefix-caching", action="store_true", help="engines with prefix caching on (as served)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -228,13 +232,15 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"bench": "mod_speed", **run_metadata(), "spec": args.spec, "smoke": args.smoke, "dtype": args.dtype,
               "capacity": args.capacity, "every": args.every, "decide": "threshold", "routed_layers": layers,
               "thresholds": thresholds, "temperature": args.temperature, "prefix_caching": args.prefix_caching,
+              "eager": args.eager,
               "narrow_min_rows": args.narrow_min_rows, "narrow_bucket": args.narrow_bucket,
               "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
               "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": []}
+    cuda_graphs = False if args.eager else None
     loads = [("prefill", Workload(args.prefill_prompts, args.prefill_len, 1, args.temperature,
-                                  args.max_num_batched_tokens, args.prefix_caching))]
+                                  args.max_num_batched_tokens, args.prefix_caching, cuda_graphs))]
     loads += [(f"decode_{b}", Workload(b, args.decode_prompt, args.new_tokens, args.temperature,
-                                       max(b * args.decode_prompt, 16), args.prefix_caching))
+                                       max(b * args.decode_prompt, 16), args.prefix_caching, cuda_graphs))
               for b in args.decode_batches]
     for load, w in loads:
         row = {"workload": load, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
             if w.new_tokens > 1:
                 per_step = decode_bytes(m["step"].step, weight_bytes, w.prompts,
                                         w.prompt_len + w.new_tokens / 2, row[side]["kv_bytes_per_token"])
-                row[side]["bandwidth_share"] = round(row[side]["tok_s"] / w.prompts * per_step / copy_bw, 4)
+                row[side]["bandwidth_share"] = float(f"{row[side]['tok_s'] / w.prompts * per_step / copy_bw:.4g}")
         for side in ("routed", "routed_padded"):
             if side in row:
                 row[f"{side}_over_dense"] = round(row[side]["tok_s"] / row["dense"]["tok_s"], 3)

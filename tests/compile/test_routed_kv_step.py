@@ -201,3 +201,30 @@ def test_the_narrowed_body_equals_the_padded_one_on_fewer_rows(spec, use_kernels
         starts = [0, *torch.tensor([b - a for _, a, b in chunks]).cumsum(0).tolist()]
         lens = [[lens[j][i] + int(routed_n[j][starts[i]:starts[i + 1]].sum()) for i in range(2)] for j in range(2)]
     assert saw_fewer >= 4  # the prefill step's routed linears (4 per layer) really ran on fewer rows
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_each_routed_layer_narrows_its_compact_tensors_once(spec_name):
+    """mod_narrow sits after the layer's mod_kv_slots (which read the full index: the routed flags cover all N
+    rows) and before its body; the body, the paged write and the scatter read only its outputs."""
+    spec = load_spec(spec_name)
+    gm = compile_step(build_graph(spec.model, seed=0), spec.model, spec.compile, use_kernels=False).gm
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    kiln_ops = torch.ops.kiln
+    routing = [n for n in gm.graph.nodes if n.target in (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)]
+    narrows = [n for n in gm.graph.nodes if n.target is kiln_ops.mod_narrow.default]
+    assert len(routing) == len(narrows) == 2
+    for route, narrow in zip(routing, narrows, strict=True):
+        count, compact = narrow.args[:2]
+        slots = next(n for n in gm.graph.nodes if n.target is kiln_ops.mod_kv_slots.default and n.args[1] is count)
+        assert order[route] < order[slots] < order[narrow]
+        assert slots.args[0] is compact[0] and compact[0].args == (route, 1 if route.name.endswith("route") else 0)
+        full = set(compact)
+        assert all(set(n.users) <= {narrow, slots} for n in full)  # nothing else reads the full rows
+        cut = {u.args[1]: u for u in narrow.users}
+        scatter = next(n for n in gm.graph.nodes if n.target is kiln_ops.mod_scatter.default and n.args[4] is count)
+        paged = next(n for n in gm.graph.nodes if n.target is kiln_ops.paged_attention.default and n.args[5] is
+                     cut[len(compact) - 1])
+        assert scatter.args[3] is cut[0] and order[narrow] < order[paged] < order[scatter]
+        body_start = min(order[u] for i in range(1, len(compact) - 1) for u in cut[i].users)
+        assert body_start > order[narrow]

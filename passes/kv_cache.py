@@ -32,7 +32,12 @@ without passing a kiln::mod_scatter) caches only its layer's routed tokens, in a
   routes at most a sequence's new tokens, and c_s + count <= the sequence's length);
 - the graph returns (logits, routed_0, ..., routed_{R-1}): for each routed layer, which rows of the flat batch it
   routed (int32 [N]), so the host advances c (per-sequence sums), gives back the blocks it reserved for the worst
-  case (every new token routed) and knows c at every dense block boundary (for prefix caching).
+  case (every new token routed) and knows c at every dense block boundary (for prefix caching);
+- per routed layer, right after its routing node: its mod_kv_slots (on the full compact batch, C = N rows), then
+  kiln::mod_narrow(count, [index, xs, xpos, slot_mapping...], NARROW_MIN_ROWS, NARROW_BUCKET), whose outputs the
+  body, its paged_attention writes and the mod_scatter read instead: on a step of N >= NARROW_MIN_ROWS rows the
+  body runs on the routed count rounded up to NARROW_BUCKET rows, not N (ops_mod_step says what is true of
+  shapes where: meta["val"] keeps the bound C = N).
 Dense layers keep the kv_cache tensor, their layer index counting dense attentions only. Rotary positions are
 the original ones (the body's rope reads xpos), and a sliding window counts routed keys, as in the reference.
 The host side (worst-case reservations, c per routed layer, routed prefix caching) is runtime/routed_blocks.py;
@@ -52,7 +57,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots)
+import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots and kiln::mod_narrow)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 from kiln.errors import PassError
 from kiln.model_config import KV_DTYPES
@@ -65,6 +70,14 @@ _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
 _NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
 _ROUTING = (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)
 _SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "routed")  # mod_kv_slots'
+# A routed layer's body runs on its routed rows (kiln::mod_narrow) on steps of at least NARROW_MIN_ROWS flat rows,
+# at the price of one device -> host read of the routed count per routed layer. 256 is about where a GEMM turns
+# compute-bound on a GPU (an H100's bf16 FLOP/s over its bandwidth is ~300 rows): below it the linears take about
+# as long as reading their weights, whatever the rows, while the read stalls the launch queue. Decode steps stay
+# on the padded path. NARROW_BUCKET rounds the rows up (a multiple of the GEMM tiles; shapes that vary less).
+# Tests lower both to force the narrowed path on small steps.
+NARROW_MIN_ROWS = 256
+NARROW_BUCKET = 64
 # Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic).
 _N, _S, _R, _MAX_BLOCKS, _NUM_BLOCKS, _BLOCK_SIZE = 8, 2, 2, 4, 8, 16
 
@@ -118,6 +131,43 @@ def _routing_outputs(graph: fx.Graph, routing: fx.Node) -> tuple[fx.Node, fx.Nod
                 found[i] = graph.call_function(operator.getitem, (routing, i))
         out.append(found[i])
     return out[0], out[1]
+
+
+def _routed_slots(graph: fx.Graph, owner: dict[fx.Node, fx.Node], routed: list[fx.Node],
+                  inputs: dict[str, fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """Per routed attention, its mod_kv_slots outputs (_SLOT_OUTPUTS, slot_mapping narrowed). Each routing node
+    gets, right after its getitems, its attentions' mod_kv_slots and one kiln::mod_narrow, whose outputs then
+    replace index, xs, xpos and the slot mappings everywhere but in those two."""
+    out: dict[fx.Node, list[fx.Node]] = {}
+    routings = set(owner.values())
+    for routing in [n for n in graph.nodes if n in routings]:
+        index, count = _routing_outputs(graph, routing)
+        items = {u.args[1]: u for u in routing.users if u.target is operator.getitem}
+        base = 3 if is_call(routing, _ROUTING[0]) else 2  # xs, then xpos (absent when the body reads no position)
+        compact = [index] + [items[i] for i in (base, base + 1) if i in items]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        attns = [n for n in routed if owner[n] is routing]
+        prefix = routing.name.removesuffix("_mod_route").removesuffix("_mod_gather")
+        with graph.inserting_before(max(items.values(), key=order.__getitem__).next):
+            slots = []
+            for node in attns:
+                call = graph.create_node("call_function", kiln_ops.mod_kv_slots.default, (
+                    index, count, inputs["query_start_loc"], inputs["routed_lens"], inputs["routed_block_tables"],
+                    inputs["routed_kv_cache"], routed.index(node)), name=f"{node.name}_routed_slots")
+                out[node] = [graph.create_node("call_function", operator.getitem, (call, i),
+                                               name=f"{node.name}_{what}") for i, what in enumerate(_SLOT_OUTPUTS)]
+                slots.append(call)
+            compact += [out[node][0] for node in attns]
+            narrow = graph.create_node("call_function", kiln_ops.mod_narrow.default,
+                                       (count, compact, NARROW_MIN_ROWS, NARROW_BUCKET), name=f"{prefix}_mod_narrow")
+            cut = [graph.create_node("call_function", operator.getitem, (narrow, i), name=f"{old.name}_narrow")
+                   for i, old in enumerate(compact)]
+        keep = {narrow, *slots}
+        for old, new in zip(compact, cut, strict=True):
+            old.replace_all_uses_with(new, delete_user_cb=lambda u, keep=keep: u not in keep)
+        for j, node in enumerate(attns):
+            out[node][0] = cut[len(compact) - len(attns) + j]
+    return out
 
 
 def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
@@ -202,18 +252,13 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
     bounds = [inputs["max_query_len"], inputs["max_context_len"]]
 
+    slot_parts = _routed_slots(graph, owner, routed, inputs)
     routed_rows = []
     for node in attn:
         q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args[:8]
         if node in owner:
             layer = routed.index(node)
-            index, count = _routing_outputs(graph, owner[node])
-            with graph.inserting_before(node):
-                slots = graph.create_node("call_function", kiln_ops.mod_kv_slots.default, (
-                    index, count, inputs["query_start_loc"], inputs["routed_lens"], inputs["routed_block_tables"],
-                    inputs["routed_kv_cache"], layer), name=f"{node.name}_routed_slots")
-                parts = [graph.create_node("call_function", operator.getitem, (slots, i), name=f"{node.name}_{what}")
-                         for i, what in enumerate(_SLOT_OUTPUTS)]
+            parts = slot_parts[node]
             cache, args_in = inputs["routed_kv_cache"], parts[:4]
             routed_rows.append(parts[4])
         else:

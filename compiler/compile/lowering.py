@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
 import kiln.ir.ops_mod  # noqa: F401  (registers the Mixture-of-Depths ops)
-import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots)
+import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots and kiln::mod_narrow)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and embedding)
 import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
@@ -33,6 +33,7 @@ from kiln.codegen import act, flash_attn, mod, norm, paged, quant, rope, spec_ve
 from kiln.codegen._host import BoundKernels, recording
 from kiln.errors import CodegenError
 from kiln.ir.ops_mod import mod_rows
+from kiln.ir.ops_mod_step import check_compact, narrow_compact, narrow_rows
 from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION, PAGED_ATTENTION
 from kiln.quant.formats import dequantize_parts
 
@@ -167,6 +168,14 @@ def k_mod_combine(x, y, r, mask):
     return torch.ops.kiln.mod_combine.default(x, y, r, mask)
 
 
+def k_mod_narrow(count, compact, min_rows, bucket):
+    # Views, not copies (the op's reference copies: a custom op may not alias its inputs); the padded path returns
+    # the tensors themselves. Under kernel_requests' FakeTensors the count is data: the rows stay the bound.
+    if isinstance(count, FakeTensor) or not compact:
+        return list(compact)
+    return narrow_compact(compact, narrow_rows(count, check_compact(compact), min_rows, bucket))
+
+
 def k_mod_kv_slots(index, count, query_start_loc, routed_lens, routed_block_tables, routed_kv_cache, layer):
     # The routed KV cache's slots, lengths and offsets: a few small integer tensor ops, left to torch.
     return torch.ops.kiln.mod_kv_slots.default(index, count, query_start_loc, routed_lens, routed_block_tables,
@@ -201,6 +210,7 @@ KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.routed_attention.default: k_routed_attention,
     kiln_ops.mod_combine.default: k_mod_combine,
     kiln_ops.mod_kv_slots.default: k_mod_kv_slots,
+    kiln_ops.mod_narrow.default: k_mod_narrow,
 }
 
 

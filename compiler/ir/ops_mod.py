@@ -18,7 +18,8 @@ Level 2, the gathered form the mod_routing pass rewrites it into. A compact batc
 C = mod_rows(capacity, T): exactly the routed count in the training form, T (the bound) in the causal form,
 whose routed count depends on the data; `count` [B] says how many rows of each sequence are real. Rows past the
 count hold zeros (position 0) and index 0; they sit after every real row, so causal attention never lets a real
-row see them, and mod_scatter ignores them.
+row see them, and mod_scatter ignores them. The step graph may cut a causal form's compact batch to fewer rows at
+run time (kiln::mod_narrow in kiln.ir.ops_mod_step): the ops here take their row count from their inputs.
 - kiln::mod_route(x, positions, weight, bias, threshold) -> (r, index, count, xs, xpos): router score, the
   causal threshold selection and the gather in one (C = T)
 - kiln::mod_gather(x, positions, mask, capacity) -> (index, count, xs, xpos): the gather for a given mask

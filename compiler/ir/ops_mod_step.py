@@ -20,9 +20,27 @@ length c) in the blocks routed_block_tables[layer, s]; the op gives that layer's
   (what prefix caching records).
 Everything stays on the device (no host sync); the host learns `routed` with the step's other outputs. Rotary
 positions are not touched here: the compact rows keep their original positions (xpos).
+
+- kiln::mod_narrow(count, compact, min_rows, bucket) -> the compact tensors cut to their first C' rows
+  (passes/kv_cache.py puts one after each routed layer's mod_kv_slots, so that the layer body runs on about its
+  routed rows instead of the flat batch's N). `compact` holds a routed layer's compact-batch tensors: index and
+  xpos [1, C], xs [1, C, D] (compact rows on dim 1) and each of its attentions' slot_mapping [C] (dim 0). When
+  C >= min_rows, C' = count rounded up to a multiple of `bucket`, at most C (never 0: a layer that routed
+  nothing keeps one bucket of padding rows); below min_rows, C' = C (nothing changes). Reading the count is a
+  device -> host sync, worth it only on steps with many rows (kv_cache.NARROW_MIN_ROWS says why 256). What is
+  true of shapes where: FakeTensor propagation (meta["val"], lowering's kernel_requests) gives every output C =
+  N rows, the static bound, as the padded path has; at run time they have C' <= C rows, and everything
+  downstream (the body, its paged attention, mod_scatter) takes its row count from its inputs. Rows [count, C')
+  are the padding rows of the padded path (zeros, position 0, index 0, slot -1), so the real rows go through
+  the same per-row math as there (a GEMM may round differently for another row count). This reference returns
+  copies (a custom op may not return its inputs or views of them); the lowered graph's version
+  (kiln.compile.lowering) returns views, no copy. It never syncs inside a CUDA graph capture (it keeps C there;
+  routed models run eagerly anyway).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -67,3 +85,44 @@ def _(index, count, query_start_loc, routed_lens, routed_block_tables, routed_kv
     return (index.new_empty(index.shape[1:], dtype=torch.int64), routed_block_tables.new_empty(
         routed_block_tables.shape[1:], **i32), query_start_loc.new_empty((s,), **i32),
         query_start_loc.new_empty((s + 1,), **i32), index.new_empty(index.shape[1:], **i32))
+
+
+def narrow_rows(count: torch.Tensor, rows: int, min_rows: int, bucket: int) -> int:
+    """C' of kiln::mod_narrow: the compact rows a routed layer keeps of `rows` (C), reading `count` to the host
+    only when rows >= min_rows (and not while a CUDA graph is being captured)."""
+    if rows < min_rows or (count.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return rows
+    routed = int(count.max()) if count.numel() else 0
+    return min(rows, max(1, math.ceil(routed / bucket)) * bucket)
+
+
+def _compact_dim(t: torch.Tensor) -> int:
+    return 1 if t.dim() >= 2 else 0
+
+
+def check_compact(compact: list[torch.Tensor]) -> int:
+    """C, the compact row count every tensor of kiln::mod_narrow's `compact` shares (a KilnError otherwise)."""
+    sizes = {t.shape[_compact_dim(t)] for t in compact}
+    if len(sizes) != 1:
+        raise KilnError(f"kiln::mod_narrow takes compact-batch tensors with one row count (dim 1 of [B, C, ...], "
+                        f"dim 0 of [C]), got shapes {[tuple(t.shape) for t in compact]}")
+    return sizes.pop()
+
+
+def narrow_compact(compact: list[torch.Tensor], rows: int) -> list[torch.Tensor]:
+    """Views of the first `rows` compact rows of each tensor (the tensor itself when it has no more)."""
+    return [t if t.shape[_compact_dim(t)] == rows else t.narrow(_compact_dim(t), 0, rows) for t in compact]
+
+
+@kiln_op("kiln::mod_narrow", mutates_args=())
+def mod_narrow(count: torch.Tensor, compact: list[torch.Tensor], min_rows: int, bucket: int) -> list[torch.Tensor]:
+    if bucket < 1:
+        raise KilnError(f"kiln::mod_narrow: bucket = {bucket}; the rows are rounded up to a multiple of >= 1")
+    rows = narrow_rows(count, check_compact(compact), min_rows, bucket) if compact else 0
+    return [t.clone() for t in narrow_compact(compact, rows)]
+
+
+@mod_narrow.register_fake
+def _(count, compact, min_rows, bucket):
+    check_compact(compact)
+    return [torch.empty_like(t) for t in compact]  # C = N, the bound: the count is data

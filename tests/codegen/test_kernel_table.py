@@ -94,6 +94,9 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         kiln_ops.routed_attention.default: lambda: (*qkv(), routed_mask(1), *attn),
         kiln_ops.mod_combine.default: lambda: (r(2, seq, d), r(2, seq, d), r(2, seq), routed_mask(2)),
         kiln_ops.mod_kv_slots.default: kv_slots,
+        # the body's compact tensors cut to the routed rows (no kernel: views of the first rows, on any device)
+        kiln_ops.mod_narrow.default: lambda: (torch.tensor([3], device=device), [ids(seq), r(1, seq, d),
+                                                                                 ids(seq)[0]], 1, 4),
         kiln_ops.embedding.default: lambda: (r(97, d), ids(seq)),
         kiln_ops.linear.default: lambda: (r(rows, d), r(24, d, scale=d**-0.5), r(24)),
         kiln_ops.add.default: lambda: (r(rows, d), r(rows, d)),
@@ -125,7 +128,7 @@ def _check(op, size: str, dtype: torch.dtype, device: str, tol: float) -> None:
     args = build()
     want = op(*args)  # the reference implementation registered with the op
     got = KERNEL_TABLE[op](*args)
-    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    want, got = (want, got) if isinstance(want, (tuple, list)) else ((want,), (got,))
     for w, o in zip(want, got, strict=True):
         assert o.shape == w.shape and o.dtype == w.dtype, f"{op}: {o.dtype}{list(o.shape)} vs {w.dtype}{list(w.shape)}"
         if not w.is_floating_point():  # token ids, indices, counts and masks: exact at any size

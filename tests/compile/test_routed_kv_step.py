@@ -131,3 +131,100 @@ def test_what_is_not_built_is_refused():
         step(dense_only, cache)
     with pytest.raises(KilnError, match="this model has 2 routed layers"):
         step(_batch([([1, 2, 3], 0, 3)], [[1]], [[0], [0]], [[[1]], [[1]]]), type(cache)(cache.data))
+
+
+class _CountRows(fx.Interpreter):
+    """Runs a step graph as CompiledStep does, noting the rows every linear node's input had at run time."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.rows: dict[str, int] = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.meta.get("kiln_op", str(n.target)) == "kiln.linear.default":
+            self.rows[n.name] = self.env[n.args[0]].shape[-2]
+        return out
+
+
+@pytest.mark.parametrize(("spec", "use_kernels"), [("tiny-llama-mod", False), ("tiny-llama-mod", True),
+                                                   ("tiny-mistral-mod", False)],
+                         ids=["llama-reference", "llama-kernels", "mistral-reference"])
+def test_the_narrowed_body_equals_the_padded_one_on_fewer_rows(spec, use_kernels, monkeypatch):
+    """NARROW_MIN_ROWS lowered to 1 (and buckets of 2 rows): every step narrows each routed layer's body to its
+    routed count rounded up to 2; the routing equals the padded path's, the logits and both pools equal them up to
+    fp32 rounding, and the routed layers' linears ran on those rows, the dense layers' on all of them."""
+    import kiln.passes.kv_cache as kv_cache_pass
+
+    loaded = load_model(spec, device="cpu", seed=4)
+    padded = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu",
+                          use_kernels=use_kernels)
+    monkeypatch.setattr(kv_cache_pass, "NARROW_MIN_ROWS", 1)
+    monkeypatch.setattr(kv_cache_pass, "NARROW_BUCKET", 2)
+    narrowed = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu",
+                            use_kernels=use_kernels)
+    for step, knobs in ((padded, (256, 64)), (narrowed, (1, 2))):
+        nodes = [n for n in step.gm.graph.nodes if n.name.endswith("_mod_narrow")]
+        assert [n.name for n in nodes] == ["layers_1_mod_narrow", "layers_3_mod_narrow"]
+        assert all(tuple(n.args[2:]) == knobs for n in nodes)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 512, (12,), generator=g).tolist(), torch.randint(0, 512, (8,), generator=g).tolist()]
+    caches = [allocate_kv_cache(s, 9, BS, routed_num_blocks=9) for s in (padded, narrowed)]
+    tables, routed_tables = [[1, 2, 3], [4, 5, 0]], [[[1, 2, 3], [4, 5, 0]], [[6, 7, 8], [3, 2, 0]]]
+    lens = [[0, 0], [0, 0]]
+    saw_fewer = 0
+    for chunks in ([(seqs[0], 0, 7), (seqs[1], 0, 6)], [(seqs[0], 7, 11), (seqs[1], 6, 7)],
+                   [(seqs[0], 11, 12), (seqs[1], 7, 8)]):
+        batch = _batch(chunks, tables, lens, routed_tables)
+        n = batch.tokens.numel()
+        outs, rows = [], []
+        for step, cache in zip((padded, narrowed), caches, strict=True):
+            run = _CountRows(step.gm)
+            with torch.no_grad():
+                outs.append(run.run(*batch.graph_inputs(cache).values()))
+            rows.append(run.rows)
+        (logits_p, *routed_p), (logits_n, *routed_n) = outs
+        # The same routing; the same values up to fp32 rounding, which a GEMM may round differently for another
+        # row count (CPU BLAS picks its kernel by M: F.linear of 5 rows and of their first 2 differ by ~5e-6).
+        assert all(map(torch.equal, routed_p, routed_n))
+        torch.testing.assert_close(logits_n, logits_p, rtol=1e-5, atol=1e-5)
+        for cache_p, cache_n in (caches[0].data, caches[1].data), (caches[0].routed, caches[1].routed):
+            torch.testing.assert_close(cache_n, cache_p, rtol=1e-5, atol=1e-5)
+        counts = [int(r.sum()) for r in routed_n]
+        assert rows[0] == {**rows[1], **{k: n for k in rows[1] if k != "logits"}}  # padded: every body on N rows
+        for name, got in rows[1].items():
+            layer = name.split("_")[1] if name.startswith("layers_") else None
+            want = {None: 2, "0": n, "2": n, "1": min(n, -(-max(counts[0], 1) // 2) * 2),
+                    "3": min(n, -(-max(counts[1], 1) // 2) * 2)}[layer]  # None: the lm_head's sampled rows
+            assert got == want, (name, got, want, counts)
+            saw_fewer += got < n and layer in ("1", "3")
+        starts = [0, *torch.tensor([b - a for _, a, b in chunks]).cumsum(0).tolist()]
+        lens = [[lens[j][i] + int(routed_n[j][starts[i]:starts[i + 1]].sum()) for i in range(2)] for j in range(2)]
+    assert saw_fewer >= 4  # the prefill step's routed linears (4 per layer) really ran on fewer rows
+
+
+@pytest.mark.parametrize("spec_name", SPECS)
+def test_each_routed_layer_narrows_its_compact_tensors_once(spec_name):
+    """mod_narrow sits after the layer's mod_kv_slots (which read the full index: the routed flags cover all N
+    rows) and before its body; the body, the paged write and the scatter read only its outputs."""
+    spec = load_spec(spec_name)
+    gm = compile_step(build_graph(spec.model, seed=0), spec.model, spec.compile, use_kernels=False).gm
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    kiln_ops = torch.ops.kiln
+    routing = [n for n in gm.graph.nodes if n.target in (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)]
+    narrows = [n for n in gm.graph.nodes if n.target is kiln_ops.mod_narrow.default]
+    assert len(routing) == len(narrows) == 2
+    for route, narrow in zip(routing, narrows, strict=True):
+        count, compact = narrow.args[:2]
+        slots = next(n for n in gm.graph.nodes if n.target is kiln_ops.mod_kv_slots.default and n.args[1] is count)
+        assert order[route] < order[slots] < order[narrow]
+        assert slots.args[0] is compact[0] and compact[0].args == (route, 1 if route.name.endswith("route") else 0)
+        full = set(compact)
+        assert all(set(n.users) <= {narrow, slots} for n in full)  # nothing else reads the full rows
+        cut = {u.args[1]: u for u in narrow.users}
+        scatter = next(n for n in gm.graph.nodes if n.target is kiln_ops.mod_scatter.default and n.args[4] is count)
+        paged = next(n for n in gm.graph.nodes if n.target is kiln_ops.paged_attention.default and n.args[5] is
+                     cut[len(compact) - 1])
+        assert scatter.args[3] is cut[0] and order[narrow] < order[paged] < order[scatter]
+        body_start = min(order[u] for i in range(1, len(compact) - 1) for u in cut[i].users)
+        assert body_start > order[narrow]

@@ -1,0 +1,272 @@
+"""Mixture-of-Depths speed (issue 13): prefill and decode tokens/s of a routed model against its dense twin, through
+kiln's engine, in the same run.
+
+    python bench/mod_speed.py [SPEC] [--capacity 0.125] [--every 2] [--prefill-prompts 64] [--prefill-len 2048]
+                              [--decode-batches 1 64] [--decode-prompt 512] [--new-tokens 256] [--temperature 1]
+                              [--max-num-batched-tokens 16384] [--narrow-min-rows 256] [--narrow-bucket 64]
+                              [--calib-prompts 8] [--calib-len 512] [--dtype bf16] [--device auto] [--copy-mib 1024]
+                              [--padded-prefill] [--eager] [--prefix-caching] [--out-dir DIR]
+    python bench/mod_speed.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no figures
+
+The dense twin is SPEC (default llama-3.2-1b) with seeded random weights generated on the device; the routed
+model is the same ModelConfig with route = mod(capacity, every, decide = threshold) on the same tensors plus one
+router per routed layer (weight N(0, 1/dim), bias 1, as kiln's random init). Its thresholds are calibrated in
+layer order on the causal form (each layer sees the inputs it will see when served): one eager pass of the Level-1
+graph over --calib-prompts random prompts sets each layer's threshold to the (1 - capacity) quantile of its router
+scores the moment they are computed, so the later layers' scores already follow the earlier thresholds.
+
+Measured through kiln.runtime.engine.Engine (compile_step as served: kernels on a GPU, CUDA graphs for the dense
+decode, none for the routed model, which decodes eagerly; --eager drops them for the dense model too), each
+workload warmed up first on other random prompts with the same step shapes:
+- prefill: --prefill-prompts prompts of --prefill-len tokens, max_tokens 1; tokens/s = prompt tokens / wall time;
+- decode at each batch B: B prompts of --decode-prompt tokens, --new-tokens tokens each, EOS ignored, sampled at
+  --temperature (greedy decoding of random weights falls into loops whose routing is no sample of the prompts');
+  every prompt prefills in one step, so the decode interval (every request has its first token -> all done) is
+  B-row decode steps only; tokens/s = tokens generated in it / its wall time.
+Per workload and model: tokens/s, the routed/dense ratio, the fraction of rows each routed layer really routed
+(counted from the step's `routed` output, never assumed), KV bytes per token at those fractions, and the KV
+bytes the engine held when decoding started. Issue 13's targets: prefill >= 1.4x, decode at batch 64 >= 1.2x.
+Each engine gets an explicit pool: the workload's blocks plus a step of slack, the routed pools as large as the
+dense one, because a routed layer reserves its worst case (every new token of a step routed) before each step.
+Prefix caching is off unless --prefix-caching: random prompts never hit, and without it the KV bytes held count
+the live requests' blocks only (a cached entry would hold routed blocks of finished requests).
+The routed body's per-row work: prefill steps (N >= kv_cache.NARROW_MIN_ROWS rows) run it on the routed rows
+only, decode steps on all N rows (the padded path; passes/mod_routing.py says why); --narrow-min-rows moves the
+line (--smoke lowers it so that its prefill steps narrow too); both knobs are in the JSON. --padded-prefill
+compiles a third model, the routed one with narrowing off, and adds its prefill (`routed_padded`): what the
+narrowing buys, in the same run. The JSON is rewritten after every workload, so a run cut short keeps its rows.
+Writes bench/results/mod_speed-<spec>-<device>-<date>.json (metadata: bench_meta.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+from pathlib import Path
+
+import torch
+from bench_meta import result_path, run_metadata, write_json
+from ceilings import copy_bandwidth
+from mod_twins import NEVER, CountRouted, build_twins, compile_side, say
+
+from kiln.build import resolve_device
+from kiln.compile.step import CompiledStep
+from kiln.model_config import ModelConfig
+from kiln.passes import kv_cache as kv_cache_pass
+from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import SamplingParams
+from kiln.step import kv_bytes_per_layer_block
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"prefill": 1.4, "decode_64": 1.2}  # issue 13: routed over dense tokens/s
+SMOKE = ["tiny-llama", "--prefill-prompts", "3", "--prefill-len", "40", "--decode-batches", "1", "3",
+         "--decode-prompt", "12", "--new-tokens", "6", "--calib-prompts", "4", "--calib-len", "32",
+         "--max-num-batched-tokens", "64", "--narrow-min-rows", "16", "--narrow-bucket", "8", "--dtype", "fp32",
+         "--device", "cpu", "--copy-mib", "4", "--padded-prefill"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kv_bytes_per_token(step: CompiledStep, fractions: dict[str, float]) -> float:
+    """Bytes of K/V one token leaves in the cache: every dense layer's, plus each routed layer's times its measured
+    routed fraction."""
+    layer = kv_bytes_per_layer_block(step, 1)
+    return layer * (step.num_layers + sum(fractions.values()))
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: int
+    prompt_len: int
+    new_tokens: int
+    temperature: float
+    max_batched: int
+    prefix_caching: bool = False
+    cuda_graphs: bool | None = None  # None: the engine's default (on for a dense CUDA model, off for a routed one)
+
+
+def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
+    per_seq = -(-(w.prompt_len + w.new_tokens) // block_size)
+    blocks = w.prompts * per_seq + -(-w.max_batched // block_size) + 2
+    routed = blocks if getattr(step, "num_routed_layers", 0) else None
+    return Engine(step, None, cfg, num_blocks=blocks, max_num_seqs=max(w.prompts, 1),
+                  max_num_batched_tokens=w.max_batched, max_model_len=w.prompt_len + w.new_tokens,
+                  routed_num_blocks=routed, enable_prefix_caching=w.prefix_caching, use_cuda_graphs=w.cuda_graphs)
+
+
+def _prompts(gen: torch.Generator, vocab: int, n: int, length: int) -> list[list[int]]:
+    return torch.randint(0, vocab, (n, length), generator=gen).tolist()
+
+
+def _run(engine: Engine, prompts: list[list[int]], w: Workload, on_all_started=None) -> tuple[float, dict]:
+    """Run the requests to completion: (wall seconds, {"t0", "tokens_at_t0", "tokens"}) where t0 is when every
+    request had its first token (on_all_started runs just before t0 is taken)."""
+    params = SamplingParams(temperature=w.temperature, max_tokens=w.new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(prompt_token_ids=p, params=params)
+    got: dict[str, int] = {}
+    mark: dict = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] = len(out.outputs[0].token_ids)
+        if not mark and len(got) == len(prompts) and all(got.values()):
+            if on_all_started is not None:
+                mark["at_start"] = on_all_started()
+            mark["t0"], mark["tokens_at_t0"] = time.perf_counter(), sum(got.values())
+    _sync(engine.model.device)
+    end = time.perf_counter()
+    return end - start, {**mark, "end": end, "tokens": sum(got.values())}
+
+
+def kv_in_use(engine: Engine) -> int:
+    """Bytes of K/V blocks the engine's live requests hold now (dense pool + every routed pool)."""
+    st, step = engine.stats, engine.model
+    layer = kv_bytes_per_layer_block(step, engine.block_manager.block_size)
+    return (st.num_blocks - st.num_free_blocks) * layer * step.num_layers + sum(st.routed_blocks_in_use) * layer
+
+
+def measure(step: CountRouted, cfg: ModelConfig, w: Workload, seed: int, block_size: int,
+            routed_layers: list[int]) -> dict:
+    """One workload on a fresh engine: a warm-up run of the same shapes, then the timed run; the prompts depend on
+    the seed alone, so every model of a workload gets the same ones."""
+    engine = _engine(step, cfg, w, block_size)
+    gen = torch.Generator().manual_seed(seed)
+    # Warm-up (kernel compiles, graph captures) on the timed run's step shapes: one full prefill step and a bit
+    # more, or the whole decode batch for a few tokens.
+    warm = dataclasses.replace(w, prompts=min(w.prompts, w.max_batched // w.prompt_len + 1),
+                               new_tokens=min(w.new_tokens, 4))
+    _run(engine, _prompts(gen, cfg.vocab, warm.prompts, w.prompt_len), warm)
+    step.reset()
+    before = engine.stats
+    held = {}
+    secs, mark = _run(engine, _prompts(gen, cfg.vocab, w.prompts, w.prompt_len), w,
+                      on_all_started=lambda: held.setdefault("kv", kv_in_use(engine)))
+    st = engine.stats
+    row = {"wall_s": round(secs, 4), "steps": st.num_steps - before.num_steps,
+           "preemptions": st.num_preemptions - before.num_preemptions,
+           "kv_pool_bytes_allocated": engine.kv_bytes, "routed_fraction": step.fractions(routed_layers)}
+    if w.new_tokens == 1:
+        row["tok_s"] = round(w.prompts * w.prompt_len / secs, 2)
+    else:
+        row["decode_s"] = round(mark["end"] - mark["t0"], 4)
+        row["tok_s"] = round((mark["tokens"] - mark["tokens_at_t0"]) / (mark["end"] - mark["t0"]), 2)
+        row["kv_bytes_at_decode_start"] = held["kv"]
+    row["kv_bytes_per_token"] = round(kv_bytes_per_token(step, row["routed_fraction"]), 1)
+    return row
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decode_bytes(step: CompiledStep, weight_bytes: int, batch: int, context: float, per_token: float) -> float:
+    """Bytes one decode step must read at least: the weights (the embedding table aside) and the batch's K/V."""
+    return weight_bytes + batch * context * per_token
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("spec", nargs="?", default="llama-3.2-1b", help="the dense twin (a bundled spec or .kiln file)")
+    ap.add_argument("--capacity", type=float, default=0.125)
+    ap.add_argument("--every", type=int, default=2)
+    ap.add_argument("--prefill-prompts", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0, help="decode sampling (0: greedy)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384, help="the prefill engine's step budget")
+    ap.add_argument("--calib-prompts", type=int, default=8)
+    ap.add_argument("--calib-len", type=int, default=512)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
+    ap.add_argument("--narrow-min-rows", type=int, default=kv_cache_pass.NARROW_MIN_ROWS,
+                    help="steps of at least this many rows run the routed bodies on their routed rows only "
+                         "(kv_cache.NARROW_MIN_ROWS; a huge value keeps every step padded, for comparison)")
+    ap.add_argument("--narrow-bucket", type=int, default=kv_cache_pass.NARROW_BUCKET,
+                    help="the narrowed rows are rounded up to a multiple of this (kv_cache.NARROW_BUCKET)")
+    ap.add_argument("--padded-prefill", action="store_true",
+                    help="also the routed prefill with narrowing off (a third model): what narrowing buys")
+    ap.add_argument("--eager", action="store_true",
+                    help="no CUDA graphs for the dense model either (routed models decode eagerly): the routing's "
+                         "own effect on decode, apart from the graphs'")
+    ap.add_argument("--prefix-caching", action="store_true", help="engines with prefix caching on (as served)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--smoke", action="store_true", help="tiny-llama on the CPU (plumbing only; figures mean nothing)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args = ap.parse_args([*SMOKE, "--out-dir", args.out_dir])
+        args.smoke = True
+    if not 0 < args.capacity <= 1 or args.every < 1 or args.new_tokens < 2:
+        raise SystemExit("need 0 < --capacity <= 1, --every >= 1 and --new-tokens >= 2")
+    if args.narrow_min_rows < 1 or args.narrow_bucket < 1:
+        raise SystemExit("--narrow-min-rows and --narrow-bucket must be >= 1")
+    device = resolve_device(args.device)
+    torch.manual_seed(args.seed)  # the samplers' global RNG (requests carry no seed)
+    copy_bw = copy_bandwidth(device, args.copy_mib << 20, iters=10)
+    graphs, thresholds = build_twins(args.spec, args.capacity, args.every, args.dtype, device, args.seed,
+                                     (args.calib_prompts, args.calib_len), 2 if args.padded_prefill else 1)
+    knobs = (args.narrow_min_rows, args.narrow_bucket)
+    steps = [compile_side(*g, device, knobs) for g in graphs[:2]]
+    steps += [compile_side(*g, device, (NEVER, args.narrow_bucket)) for g in graphs[2:]]
+    dense, routed = {"cfg": graphs[0][0], "step": steps[0]}, {"cfg": graphs[1][0], "step": steps[1]}
+    padded = {"cfg": graphs[1][0], "step": steps[2]} if args.padded_prefill else None
+    del graphs
+    cfg = dense["cfg"]
+    layers = [i for i in range(cfg.layers) if routed["cfg"].route.routed(i)]
+    bs = dense["step"].block_size
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in dense["step"].gm.named_parameters()
+                       if "embed" not in n or cfg.tie_embeddings)  # a tied table is read as the lm_head
+    name = Path(args.spec).name.removesuffix(".kiln")  # a bundled name, or a spec file's stem
+    path = result_path(args.out_dir, f"mod_speed-{name}" + ("-smoke" if args.smoke else ""))
+    result = {"bench": "mod_speed", **run_metadata(), "spec": args.spec, "smoke": args.smoke, "dtype": args.dtype,
+              "capacity": args.capacity, "every": args.every, "decide": "threshold", "routed_layers": layers,
+              "thresholds": thresholds, "temperature": args.temperature, "prefix_caching": args.prefix_caching,
+              "eager": args.eager,
+              "narrow_min_rows": args.narrow_min_rows, "narrow_bucket": args.narrow_bucket,
+              "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
+              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": []}
+    cuda_graphs = False if args.eager else None
+    loads = [("prefill", Workload(args.prefill_prompts, args.prefill_len, 1, args.temperature,
+                                  args.max_num_batched_tokens, args.prefix_caching, cuda_graphs))]
+    loads += [(f"decode_{b}", Workload(b, args.decode_prompt, args.new_tokens, args.temperature,
+                                       max(b * args.decode_prompt, 16), args.prefix_caching, cuda_graphs))
+              for b in args.decode_batches]
+    for load, w in loads:
+        row = {"workload": load, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
+        sides = [("dense", dense), ("routed", routed)]
+        sides += [("routed_padded", padded)] if padded is not None and w.new_tokens == 1 else []
+        for side, m in sides:
+            row[side] = measure(m["step"], m["cfg"], w, args.seed + 11 + len(result["rows"]), bs, layers)
+            _free()  # the engine's pools go before the next one is sized
+            if w.new_tokens > 1:
+                per_step = decode_bytes(m["step"].step, weight_bytes, w.prompts,
+                                        w.prompt_len + w.new_tokens / 2, row[side]["kv_bytes_per_token"])
+                row[side]["bandwidth_share"] = float(f"{row[side]['tok_s'] / w.prompts * per_step / copy_bw:.4g}")
+        for side in ("routed", "routed_padded"):
+            if side in row:
+                row[f"{side}_over_dense"] = round(row[side]["tok_s"] / row["dense"]["tok_s"], 3)
+        if load in TARGETS:
+            row["target"] = TARGETS[load]
+        say(f"{load}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "
+            f"{row['routed_over_dense']:.2f}x{f' (target {TARGETS[load]}x)' if load in TARGETS else ''}"
+            + (f", routed without narrowing {row['routed_padded_over_dense']:.2f}x" if "routed_padded" in row else "")
+            + f"; routed fraction per layer {row['routed']['routed_fraction']}")
+        result["rows"].append(row)
+        write_json(path, result)  # after every workload: a run cut short keeps what it measured
+    say(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""bench/mod_speed.py: its threshold calibration (bench/mod_twins.py), and its --smoke run on CPU (figures checked
+for shape, never speed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import fx
+
+from kiln.ir.frontend import build_graph, random_weights
+from kiln.spec.loader import load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta, ceilings, mod_twins, as when run as a script
+    spec = importlib.util.spec_from_file_location("mod_speed_bench", ROOT / "bench" / "mod_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("mod_twins", None)
+
+
+def _masks(gm: fx.GraphModule, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Every threshold mask of the causal form, in layer order."""
+    seen = []
+
+    class Tap(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op == "call_function" and n.target is torch.ops.kiln.mod_threshold_mask.default:
+                seen.append(out)
+            return out
+
+    with torch.no_grad():
+        Tap(gm).run(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))
+    return seen
+
+
+def test_calibration_routes_the_capacity_share_in_every_layer(bench):
+    import mod_twins  # bench/, on sys.path through the fixture
+
+    cfg = mod_twins.routed_twin(load_spec("tiny-llama-mod").model, 0.25, 2)
+    weights = mod_twins.router_weights(cfg, seed=3, dtype=torch.float32, device=torch.device("cpu"))
+    dense = {k: v for k, v in random_weights(cfg, seed=3).items() if ".router." not in k}
+    gm = build_graph(cfg, {**dense, **weights})
+    tokens = torch.randint(0, cfg.vocab, (4, 50), generator=torch.Generator().manual_seed(1))
+    before = [m.float().mean().item() for m in _masks(gm, tokens)]
+    thresholds = mod_twins.calibrate(gm, cfg, tokens)
+    assert sorted(thresholds) == ["layers.1.router.threshold", "layers.3.router.threshold"]
+    after = _masks(gm, tokens)
+    n = tokens.numel()
+    for frac in (m.float().mean().item() for m in after):  # r > the 0.75 quantile: a quarter, give or take a token
+        assert abs(frac - 0.25) <= 1.5 / n, (frac, before)
+    assert all(b > 0.5 for b in before), before  # threshold 0 under scores near 1 (bias 1): most tokens routed
+
+
+def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
+    result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
+    import kiln.passes.kv_cache as kv_cache_pass
+
+    assert result["smoke"] and result["capacity"] == 0.125 and result["routed_layers"] == [1]
+    # --smoke narrows the routed body on its prefill steps (the GPU run's path), and leaves the knob as it was
+    assert (result["narrow_min_rows"], result["narrow_bucket"]) == (16, 8)
+    assert (kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET) == (256, 64)
+    assert list(result["thresholds"]) == ["layers.1.router.threshold"]
+    assert [r["workload"] for r in result["rows"]] == ["prefill", "decode_1", "decode_3"]
+    for row in result["rows"]:
+        dense, routed = row["dense"], row["routed"]
+        assert dense["tok_s"] > 0 and routed["tok_s"] > 0 and dense["preemptions"] == routed["preemptions"] == 0
+        assert row["routed_over_dense"] == round(routed["tok_s"] / dense["tok_s"], 3)
+        assert dense["routed_fraction"] == {} and set(routed["routed_fraction"]) == {"1"}
+        frac = routed["routed_fraction"]["1"]
+        assert 0 <= frac <= 1
+        # tiny-llama: one dense layer and one routed one, so a token costs (1 + fraction) layers of K/V
+        assert routed["kv_bytes_per_token"] == pytest.approx(dense["kv_bytes_per_token"] * (1 + frac) / 2, abs=0.1)
+        if row["new_tokens"] > 1:
+            assert dense["decode_s"] > 0 and 0 < routed["kv_bytes_at_decode_start"] <= dense["kv_bytes_at_decode_start"]
+            assert dense["bandwidth_share"] > 0
+    prefill = result["rows"][0]
+    assert prefill["routed_padded"]["tok_s"] > 0 and "routed_padded" not in result["rows"][1]
+    # the same model and prompts with narrowing off: the same routing decisions
+    assert prefill["routed_padded"]["routed_fraction"] == prefill["routed"]["routed_fraction"]
+    saved = json.loads(next(tmp_path.glob("mod_speed-tiny-llama-smoke-*.json")).read_text())
+    assert saved["rows"] == result["rows"] and saved["torch"] and saved["commit"]

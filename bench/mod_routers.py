@@ -134,6 +134,19 @@ def run_scratch(args: argparse.Namespace) -> dict:
             "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len, "rows": rows}
 
 
+def draw(result: dict) -> str:
+    """The plot: perplexity (log10 of it when the rows span more than 100x) against FLOPs per token / dense."""
+    base = result["rows"][0]
+    ppl = [r["perplexity_causal"] for r in result["rows"]]
+    log = max(ppl) / min(ppl) > 100
+    points = [(r["flops_per_token"] / base["flops_per_token"], math.log10(p) if log else p)
+              for r, p in zip(result["rows"], ppl, strict=True)]
+    return line_plot(points, [("dense" if r["capacity"] is None else f"c={r['capacity']:g}") for r in result["rows"]],
+                     title=f"MoD ({result['mode']}): held-out perplexity vs FLOPs per token",
+                     x_label="FLOPs per token / dense",
+                     y_label="log10 perplexity (causal form)" if log else "perplexity (causal form)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("distil", "scratch"))
@@ -165,12 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_scratch(args)
     result |= run_metadata(torch.device("cpu"))
     path = write_json(result_path(args.out_dir, f"mod-{args.mode}"), result)
-    base = result["rows"][0]
-    points = [(r["flops_per_token"] / base["flops_per_token"], r["perplexity_causal"]) for r in result["rows"]]
-    path.with_suffix(".svg").write_text(line_plot(
-        points, [("dense" if r["capacity"] is None else f"c={r['capacity']:g}") for r in result["rows"]],
-        title=f"MoD ({result['mode']}): held-out perplexity vs FLOPs per token", x_label="FLOPs per token / dense",
-        y_label="perplexity (causal form)"))
+    path.with_suffix(".svg").write_text(draw(result))
     print(path)
     return 0
 

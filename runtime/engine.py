@@ -40,13 +40,13 @@ from kiln.runtime.engine_stats import EngineStats, SpecCounters, collect_stats, 
 from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.outputs import Made, OutputMaker
-from kiln.runtime.plain_rows import Plain, launch_plain, take_plain
+from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
 from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
 from kiln.runtime.sampler import SamplingParams, make_generator
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
 from kiln.runtime.spec_step import SpecStep
-from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter, SpecRow
+from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, Draft, ModelDrafter, NgramDrafter, SpecRow
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
 
 __all__ = ["Engine", "EngineStats"]
@@ -239,18 +239,14 @@ class Engine:
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens
         logits, sampled = self.runner.execute(sched)
-        plain: Plain = []
-        spec: list[SpecRow] = []
-        row = 0
-        for s in sampled:
-            if s.num_drafts:
-                spec.append(SpecRow(s, row, drafts[id(s)]))
-            else:
-                plain.append((s, row))
-            row += 1 + s.num_drafts  # s.num_rows of a sampled chunk
-        launched = launch_plain(plain, logits) if plain else None
+        plain, rows, spec = self._split_rows(sched, sampled, drafts)
+        launched = launch_plain(plain, rows, logits) if plain else None
         # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
         outputs += output.emit_deferred()  # host work while the device runs this step (on CUDA)
+        made: Made = []
+        if sched.plain_decodes:  # one plain row per chunk: no commit before sampling, no drafts, no reservations
+            take_plain(output, plain, launched, time.perf_counter(), made, advance=True)
+            return outputs + output.end_step(made)
         for s in sched.seqs:
             if s.request.status.done:  # its last output failed just now: what this step computed for it is dropped
                 continue
@@ -258,7 +254,6 @@ class Engine:
             if not s.sample:
                 output.commit(s.request, s.start)
         now = time.perf_counter()
-        made: Made = []
         if plain:
             take_plain(output, plain, launched, now, made)
         spec = [it for it in spec if not it.seq.request.status.done]
@@ -268,6 +263,25 @@ class Engine:
             if not s.request.status.done:
                 self.block_manager.truncate(s.request.request_id, s.request.num_computed_tokens)
         return outputs + output.end_step(made)
+
+    @staticmethod
+    def _split_rows(sched: Schedule, sampled: list[ScheduledSeq],
+                    drafts: dict[int, Draft]) -> tuple[list[ScheduledSeq], list[int], list[SpecRow]]:
+        """The sampled chunks' logit rows: plain chunks and their rows, and the speculative rows."""
+        if sched.plain_decodes:
+            return sampled, list(range(len(sampled))), []
+        plain: list[ScheduledSeq] = []
+        rows: list[int] = []
+        spec: list[SpecRow] = []
+        row = 0
+        for s in sampled:
+            if s.num_drafts:
+                spec.append(SpecRow(s, row, drafts[id(s)]))
+            else:
+                plain.append(s)
+                rows.append(row)
+            row += 1 + s.num_drafts  # s.num_rows of a sampled chunk
+        return plain, rows, spec
 
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every request has finished, yielding each step's outputs."""

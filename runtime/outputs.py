@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import time
 
+from kiln.runtime.batch_sampler import BatchSample
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.request import Request, RequestOutput
+from kiln.runtime.request import DONE, Request, RequestOutput
 from kiln.runtime.sampler import check_stop
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import ScheduledSeq, Scheduler
 
 log = logging.getLogger("kiln.runtime")
 
@@ -58,6 +59,50 @@ class OutputMaker:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self.finish(req, *done)
+
+    def take_rows(self, seqs: list[ScheduledSeq], result: BatchSample, now: float, made: Made,
+                  advance: bool = False) -> None:
+        """A step's plain rows into their requests, in order: for each, the blocks it filled offered to the prefix
+        cache (commit), then its token appended (append), with append's bookkeeping written out here because
+        this runs for every row of every step. A row with an error, or whose stop-string search raised, fails its
+        request alone. advance: first move num_computed_tokens past the chunk (see plain_rows.take_plain)."""
+        bs, eos, commit, finish_req = self.bm.block_size, self.eos_token_ids, self.bm.commit, self.scheduler.finish
+        appended = 0
+        for s, tok, err, lp in zip(seqs, result.tokens, result.errors, result.logprobs, strict=True):
+            req = s.request
+            if req.status in DONE:  # ended while this step ran (its previous output failed)
+                continue
+            start = s.start
+            if advance:
+                req.num_computed_tokens = start + s.num_new
+            if err is None:
+                try:
+                    n = req.num_computed_tokens
+                    if n // bs > start // bs:  # only now: K/V next to non-finite logits is not offered for reuse
+                        commit(req.request_id, req.all_token_ids, n)
+                    out = req.output_token_ids
+                    out.append(tok)
+                    appended += 1
+                    if lp is not None:
+                        req.output_logprobs.append(lp)
+                    m = req.metrics
+                    if m.first_token_time is None:
+                        m.first_token_time = now
+                    det = req.detokenizer
+                    stop_str = det.add(tok) if det.stop else None  # as in append
+                    done = ("stop", stop_str) if stop_str is not None else check_stop(tok, len(out), req.params, eos)
+                    if done is not None:
+                        finish_req(req)
+                        self.requests.pop(req.request_id, None)
+                        self.finish(req, *done)
+                    made.append(req)
+                    continue
+                except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
+                    err = f"emitting its output failed ({type(e).__name__}: {e})"
+                finally:
+                    self.num_generated_tokens += appended  # before fail() takes back what no output carried
+                    appended = 0
+            made.append(self.fail(req, start, err))
 
     def commit(self, req: Request, start: int) -> None:
         """Offer the blocks this step filled (from token `start` on) to the prefix cache."""

@@ -15,28 +15,30 @@ from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.sampler import to_device
 from kiln.runtime.scheduler import ScheduledSeq
 
-Plain = list[tuple[ScheduledSeq, int]]  # (chunk, its logit row)
-
 
 class _BatchLost(Exception):
     """The sampler failed for the whole batch before its host copy (the message says why)."""
 
 
-def launch_plain(plain: Plain, logits: torch.Tensor) -> LaunchedSample | str:
-    """The sampler's device work for the plain rows, or why it failed (then every plain row fails)."""
-    reqs = [s.request for s, _ in plain]
+def launch_plain(plain: list[ScheduledSeq], rows: list[int], logits: torch.Tensor) -> LaunchedSample | str:
+    """The sampler's device work for the plain rows (chunk plain[i]'s logits are row rows[i]), or why it failed
+    (then every plain row fails)."""
+    reqs = [s.request for s in plain]
     try:
         # A list index would be a synchronous host -> device copy (the host would wait for the model call).
         rows = logits if len(plain) == logits.shape[0] else logits.index_select(
-            0, to_device(torch.tensor([r for _, r in plain]), logits.device))
+            0, to_device(torch.tensor(rows), logits.device))
         return launch_batch(rows, [r.params for r in reqs], [r.generator for r in reqs],
                             [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
     except Exception as e:  # not one row's fault (launch_batch isolates rows): the batch is lost, not the engine
         return f"sampling the batch failed ({type(e).__name__}: {e})"
 
 
-def take_plain(output: OutputMaker, plain: Plain, launched: LaunchedSample | str, now: float, made: Made) -> None:
-    """The sampled tokens (one host copy) appended to their requests; a row that failed ends its request."""
+def take_plain(output: OutputMaker, plain: list[ScheduledSeq], launched: LaunchedSample | str, now: float, made: Made,
+               advance: bool = False) -> None:
+    """The sampled tokens (one host copy) appended to their requests; a row that failed ends its request.
+    advance: also move each request's num_computed_tokens past its chunk first (the engine does that for every
+    chunk before this; a step of plain decodes, with nothing else to do in between, folds it in here)."""
     try:
         if isinstance(launched, str):
             raise _BatchLost(launched)
@@ -44,17 +46,4 @@ def take_plain(output: OutputMaker, plain: Plain, launched: LaunchedSample | str
     except Exception as e:
         err = str(e) if isinstance(e, _BatchLost) else f"sampling the batch failed ({type(e).__name__}: {e})"
         result = BatchSample([0] * len(plain), [err] * len(plain))
-    for (s, _), tok, err, lp in zip(plain, result.tokens, result.errors, result.logprobs, strict=True):
-        req = s.request
-        if req.status.done:  # ended while this step ran (its previous output failed)
-            continue
-        if err is None:
-            try:
-                output.commit(req, s.start)  # only now: K/V next to non-finite logits is not offered for reuse
-                output.append(req, tok, now, lp)
-                made.append(req)
-                continue
-            except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
-                err = f"emitting its output failed ({type(e).__name__}: {e})"
-        made.append(output.fail(req, s.start, err))
-
+    output.take_rows(plain, result, now, made, advance)

@@ -54,6 +54,10 @@ class _Graph:
 
 
 class ModelRunner:
+    # Decode batches from this many sequences on are staged with numpy (gather_decodes); below it the per-element
+    # writes of the general path cost less than numpy's fixed overhead (bench/prepare.py: ~10 us at 1..8).
+    decode_numpy_min_seqs = 16
+
     def __init__(self, model: StepModel, block_manager: BlockManager, *, max_num_seqs: int, max_model_len: int,
                  use_cuda_graphs: bool = False, pad_decode_batches: bool = False, warmup: bool | None = None,
                  kv_cache: KVCache | None = None):
@@ -100,7 +104,7 @@ class ModelRunner:
         are views of the runner's buffers, valid until the next prepare().
         """
         bs, seqs = self.block_size, sched.seqs
-        if not self.num_routed:
+        if not self.num_routed and len(seqs) >= self.decode_numpy_min_seqs:
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
             if dec is not None:
                 return self._prepare_decodes(dec)

@@ -36,6 +36,7 @@ def make(cfg: dict, fast: bool) -> tuple[Engine, list, list]:
                  num_blocks=64 // cfg["block"] + 1 + cfg["extra"], max_num_seqs=cfg["seqs"],
                  max_num_batched_tokens=cfg["budget"], enable_prefix_caching=cfg["prefix"],
                  scheduling_policy=cfg["policy"], **kw)
+    eng.runner.decode_numpy_min_seqs = 1  # the batches here are small
     seen: list = []
     flags: list[bool] = []
     schedule = eng.scheduler.schedule

@@ -56,6 +56,7 @@ def test_the_decode_path_builds_the_general_paths_inputs(seed, pad, block):
     rng = random.Random(seed)
     bm = BlockManager(400, block, enable_prefix_caching=False)
     runner = ModelRunner(HostOnlyModel(), bm, max_num_seqs=8, max_model_len=64, pad_decode_batches=pad)
+    runner.decode_numpy_min_seqs = 1  # every batch here is small
     live: dict[str, Request] = {}
     for step in range(12):
         for rid in [r for r in live if rng.random() < 0.2]:  # frees: their rows go back and are reused

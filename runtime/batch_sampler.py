@@ -36,8 +36,8 @@ NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; like
 
 def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:
     """bool [R]: rows of [R, V] logits that cannot be sampled. -inf entries are legitimate (masked tokens); NaN,
-    +inf or a row of nothing but -inf are not."""
-    return rows.isnan().any(dim=-1) | rows.isposinf().any(dim=-1) | rows.isneginf().all(dim=-1)
+    +inf or a row of nothing but -inf are not: exactly the rows whose max is not finite (max propagates NaN)."""
+    return ~rows.amax(dim=-1).isfinite()
 
 
 def sample_batch(
@@ -94,22 +94,28 @@ def launch_batch(
     errors: list[str | None] = [None] * n
     if n == 0:
         return LaunchedSample(None, errors, _unpack_plain)
-    finite = ~nonfinite_rows(rows)
-    rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
-    argmax = rows.argmax(dim=-1)  # every plain greedy row's token, in one kernel and without an index upload
+    # One reduction gives every plain greedy row's token and the finite flags (a row's max is not finite exactly
+    # when nonfinite_rows flags it); a row that cannot be sampled gets token 0, its argmax once zeroed below.
+    best, argmax = rows.max(dim=-1)
+    finite = best.isfinite()
+    argmax = torch.where(finite, argmax, 0)
     toks = argmax
-    if not all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+    plain = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if plain and not asked:  # the usual decode batch: nothing reads the rows again
+        return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain)
+    rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
+    if not plain:
         parts: list[torch.Tensor] = []
         for i, p in enumerate(params):
             try:
-                plain = p.greedy and p.repetition_penalty == 1.0
-                parts.append(argmax[i : i + 1] if plain else sample_rows(rows[i : i + 1], p, generators[i],
+                greedy = p.greedy and p.repetition_penalty == 1.0
+                parts.append(argmax[i : i + 1] if greedy else sample_rows(rows[i : i + 1], p, generators[i],
                                                                           [prev_tokens[i]]))
             except Exception as e:  # one request's failure must not take down the batch
                 errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
                 parts.append(argmax[i : i + 1])
         toks = torch.cat(parts)
-    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not asked:
         return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain)
     packed, unpack = _with_logprobs(rows, toks, finite, params, asked)

@@ -37,6 +37,10 @@ def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class BlockManager:
+    # Whether append_slots reserves something for every new token even when the table has room (the scheduler's
+    # decode fast path then cannot skip it); a routed model's manager does.
+    reserves_every_token = False
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 2 or block_size < 1:
             raise KilnError(f"need num_blocks >= 2 (block 0 is reserved) and block_size >= 1, "

@@ -10,6 +10,12 @@ request that fails later, while its token is sampled or its output emitted (a sa
 a detokenizer or stop-string exception), finishes alone with finish_reason "error" and a message in
 RequestOutput.error; its blocks are freed and the rest of the batch goes on in the same step.
 
+A step is: schedule (runtime/scheduler.py), fill the draft slots (spec_step.py), the model call
+(model_runner.py), the sampler's device work for the plain rows (plain_rows.py), the last step's deferred output
+work (overlap_outputs), then the sampled ids read back and taken into the requests (plain_rows.py, and the
+verification of drafts in spec_step.py); tokens, stops, failures and RequestOutputs are outputs.py's, the
+counters engine_stats.py's.
+
 With a drafter (runtime/speculative.py) decodes speculate: the scheduler reserves draft slots, the drafter fills
 them, the target scores [last token, drafts] in the same step as everything else, the model's verifier accepts
 a prefix and draws the next token, and the unused slots' blocks are freed. Ordinary rows in the same step are
@@ -23,81 +29,27 @@ is refused.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-
-import torch
 
 from kiln.errors import KilnError, RequestError
-from kiln.runtime.batch_sampler import NONFINITE_LOGITS, BatchSample, LaunchedSample, launch_batch
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.engine_stats import EngineStats, SpecCounters, collect_stats, kv_waste
 from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.outputs import Made, OutputMaker
+from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
-from kiln.runtime.routed_blocks import RoutedBlockManager, make_block_manager, pool_bytes
-from kiln.runtime.sampler import SamplingParams, check_stop, make_generator, to_device
-from kiln.runtime.scheduler import ScheduledSeq, Scheduler
-from kiln.runtime.speculative import (
-    DEFAULT_SPECULATION_MAX_BATCH,
-    Draft,
-    ModelDrafter,
-    NgramDrafter,
-    SpecRow,
-    verify_rows,
-)
+from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
+from kiln.runtime.sampler import SamplingParams, make_generator
+from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
+from kiln.runtime.spec_step import SpecStep
+from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, Draft, ModelDrafter, NgramDrafter, SpecRow
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
 
-log = logging.getLogger("kiln.runtime")
-
-
-class _BatchLost(Exception):
-    """The sampler failed for the whole batch before its host copy (the message says why)."""
-
-
-@dataclass
-class EngineStats:
-    num_steps: int
-    num_preemptions: int
-    prefix_cache_queries: int  # full prompt blocks looked up
-    prefix_cache_hits: int  # of those, reused
-    prefix_cache_evictions: int
-    num_shared_blocks: int  # blocks referenced by more than one request right now
-    num_free_blocks: int
-    num_blocks: int  # usable blocks in the pool (the null block excluded)
-    kv_waste_slots: int  # allocated minus used slots over the running requests
-    num_running: int
-    num_waiting: int
-    num_batched_tokens: int  # rows run through the model (prefill, recompute and decode)
-    num_generated_tokens: int
-    spec_proposed: int = 0  # draft tokens proposed
-    spec_accepted: int = 0  # of those, accepted
-    spec_verify_steps: int = 0  # steps that verified drafts
-    spec_rows: int = 0  # speculative decodes verified (rows of VerifyBatches)
-    spec_emitted: int = 0  # tokens those rows emitted (accepted drafts + the next token)
-    spec_off_steps: int = 0  # steps where speculation was off because more than speculation_max_batch decodes ran
-    spec_drafter_failures: int = 0  # steps whose drafter raised (they decoded without drafts)
-    kv_bytes: int = 0  # the KV pools' size (a routed model's routed pools included)
-    kv_bytes_dense: int = 0  # what the same pool would take if every layer cached every token
-    routed_blocks: int = 0  # usable blocks in each routed layer's pool (0: not a routed model)
-    routed_blocks_in_use: tuple[int, ...] = ()  # per routed layer, right now
-
-    @property
-    def kv_bytes_saved(self) -> int:
-        return self.kv_bytes_dense - self.kv_bytes
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens emitted per speculative decode per step (1 = no draft accepted)."""
-        return self.spec_emitted / self.spec_rows if self.spec_rows else 0.0
+__all__ = ["Engine", "EngineStats"]
 
 
 class Engine:
@@ -176,18 +128,27 @@ class Engine:
             self.scheduler.spec_k = drafter.k
             self.scheduler.spec_max_batch = (DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None
                                              else speculation_max_batch)
-        self.spec = {"proposed": 0, "accepted": 0, "verify_steps": 0, "rows": 0, "emitted": 0, "drafter_failures": 0}
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self._pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
-        self.overlap_outputs = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
-        # The last step's output work, done by the next step while its model call runs (overlap_outputs): requests
-        # that got tokens (their text and output object still to make) and outputs already made (failures), in order.
-        self._deferred: list[Request | RequestOutput] = []
-        self._token_text: dict[int, str] = {}  # decode([id]) for every request's detokenizer (see Detokenizer)
+        overlap = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
+        self.output = OutputMaker(self.scheduler, self.block_manager, self.requests, self.eos_token_ids, overlap)
+        self.spec_counters = SpecCounters()
+        self.spec = None if drafter is None else SpecStep(drafter, self.verify, self.output, self.spec_counters)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_batched_tokens = 0
-        self.num_generated_tokens = 0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.output.num_generated_tokens
+
+    @property
+    def overlap_outputs(self) -> bool:
+        """Whether each step's output work runs during the next step's model call (see step())."""
+        return self.output.overlap
+
+    @overlap_outputs.setter
+    def overlap_outputs(self, on: bool) -> None:
+        self.output.overlap = bool(on)
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -212,7 +173,7 @@ class Engine:
             rid = str(next(self._ids))
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
-        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop, self._token_text),
+        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop, self.output.token_text),
                       make_generator(params.seed, self.model.device), order)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -240,20 +201,17 @@ class Engine:
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
-        if any(e is req for e in self._deferred):  # the last step's output for it is not made yet: it comes first
-            self._deferred = [e for e in self._deferred if e is not req]
-            self._pending.append(self._emit_one(req))  # an ordinary output (made a step earlier without overlap)
-            if req.status.done:  # making it failed: the request ended there, as it would have a step earlier
-                return False
+        if not self.output.abort_deferred(req):  # making its deferred output failed: the request ended there
+            return False
         self.scheduler.finish(req, RequestStatus.ABORTED)
-        self._finish(req, "abort", None)
+        self.output.finish(req, "abort", None)
         if notify:
-            self._flush(req)
-            self._pending.append(self._output(req))
+            self.output.flush(req)
+            self.output.pending.append(self.output.output(req))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._deferred)
+        return self.scheduler.has_unfinished() or self.output.has_work()
 
     # ---- stepping -----------------------------------------------------------------------------------------
 
@@ -269,214 +227,61 @@ class Engine:
         ends with finish_reason "error", as without the overlap, and the row the step in flight computed for
         it is dropped.
         """
-        outputs, self._pending = self._pending, []
+        output = self.output
+        outputs = output.take_pending()
         sched = self.scheduler.schedule()
         if not sched.seqs:
             # Cannot happen while the pool holds one max-length sequence; fail loudly rather than spin forever.
             assert not self.scheduler.has_unfinished(), "the scheduler made no progress with requests queued"
-            deferred, self._deferred = self._deferred, []
-            return outputs + self._emit(deferred)
+            return outputs + output.emit_deferred()
         reserved = [s for s in sched.seqs if s.num_drafts]
-        drafts = self._propose(reserved)
+        drafts = self.spec.propose(reserved) if reserved else {}
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens
         logits, sampled = self.runner.execute(sched)
-        plain: list[tuple[ScheduledSeq, int]] = []
+        plain, rows, spec = self._split_rows(sched, sampled, drafts)
+        launched = launch_plain(plain, rows, logits) if plain else None
+        # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
+        outputs += output.emit_deferred()  # host work while the device runs this step (on CUDA)
+        made: Made = []
+        if sched.plain_decodes:  # one plain row per chunk: no commit before sampling, no drafts, no reservations
+            take_plain(output, plain, launched, time.perf_counter(), made, advance=True)
+            return outputs + output.end_step(made)
+        for s in sched.seqs:
+            if s.request.status.done:  # its last output failed just now: what this step computed for it is dropped
+                continue
+            s.request.num_computed_tokens = s.start + s.num_new
+            if not s.sample:
+                output.commit(s.request, s.start)
+        now = time.perf_counter()
+        if plain:
+            take_plain(output, plain, launched, now, made)
+        spec = [it for it in spec if not it.seq.request.status.done]
+        if spec:
+            self.spec.verify(spec, logits, now, made)
+        for s in reserved:  # slots of drafts not proposed or not accepted
+            if not s.request.status.done:
+                self.block_manager.truncate(s.request.request_id, s.request.num_computed_tokens)
+        return outputs + output.end_step(made)
+
+    @staticmethod
+    def _split_rows(sched: Schedule, sampled: list[ScheduledSeq],
+                    drafts: dict[int, Draft]) -> tuple[list[ScheduledSeq], list[int], list[SpecRow]]:
+        """The sampled chunks' logit rows: plain chunks and their rows, and the speculative rows."""
+        if sched.plain_decodes:
+            return sampled, list(range(len(sampled))), []
+        plain: list[ScheduledSeq] = []
+        rows: list[int] = []
         spec: list[SpecRow] = []
         row = 0
         for s in sampled:
             if s.num_drafts:
                 spec.append(SpecRow(s, row, drafts[id(s)]))
             else:
-                plain.append((s, row))
+                plain.append(s)
+                rows.append(row)
             row += 1 + s.num_drafts  # s.num_rows of a sampled chunk
-        launched = self._launch_plain(plain, logits) if plain else None
-        # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
-        deferred, self._deferred = self._deferred, []
-        outputs += self._emit(deferred)  # host work while the device runs this step (on CUDA)
-        for s in sched.seqs:
-            if s.request.status.done:  # its last output failed just now: what this step computed for it is dropped
-                continue
-            s.request.num_computed_tokens = s.start + s.num_new
-            if not s.sample:
-                self._commit(s.request, s.start)
-        now = time.perf_counter()
-        made: list[Request | RequestOutput] = []
-        if plain:
-            self._sample_plain(plain, launched, now, made)
-        spec = [it for it in spec if not it.seq.request.status.done]
-        if spec:
-            self._verify(spec, logits, now, made)
-        for s in reserved:  # slots of drafts not proposed or not accepted
-            if not s.request.status.done:
-                self.block_manager.truncate(s.request.request_id, s.request.num_computed_tokens)
-        if self.overlap_outputs:
-            self._deferred = made
-            return outputs
-        return outputs + self._emit(made)
-
-    def _propose(self, reserved: list[ScheduledSeq]) -> dict[int, Draft]:
-        """Fill the reserved draft slots; a sequence that gets no draft runs as a plain decode."""
-        if not reserved:
-            return {}
-        try:
-            drafts = self.drafter.propose(reserved)
-        except Exception as e:  # the drafter is an optimisation: without it every row is a plain decode
-            log.warning("the drafter failed (%s: %s); this step decodes without speculation", type(e).__name__, e)
-            self.spec["drafter_failures"] += 1
-            drafts = [Draft([], None)] * len(reserved)
-        out = {}
-        for s, d in zip(reserved, drafts, strict=True):
-            n = min(len(d.tokens), s.num_drafts)
-            d = Draft(d.tokens[:n], None if d.probs is None else d.probs[:n])
-            s.request.draft_tokens = d.tokens
-            s.num_drafts, s.num_new = n, 1 + n
-            out[id(s)] = d
-        return out
-
-    @staticmethod
-    def _launch_plain(plain: list[tuple[ScheduledSeq, int]], logits) -> LaunchedSample | str:
-        """The sampler's device work for the plain rows, or why it failed (then every plain row fails)."""
-        reqs = [s.request for s, _ in plain]
-        try:
-            # A list index would be a synchronous host -> device copy (the host would wait for the model call).
-            rows = logits if len(plain) == logits.shape[0] else logits.index_select(
-                0, to_device(torch.tensor([r for _, r in plain]), logits.device))
-            return launch_batch(rows, [r.params for r in reqs], [r.generator for r in reqs],
-                                [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
-        except Exception as e:  # not one row's fault (launch_batch isolates rows): the batch is lost, not the engine
-            return f"sampling the batch failed ({type(e).__name__}: {e})"
-
-    def _sample_plain(self, plain: list[tuple[ScheduledSeq, int]], launched: LaunchedSample | str, now: float,
-                      made: list[Request | RequestOutput]) -> None:
-        try:
-            if isinstance(launched, str):
-                raise _BatchLost(launched)
-            result = launched.result()
-        except Exception as e:
-            err = str(e) if isinstance(e, _BatchLost) else f"sampling the batch failed ({type(e).__name__}: {e})"
-            result = BatchSample([0] * len(plain), [err] * len(plain))
-        for (s, _), tok, err, lp in zip(plain, result.tokens, result.errors, result.logprobs, strict=True):
-            req = s.request
-            if req.status.done:  # ended while this step ran (its previous output failed)
-                continue
-            if err is None:
-                try:
-                    self._commit(req, s.start)  # only now: K/V next to non-finite logits is not offered for reuse
-                    self._append(req, tok, now, lp)
-                    made.append(req)
-                    continue
-                except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
-                    err = f"emitting its output failed ({type(e).__name__}: {e})"
-            made.append(self._fail(req, s.start, err))
-
-    def _verify(self, spec: list[SpecRow], logits, now: float, made: list[Request | RequestOutput]) -> None:
-        """Accept each speculative decode's draft prefix, append it and the next token, roll back the rest."""
-        try:
-            results = verify_rows(self.verify, logits, spec)
-        except Exception as e:  # the verifier's failure loses this step's speculative rows, not the engine
-            results = [(0, 0, False)] * len(spec)
-            err_all = f"verifying the drafts failed ({type(e).__name__}: {e})"
-        else:
-            err_all = None
-        self.spec["verify_steps"] += 1
-        for it, (a, nxt, finite) in zip(spec, results, strict=True):
-            s, req, n = it.seq, it.seq.request, it.seq.num_drafts
-            req.draft_tokens = []
-            if err_all is not None or not finite:
-                made.append(self._fail(req, s.start, err_all or NONFINITE_LOGITS))
-                continue
-            req.num_computed_tokens = s.start + 1 + a
-            self.drafter.verified(req, s.start, n, a)
-            req.metrics.num_draft_tokens += n
-            req.metrics.num_accepted_tokens += a
-            self.spec["proposed"] += n
-            self.spec["accepted"] += a
-            self.spec["rows"] += 1
-            try:
-                for tok in (*it.draft.tokens[:a], nxt):
-                    self._append(req, tok, now)
-                    self.spec["emitted"] += 1
-                    if req.status.done:
-                        break  # a stop token, stop string or max_tokens: the rest is dropped
-                if not req.status.done:  # the unused draft slots are freed with the step's other reservations
-                    self._commit(req, s.start)
-                made.append(req)
-            except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
-                made.append(self._fail(req, s.start, f"emitting its output failed ({type(e).__name__}: {e})"))
-
-    def _commit(self, req: Request, start: int) -> None:
-        if req.num_computed_tokens // self.block_manager.block_size > start // self.block_manager.block_size:
-            self.block_manager.commit(req.request_id, req.all_token_ids, req.num_computed_tokens)  # a block filled
-
-    def _fail(self, req: Request, start: int, message: str) -> RequestOutput:
-        """End one request with finish_reason "error": drop what this step added, free its blocks, report why."""
-        req.num_computed_tokens = start
-        rolled_back = len(req.output_token_ids) - req._sent_tokens  # tokens no output carried yet
-        del req.output_token_ids[req._sent_tokens :]
-        del req.output_logprobs[req._sent_tokens :]
-        self.num_generated_tokens -= rolled_back
-        self.requests.pop(req.request_id, None)
-        if not req.status.done:
-            self.scheduler.finish(req)
-        req.error = f"request {req.request_id!r}: {message}"
-        self._finish(req, "error", None)
-        log.warning("%s", req.error)
-        return self._output(req)
-
-    def _output(self, req: Request) -> RequestOutput:
-        try:
-            return req.make_output()
-        except Exception as e:  # a broken detokenizer: report the text already sent
-            req.error = req.error or f"request {req.request_id!r}: emitting its output failed ({type(e).__name__}: {e})"
-            req.finish_reason = req.finish_reason or "error"
-            return req.make_output(text_failed=True)
-
-    def _append(self, req: Request, tok: int, now: float, logprobs: dict[int, float] | None = None) -> None:
-        req.output_token_ids.append(tok)
-        if logprobs is not None:
-            req.output_logprobs.append(logprobs)
-        self.num_generated_tokens += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        # Only a stop string needs the text now; other requests' text is made with their output (_emit_one).
-        stop_str = req.detokenizer.add(tok) if req.detokenizer.stop else None
-        done = ("stop", stop_str) if stop_str is not None else check_stop(
-            tok, len(req.output_token_ids), req.params, self.eos_token_ids)
-        if done is not None:
-            self.scheduler.finish(req)
-            self.requests.pop(req.request_id, None)
-            self._finish(req, *done)
-
-    @staticmethod
-    def _finish(req: Request, reason: str, stop_reason: int | str | None) -> None:
-        """Record why a request ended; its held-back text is flushed when its last output is made."""
-        req.finish_reason, req.stop_reason = reason, stop_reason
-        req.metrics.finish_time = time.perf_counter()
-
-    @staticmethod
-    def _flush(req: Request) -> None:
-        try:
-            req.detokenizer.flush()
-        except Exception as e:  # the held-back tail is lost, the request still ends as asked
-            req.error = f"request {req.request_id!r}: flushing its text failed ({type(e).__name__}: {e})"
-
-    def _emit(self, made: list[Request | RequestOutput]) -> list[RequestOutput]:
-        return [e if isinstance(e, RequestOutput) else self._emit_one(e) for e in made]
-
-    def _emit_one(self, req: Request) -> RequestOutput:
-        """The output of a request that got tokens: the text of those not detokenized yet, the held-back tail if
-        it finished, the RequestOutput. A failure here ends this request only, with the tokens no output carried
-        rolled back."""
-        try:
-            det = req.detokenizer
-            for tok in req.output_token_ids[len(det.tokens) :]:
-                det.add(tok)  # no stop strings here (those requests were detokenized when sampled)
-            if req.status.done:
-                self._flush(req)
-            return req.make_output()
-        except Exception as e:  # a detokenizer failure ends this request only
-            return self._fail(req, req.num_computed_tokens, f"emitting its output failed ({type(e).__name__}: {e})")
+        return plain, rows, spec
 
     def stream(self) -> Iterator[RequestOutput]:
         """Step until every request has finished, yielding each step's outputs."""
@@ -491,28 +296,14 @@ class Engine:
 
     def kv_waste(self) -> list[int]:
         """Allocated minus used (K/V written) slots of each running request."""
-        bm = self.block_manager
-        return [bm.num_slots(r.request_id) - r.num_computed_tokens for r in self.scheduler.running]
+        return kv_waste(self.block_manager, self.scheduler)
 
     @property
     def stats(self) -> EngineStats:
-        bm, sch = self.block_manager, self.scheduler
-        return EngineStats(
-            num_steps=self.num_steps, num_preemptions=sch.num_preemptions,
-            prefix_cache_queries=bm.stats.prefix_queries, prefix_cache_hits=bm.stats.prefix_hits,
-            prefix_cache_evictions=bm.stats.evictions, num_shared_blocks=bm.num_shared_blocks(),
-            num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_usable_blocks, kv_waste_slots=sum(self.kv_waste()),
-            num_running=len(sch.running), num_waiting=len(sch.waiting),
-            num_batched_tokens=self.num_batched_tokens,
-            num_generated_tokens=self.num_generated_tokens,
-            spec_proposed=self.spec["proposed"], spec_accepted=self.spec["accepted"],
-            spec_verify_steps=self.spec["verify_steps"], spec_rows=self.spec["rows"], spec_emitted=self.spec["emitted"],
-            spec_off_steps=sch.num_spec_off_steps, spec_drafter_failures=self.spec["drafter_failures"],
-            kv_bytes=self.kv_bytes, kv_bytes_dense=self.kv_bytes_dense,
-            routed_blocks=bm.routed[0].num_usable_blocks if isinstance(bm, RoutedBlockManager) and bm.routed else 0,
-            routed_blocks_in_use=tuple(bm.routed_blocks_in_use()) if isinstance(bm, RoutedBlockManager) else ())
+        return collect_stats(self.block_manager, self.scheduler, self.spec_counters, num_steps=self.num_steps,
+                             num_batched_tokens=self.num_batched_tokens,
+                             num_generated_tokens=self.num_generated_tokens, kv_bytes=self.kv_bytes,
+                             kv_bytes_dense=self.kv_bytes_dense)
 
     def stats_dict(self) -> dict:
-        st = self.stats
-        return {**dataclasses.asdict(st), "acceptance_rate": st.acceptance_rate,
-                "mean_accepted_length": st.mean_accepted_length, "kv_bytes_saved": st.kv_bytes_saved}
+        return self.stats.as_dict()

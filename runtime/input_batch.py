@@ -144,3 +144,47 @@ def _views(buf, lay: Layout) -> dict:
         views["routed_lens"] = i32[o : o + nr * s].reshape(nr, s)
         views["routed_block_tables"] = i32[o + nr * s : o + nr * s * (1 + wr)].reshape(nr, s, wr)
     return views
+
+
+@dataclass
+class DecodeInputs:
+    """A batch of plain decodes (one token each, sampled), gathered for vectorized staging."""
+
+    starts: np.ndarray  # int64 [S]: each sequence's position (tokens already in the cache)
+    tokens: list[int]  # the token at that position
+    rows: np.ndarray  # intp [S]: each sequence's BlockTableRows row
+    width: int  # the widest block table
+
+
+def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRows, block_size: int,
+                   known: bool = False) -> DecodeInputs | None:
+    """The inputs of a pure-decode batch (ScheduledSeqs with num_new 1 and sample), rows brought up to date; None
+    when any sequence is something else (or has no table), for the general path to build. known: the schedule
+    says they all are (Schedule.plain_decodes)."""
+    row_of, written = rows.row_of, rows.written
+    starts, toks, row_ids, lens = [], [], [], []
+    for s in seqs:
+        if not known and (s.num_new != 1 or not s.sample):
+            return None
+        req = s.request
+        rid = req.request_id
+        table = tables.get(rid)
+        if table is None:
+            return None
+        nb = len(table)
+        r = row_of.get(rid)
+        row_ids.append(r if r is not None and written[rid] == nb else rows.row(rid, table))
+        lens.append(nb)
+        a = s.start
+        if a >= nb * block_size:
+            raise AssertionError(f"{rid}: {a + 1} tokens but {nb} blocks")
+        starts.append(a)
+        prompt = req.prompt_token_ids
+        if a < len(prompt):
+            toks.append(prompt[a])
+        else:  # a draft model's decodes run past the known tokens (Request.token_slice has the drafts)
+            out, i = req.output_token_ids, a - len(prompt)
+            toks.append(out[i] if i < len(out) else req.token_slice(a, a + 1)[0])
+    if not starts:
+        return None
+    return DecodeInputs(np.array(starts, dtype=np.int64), toks, np.array(row_ids, dtype=np.intp), max(lens))

@@ -30,7 +30,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
-from kiln.runtime.input_batch import BlockTableRows, StepBuffers, layout
+from kiln.runtime.input_batch import BlockTableRows, DecodeInputs, Layout, StepBuffers, gather_decodes, layout
 from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache, num_routed_layers
@@ -54,6 +54,10 @@ class _Graph:
 
 
 class ModelRunner:
+    # Decode batches from this many sequences on are staged with numpy (gather_decodes); below it the per-element
+    # writes of the general path cost less than numpy's fixed overhead (bench/prepare.py: ~10 us at 1..8).
+    decode_numpy_min_seqs = 16
+
     def __init__(self, model: StepModel, block_manager: BlockManager, *, max_num_seqs: int, max_model_len: int,
                  use_cuda_graphs: bool = False, pad_decode_batches: bool = False, warmup: bool | None = None,
                  kv_cache: KVCache | None = None):
@@ -100,6 +104,10 @@ class ModelRunner:
         are views of the runner's buffers, valid until the next prepare().
         """
         bs, seqs = self.block_size, sched.seqs
+        if not self.num_routed and len(seqs) >= self.decode_numpy_min_seqs:
+            dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
+            if dec is not None:
+                return self._prepare_decodes(dec)
         tables = [self.bm.table(s.request.request_id) for s in seqs]
         rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
         width = max(len(t) for t in tables)
@@ -147,33 +155,64 @@ class ModelRunner:
             lens[:] = np.array([self.bm.routed_lens[s.request.request_id] for s in seqs], dtype=np.int32).T
             for j, rows_j in enumerate(self.routed_rows):
                 np.take(rows_j.host[:, :routed_width], routed_rows[j], axis=0, out=v["routed_block_tables"][j])
-        if padded:  # padding rows: one token each, written to and read from the null block, all rows sampled
-            tok[n:], pos[n:], slot[n:] = 0, 0, NULL_BLOCK * bs
-            ctx[len(seqs) :] = 1
-            qsl[len(seqs) + 1 :] = np.arange(n + 1, n + 1 + extra)
-            bt[len(seqs) :] = NULL_BLOCK
-            samp[:] = np.arange(padded)
+        if padded:
+            self._pad(v, n, len(seqs), padded)
+        return self._upload(lay, 1 if padded else max_new, max_ctx), padded
+
+    def _prepare_decodes(self, dec: DecodeInputs) -> tuple[StepBatch, int]:
+        """prepare() for plain decodes: the same inputs, written with numpy from the gathered lists."""
+        bs, st, rows = self.block_size, dec.starts, dec.rows
+        n = len(st)
+        padded = self._decode_pad_size(n)
+        lay = layout(padded or n, padded or n, padded or n, dec.width)
+        v = self.buffers.stage(lay)
+        host_rows = self.rows.host
+        v["tokens"][:n] = dec.tokens
+        v["positions"][:n] = st
+        v["slot_mapping"][:n] = host_rows[rows, st // bs].astype(np.int64) * bs + st % bs
+        v["context_lens"][:n] = st + 1
+        v["query_start_loc"][: n + 1] = np.arange(n + 1)
+        np.take(host_rows[:, : dec.width], rows, axis=0, out=v["block_tables"][:n])
+        if padded:
+            self._pad(v, n, n, padded)
+        else:
+            v["sample_indices"][:] = np.arange(n)
+        return self._upload(lay, 1, int(st.max()) + 1), padded
+
+    def _pad(self, v: dict[str, np.ndarray], n: int, num_seqs: int, padded: int) -> None:
+        """Padding rows after n tokens of num_seqs decodes: one token each, written to and read from the null
+        block, every row sampled."""
+        v["tokens"][n:], v["positions"][n:], v["slot_mapping"][n:] = 0, 0, NULL_BLOCK * self.block_size
+        v["context_lens"][num_seqs:] = 1
+        v["query_start_loc"][num_seqs + 1 :] = np.arange(n + 1, n + 1 + padded - num_seqs)
+        v["block_tables"][num_seqs:] = NULL_BLOCK
+        v["sample_indices"][:] = np.arange(padded)
+
+    def _upload(self, lay: Layout, max_query_len: int, max_context_len: int) -> StepBatch:
         t = self.buffers.upload(lay)
-        batch = StepBatch(
+        return StepBatch(
             tokens=t["tokens"], positions=t["positions"], slot_mapping=t["slot_mapping"],
             block_tables=t["block_tables"], context_lens=t["context_lens"], query_start_loc=t["query_start_loc"],
-            sample_indices=t["sample_indices"], max_query_len=1 if padded else max_new, max_context_len=max_ctx,
+            sample_indices=t["sample_indices"], max_query_len=max_query_len, max_context_len=max_context_len,
             routed_lens=t.get("routed_lens"), routed_block_tables=t.get("routed_block_tables"),
         )  # fmt: skip
-        return batch, padded
 
     def _pad_size(self, sched: Schedule) -> int:
-        if not self.pad_sizes or not sched.is_decode_only or len(sched.seqs) > self.pad_sizes[-1]:
+        return self._decode_pad_size(len(sched.seqs)) if self.pad_sizes and sched.is_decode_only else 0
+
+    def _decode_pad_size(self, num_seqs: int) -> int:
+        """The captured batch size a pure-decode batch of num_seqs is padded to (0: not padded)."""
+        if not self.pad_sizes or num_seqs > self.pad_sizes[-1]:
             return 0
-        return next(b for b in self.pad_sizes if b >= len(sched.seqs))
+        return next(b for b in self.pad_sizes if b >= num_seqs)
 
     # ---- execution ----------------------------------------------------------------------------------------
 
     def execute(self, sched: Schedule) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """fp32 logits [R, vocab] and the sampled sequences in row order: one row per sequence, 1 + n rows for a
         speculative decode with n drafts."""
-        sampled = [s for s in sched.seqs if s.sample]
-        num_rows = sum(s.num_rows for s in sampled)
+        sampled = sched.seqs if sched.plain_decodes else [s for s in sched.seqs if s.sample]
+        num_rows = len(sampled) if sched.plain_decodes else sum(s.num_rows for s in sampled)
         batch, padded = self.prepare(sched)
         with torch.inference_mode():
             if padded and padded in self.graphs:

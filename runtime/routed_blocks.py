@@ -73,6 +73,8 @@ def pool_bytes(model: StepModel, bm: BlockManager) -> tuple[int, int]:
 
 
 class RoutedBlockManager(BlockManager):
+    reserves_every_token = True  # every routed table grows by the worst case for each token (append_slots)
+
     def __init__(self, num_blocks: int, block_size: int, num_routed_layers: int, routed_num_blocks: int,
                  enable_prefix_caching: bool = True):
         super().__init__(num_blocks, block_size, enable_prefix_caching)

@@ -31,7 +31,7 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     request: Request
     start: int  # tokens already in the cache; this chunk is tokens [start, start + num_new)
@@ -49,14 +49,17 @@ class ScheduledSeq:
 class Schedule:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Every chunk is a plain decode (one token, sampled, no drafts), known without looking: the scheduler's fast
+    # path sets it. False says nothing (a general schedule may be all decodes too).
+    plain_decodes: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
+        return len(self.seqs) if self.plain_decodes else sum(s.num_new for s in self.seqs)
 
     @property
     def is_decode_only(self) -> bool:
-        return all(s.num_new == 1 and s.sample for s in self.seqs)
+        return self.plain_decodes or all(s.num_new == 1 and s.sample for s in self.seqs)
 
 
 class Scheduler:
@@ -105,6 +108,9 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------------------
 
     def schedule(self) -> Schedule:
+        sched = self._schedule_decodes()
+        if sched is not None:
+            return sched
         sched = Schedule()
         budget = self.max_num_batched_tokens
         done: set[str] = set()
@@ -136,6 +142,46 @@ class Scheduler:
         else:
             self._admit(sched, budget, done)
         return sched
+
+    def _schedule_decodes(self) -> Schedule | None:
+        """The steady state of a decode batch, without the general walk's per-request bookkeeping: when every
+        running request has just its next token to compute, the budget covers them all, nobody can be admitted
+        and no draft slot would be given, schedule() gives each running request one token in priority order and
+        nothing else. That is what this builds; None in any other case (a request that needs a block when none
+        is free included: preemption), and the general walk decides from the same state, since the blocks grown
+        here are the first ones it would grow."""
+        running = self.running
+        n = len(running)
+        if not n or n > self.max_num_batched_tokens:
+            return None
+        if (self.policy == "continuous" and self.waiting and n < self.max_num_seqs
+                and n < self.max_num_batched_tokens):
+            return None  # an admission
+        spec_off = False
+        if self.spec_k:
+            # Draft slots are grown between the decodes' blocks, so decide before growing any: every running request
+            # must be a decode (then _spec_spare counts them all), and speculation off (too many decodes) or no
+            # request may speculate.
+            if any(len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens != 1 for r in running):
+                return None
+            spec_off = self.spec_max_batch is not None and n > self.spec_max_batch
+            if not spec_off and any(r.can_speculate for r in running):
+                return None
+        bm = self.bm
+        # A table with room for the next token needs no append_slots (it would change nothing), unless the block
+        # manager reserves something for every token (a routed model's routed layers).
+        tables, bs = (None if bm.reserves_every_token else bm.tables), bm.block_size
+        seqs = []
+        for req in running:
+            start, rid = req.num_computed_tokens, req.request_id
+            if len(req.prompt_token_ids) + len(req.output_token_ids) - start != 1:
+                return None
+            if (tables is None or start >= len(tables.get(rid, ())) * bs) and not bm.append_slots(rid, start + 1):
+                return None
+            seqs.append(ScheduledSeq(req, start, 1, True))
+        if spec_off and any(r.can_speculate for r in running):
+            self.num_spec_off_steps += 1  # counted only now: had this returned None, the general walk would count it
+        return Schedule(seqs, plain_decodes=True)
 
     def _grow(self, req: Request, n: int, index: int, done: set[str], sched: Schedule,
               may_preempt_self: bool) -> bool:

@@ -45,7 +45,7 @@ def step_model(args: argparse.Namespace, m):
 
 def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     """The serving engine over a loaded model (or an already compiled step model of it, from step_model), from the
-    shared --num-blocks / --block-size / --speculation ... flags."""
+    shared --num-blocks / --block-size / --speculation / --overlap-outputs ... flags (engine_flags)."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.engine import Engine
     from kiln.speculation import build_drafter
@@ -55,7 +55,8 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     if plan is not None:  # only then: without speculation the engine is built exactly as before
         kw["drafter"] = build_drafter(plan, step)
     return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
-                  gpu_memory_utilization=args.gpu_memory_utilization, **kw)
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  overlap_outputs=getattr(args, "overlap_outputs", None), **kw)
 
 
 def dtype_flag(p: argparse.ArgumentParser) -> None:
@@ -71,6 +72,9 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the weights and KV cache may use (default 0.9)")
     p.add_argument("--speculation", type=speculation_arg, metavar="DRAFTER", help=SPECULATION_HELP)
+    p.add_argument("--overlap-outputs", action=argparse.BooleanOptionalAction, default=None,
+                   help="make each step's outputs (detokenization, output objects) while the next step's model "
+                   "call runs; each output then comes one step later (default: on for CUDA, off elsewhere)")
 
 
 # ---- flag values and output paths ------------------------------------------------------------------------

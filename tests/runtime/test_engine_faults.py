@@ -204,14 +204,14 @@ def test_nan_weights_in_the_tiny_spec_end_requests_with_an_error():
 def test_a_sampler_crash_for_the_whole_batch_fails_that_batch_and_the_engine_goes_on(monkeypatch, phase):
     """Whether the sampler's tensor work raises or its host copy does (a device fault shows up there)."""
     import kiln.runtime.batch_sampler as sampler_mod
-    import kiln.runtime.engine as engine_mod
+    import kiln.runtime.plain_rows as plain_rows_mod
 
     eng = make_engine()
     a = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
     b = eng.add_request(prompt_token_ids=[3, 4, 5], params=SamplingParams(temperature=0, max_tokens=4))
     kaput = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("kaput"))  # noqa: E731
     if phase == "launch":
-        monkeypatch.setattr(engine_mod, "launch_batch", kaput)
+        monkeypatch.setattr(plain_rows_mod, "launch_batch", kaput)
     else:
         monkeypatch.setattr(sampler_mod.LaunchedSample, "result", kaput)
     outs = eng.step()

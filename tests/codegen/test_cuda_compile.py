@@ -4,10 +4,6 @@ here, not in the next GPU session. (Run in a subprocess: the test process has TR
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +11,7 @@ import torch
 
 from kiln.codegen.paged_tiles import decode_candidates
 from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile, shared_memory_limit
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.cuda_compile import compile_in_subprocess
 
 
 def _ptxas_available() -> bool:
@@ -75,16 +70,6 @@ def _decode(arch, d, dtype="bf16", quant=False, window=False, tile=_DECODE_DEFAU
             "dtypes": _paged_dtypes(dtype, quant), "divisible": _DIVISIBLE}
 
 
-def _compile(requests: list[dict]) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "tests.support.cuda_compile"], input=json.dumps(requests), env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == len(requests), r.stderr[-3000:]
-    for req, res in zip(requests, results, strict=True):
-        assert res["error"] is None, f"{req['template']} {req['consts']} for sm{req['arch']}: {res['error']}"
-    return results
 
 
 def test_attention_kernels_compile_pipelined_for_h100_and_a100():
@@ -102,7 +87,7 @@ def test_attention_kernels_compile_pipelined_for_h100_and_a100():
         _decode(90, 64, "fp16", quant=True, window=True),
         _decode(80, 128),
     ]
-    for req, res in zip(requests, _compile(requests), strict=True):
+    for req, res in zip(requests, compile_in_subprocess(requests), strict=True):
         arch = req["arch"]
         assert res["shared"] <= shared_memory_limit((arch // 10, arch % 10)), (req, res)
         assert res["mma"] > 0, (req, res)  # tensor cores: wgmma on sm90, mma.sync on sm80
@@ -116,6 +101,7 @@ def test_every_h100_candidate_tile_compiles_and_fits():
     h100 = (9, 0)
     tiles = candidate_tiles(128, torch.bfloat16, h100)
     decode = decode_candidates(128, 4, torch.bfloat16, h100)
-    results = _compile([_flash(90, 128, tile) for tile in tiles] + [_decode(90, 128, tile=tile) for tile in decode])
+    results = compile_in_subprocess([_flash(90, 128, tile) for tile in tiles]
+                                    + [_decode(90, 128, tile=tile) for tile in decode])
     for tile, res in zip(tiles + decode, results, strict=True):
         assert res["shared"] <= shared_memory_limit(h100), (tile, res)

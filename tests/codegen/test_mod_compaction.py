@@ -7,10 +7,6 @@ feature blocks). Outputs are poisoned before each run, so an element no program 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +15,9 @@ import torch
 from kiln.codegen import mod
 from kiln.codegen.mod import RouteTiles, mod_gather, mod_route, mod_scatter, route_tiles
 from kiln.ir.ops_mod import mod_rows
+from tests.support.cuda_compile import compile_in_subprocess
 
 ops = torch.ops.kiln
-ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Every dtype at the default tiles; the tiny tiles (which need more interpreted programs) in a 16-bit dtype.
 TILES_DTYPES = [("default", torch.float32), ("default", torch.bfloat16), ("default", torch.float16),
@@ -208,12 +204,6 @@ def test_the_kernels_compile_for_h100_and_a100():
                  {"*": "*bf16", "r_ptr": "*fp32", "index_ptr": "*i64", "count_ptr": "*i64"},
                  ["stride_xt", "stride_yt", "stride_ot"]),
     ]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "tests.support.cuda_compile"], input=json.dumps(requests), env=env,
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == len(requests), r.stderr[-3000:]
+    results = compile_in_subprocess(requests)
     for req, res in zip(requests, results, strict=True):
-        assert res["error"] is None, f"{req['template']} {req['consts']} for sm{req['arch']}: {res['error']}"
         assert res["shared"] <= 4096, (req, res)  # only reductions' scratch: no tile is staged in shared memory

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _signature(arg_names: list[str], consts: dict, dtypes: dict[str, str]) -> dict[str, str]:
@@ -57,6 +61,20 @@ def compile_one(req: dict) -> dict:
     return {"shared": k.metadata.shared, "cp_async": ptx.count("cp.async.c"), "error": None,
             "tma": ptx.count("cp.async.bulk.tensor"),
             "mma": ptx.count("wgmma.mma_async") + ptx.count("mma.sync")}  # fmt: skip
+
+
+def compile_in_subprocess(requests: list[dict]) -> list[dict]:
+    """Compile each request in a fresh python without TRITON_INTERPRET (the tests run under it); asserts that
+    every request compiled and returns the results in order."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "tests.support.cuda_compile"], input=json.dumps(requests), env=env,
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == len(requests), r.stderr[-3000:]
+    for req, res in zip(requests, results, strict=True):
+        assert res["error"] is None, f"{req['template']} {req['consts']} for sm{req['arch']}: {res['error']}"
+    return results
 
 
 def main() -> None:

@@ -233,10 +233,12 @@ class ModelRunner:
             logits, routed = logits
             # One copy: [routed layers, N], real rows in schedule order, then the padding rows, never recorded.
             routed = routed.cpu().numpy()
-            row = 0
-            for s in sched.seqs:
-                self.bm.record(s.request.request_id, s.start, routed[:, row : row + s.num_new])
-                row += s.num_new
+            ends = np.cumsum([0] + [s.num_new for s in sched.seqs])
+            sums = np.zeros((routed.shape[0], ends[-1] + 1), dtype=np.int64)
+            np.cumsum(routed[:, : ends[-1]], axis=1, out=sums[:, 1:])
+            counts = (sums[:, ends[1:]] - sums[:, ends[:-1]]).T.tolist()  # per sequence, in one pass over the batch
+            for s, a, c in zip(sched.seqs, ends[:-1].tolist(), counts, strict=True):
+                self.bm.record(s.request.request_id, s.start, routed[:, a : a + s.num_new], c)
         return logits[:num_rows].float(), sampled
 
     def _copy_routed_blocks(self) -> None:

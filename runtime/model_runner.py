@@ -292,9 +292,21 @@ class ModelRunner:
     # ---- CUDA graphs (only with a CUDA device; not exercised by the CPU test suite) ----------------------
 
     def _capture_all(self) -> None:
+        self._static = self._make_static()
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.inference_mode():
+                for b in reversed(self.pad_sizes):  # largest first, so later graphs fit in its memory pool
+                    self.graphs[b] = self._capture(b, pool)
+        except Exception as e:  # a step model that syncs or allocates on the host cannot be captured
+            self.graphs.clear()
+            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+
+    def _make_static(self) -> StepBatch:
+        """The graphs' input buffers for the biggest batch, holding padding rows (tests build them on CPU too)."""
         biggest = self.pad_sizes[-1]
         dev = self.model.device
-        self._static = StepBatch(
+        return StepBatch(
             tokens=torch.zeros(biggest, dtype=torch.int64, device=dev),
             positions=torch.zeros(biggest, dtype=torch.int64, device=dev),
             slot_mapping=torch.full((biggest,), NULL_BLOCK * self.block_size, dtype=torch.int64, device=dev),
@@ -307,14 +319,6 @@ class ModelRunner:
             # A routed model's lengths and tables: padding values (length 0, the null block) until a replay.
             **self._static_routed(biggest),
         )
-        pool = torch.cuda.graph_pool_handle()
-        try:
-            with torch.inference_mode():
-                for b in reversed(self.pad_sizes):  # largest first, so later graphs fit in its memory pool
-                    self.graphs[b] = self._capture(b, pool)
-        except Exception as e:  # a step model that syncs or allocates on the host cannot be captured
-            self.graphs.clear()
-            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
 
     def _static_routed(self, biggest: int) -> dict[str, torch.Tensor]:
         if not self.num_routed:
@@ -324,14 +328,18 @@ class ModelRunner:
                     routed_block_tables=torch.full((*shape, self.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32,
                                                    device=dev))
 
-    def _capture(self, b: int, pool: object) -> _Graph:
+    def _static_views(self, b: int) -> StepBatch:
+        """The graph of batch size b's inputs: views of the first b rows of the static buffers."""
         st = self._static
         routed = {}
         if self.num_routed:  # [:, :b] is strided; mod_kv_slots indexes a layer first, so its rows are contiguous
             routed = dict(routed_lens=st.routed_lens[:, :b], routed_block_tables=st.routed_block_tables[:, :b])
-        batch = StepBatch(st.tokens[:b], st.positions[:b], st.slot_mapping[:b], st.block_tables[:b],
-                          st.context_lens[:b], st.query_start_loc[: b + 1], st.sample_indices[:b], 1,
-                          self.max_model_len, **routed)
+        return StepBatch(st.tokens[:b], st.positions[:b], st.slot_mapping[:b], st.block_tables[:b],
+                         st.context_lens[:b], st.query_start_loc[: b + 1], st.sample_indices[:b], 1,
+                         self.max_model_len, **routed)
+
+    def _capture(self, b: int, pool: object) -> _Graph:
+        batch = self._static_views(b)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy initialisation must not happen under capture
@@ -345,15 +353,20 @@ class ModelRunner:
 
     @staticmethod
     def _replay(g: _Graph, batch: StepBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        for name in ("tokens", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_indices"):
-            getattr(g.batch, name).copy_(getattr(batch, name), non_blocking=True)
-        # Columns past the batch's widest table keep stale block ids: the kernels never read past a context, and
-        # mod_kv_slots never past the block a sequence's routed length needs (reserved, so in the copied columns).
-        g.batch.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
-        if batch.routed_lens is not None:
-            g.batch.routed_lens.copy_(batch.routed_lens, non_blocking=True)
-            wr = batch.routed_block_tables.shape[2]
-            g.batch.routed_block_tables[:, :, :wr].copy_(batch.routed_block_tables, non_blocking=True)
+        ModelRunner._fill(g.batch, batch)
         g.graph.replay()
         return g.out
+
+    @staticmethod
+    def _fill(static: StepBatch, batch: StepBatch) -> None:
+        """Copy a padded decode batch into a graph's static inputs (the same batch size)."""
+        for name in ("tokens", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_indices"):
+            getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
+        # Columns past the batch's widest table keep stale block ids: the kernels never read past a context, and
+        # mod_kv_slots never past the block a sequence's routed length needs (reserved, so in the copied columns).
+        static.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
+        if batch.routed_lens is not None:
+            static.routed_lens.copy_(batch.routed_lens, non_blocking=True)
+            wr = batch.routed_block_tables.shape[2]
+            static.routed_block_tables[:, :, :wr].copy_(batch.routed_block_tables, non_blocking=True)
 

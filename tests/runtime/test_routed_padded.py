@@ -103,6 +103,30 @@ class WriteWatch:
         assert got - {null} <= real, f"written outside the real rows' slots: {sorted(got - {null} - real)}"
 
 
+class StaticInputs:
+    """Stands in for a runner's step model: runs each decode batch of a captured size the way a CUDA-graph replay
+    does, but eagerly on CPU: copied (ModelRunner._fill) into views of the graphs' static buffers (full-width
+    tables whose columns past the batch's keep earlier steps' blocks, strided routed views, max_context_len the
+    model's context) and the step run on those views."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.model, self.replays = runner, runner.model, 0
+        runner._static = runner._make_static()
+        runner.model = self
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, batch: StepBatch, cache: KVCache):
+        b = batch.num_seqs
+        if batch.max_query_len != 1 or b not in self.runner.pad_sizes or batch.num_tokens != b:
+            return self.model(batch, cache)
+        static = self.runner._static_views(b)
+        ModelRunner._fill(static, batch)
+        self.replays += 1
+        return self.model(static, cache)
+
+
 @pytest.fixture(scope="module", params=kv.SPECS)
 def model(request):
     m = load_model(request.param, device="cpu", seed=0)
@@ -175,6 +199,20 @@ def test_padded_decodes_under_preemption_match_the_unpadded_engine(model, unpadd
         assert run(engine, trace) == (want, want_lens)
         assert engine.stats.num_preemptions > preempted
     assert {3, 5} <= {real for real, _ in watch.padded}
+    check_no_leaks(engine.block_manager)
+
+
+def test_decodes_from_the_graphs_static_buffers_match_the_unpadded_engine(model, unpadded):
+    """What a replay reads, run on CPU: the routed lengths and tables in the static buffers, stale columns and all."""
+    engine = make_engine(model, pad_decode_batches=True, num_blocks=24)
+    static = StaticInputs(engine.runner)
+    watch = poisoned(engine)  # checks the batch as prepared; the step then runs on the static views
+    for name in ("mixed", "staggered", "mixed"):
+        trace, want, want_lens = unpadded[name]
+        assert run(engine, trace) == (want, want_lens)
+    assert static.replays > 20 and {3, 5, 7} <= {real for real, _ in watch.padded}
+    wide = engine.runner._static.routed_block_tables
+    assert wide.shape[2] == engine.runner.max_blocks_per_seq and (wide != NULL_BLOCK).any()
     check_no_leaks(engine.block_manager)
 
 

@@ -15,8 +15,8 @@ layer order on the causal form (each layer sees the inputs it will see when serv
 graph over --calib-prompts random prompts sets each layer's threshold to the (1 - capacity) quantile of its router
 scores the moment they are computed, so the later layers' scores already follow the earlier thresholds.
 
-Measured through kiln.runtime.engine.Engine (compile_step as served: kernels on a GPU, CUDA graphs for the dense
-decode, none for the routed model, which decodes eagerly; --eager drops them for the dense model too), each
+Measured through kiln.runtime.engine.Engine (compile_step as served: kernels on a GPU, CUDA graphs for both
+models' decodes; --eager drops them for both: the routing's own effect on decode, apart from the graphs'), each
 workload warmed up first on other random prompts with the same step shapes:
 - prefill: --prefill-prompts prompts of --prefill-len tokens, max_tokens 1; tokens/s = prompt tokens / wall time;
 - decode at each batch B: B prompts of --decode-prompt tokens, --new-tokens tokens each, EOS ignored, sampled at
@@ -87,7 +87,7 @@ class Workload:
     temperature: float
     max_batched: int
     prefix_caching: bool = False
-    cuda_graphs: bool | None = None  # None: the engine's default (on for a dense CUDA model, off for a routed one)
+    cuda_graphs: bool | None = None  # None: the engine's default (on for a CUDA model, routed or dense)
 
 
 def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--padded-prefill", action="store_true",
                     help="also the routed prefill with narrowing off (a third model): what narrowing buys")
     ap.add_argument("--eager", action="store_true",
-                    help="no CUDA graphs for the dense model either (routed models decode eagerly): the routing's "
+                    help="no CUDA graphs for either model: the routing's "
                          "own effect on decode, apart from the graphs'")
     ap.add_argument("--prefix-caching", action="store_true", help="engines with prefix caching on (as served)")
     ap.add_argument("--seed", type=int, default=0)

@@ -8,10 +8,15 @@ on the device (the split length is per sequence), so a long max_model_len costs 
 `pad_decode_batches` runs the same padded batches eagerly: it is how the padding is tested without a GPU.
 
 A Mixture-of-Depths model (block manager: runtime.routed_blocks.RoutedBlockManager) also gets, per routed layer,
-its routed lengths and block tables (one more set of persistent rows per layer), and its step returns how many
-tokens each routed layer routed per sequence: one copy to the host after the step, recorded in the block
-manager, which gives back the blocks reserved for tokens that were not routed. Such a model runs eagerly: no
-CUDA graphs or padded decode batches yet (the routed tables would need static buffers of their own).
+its routed lengths and block tables (one more set of persistent rows per layer), and its step returns which rows
+each routed layer routed: one copy to the host after the step, recorded in the block manager, which gives back
+the blocks reserved for tokens that were not routed. Its decodes are padded and replayed from graphs like a dense
+model's: a padding row is a sequence of routed length 0 whose routed tables are the null block, so if its
+router (which sees a dummy token) routes it, kiln::mod_kv_slots sends its K/V to entry 0 of that routed pool's
+null block, and the host reads only the real rows' routed flags. The graphs hold the routed lengths and
+full-width routed tables in static buffers (a replay copies the batch's real columns, as for the dense tables);
+the routing is data, and everything after it (compaction, slots, attention, scatter) is table-driven on the
+device, so one capture serves every routing. The routed flags are a graph output, read back after the replay.
 
 A speculative decode (ScheduledSeq.num_drafts = n) is a chunk of n + 1 tokens with all n + 1 rows sampled; a
 step with one is not a pure decode, so it runs eagerly (a GPU would want graphs captured for (batch, k + 1)
@@ -50,7 +55,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: StepBatch  # views of the static input buffers
-    out: torch.Tensor  # the static output [B, vocab]
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # static: logits [B, vocab] (and a routed model's flags)
 
 
 class ModelRunner:
@@ -75,9 +80,6 @@ class ModelRunner:
             kv_cache = allocate_kv_cache(model, block_manager.num_blocks, self.block_size,
                                          groups[0].num_blocks if groups else None)
         self.kv_cache = kv_cache
-        if self.num_routed and (use_cuda_graphs or pad_decode_batches):
-            log.info("a routed (Mixture-of-Depths) model decodes eagerly: no CUDA graphs or padded batches yet")
-            use_cuda_graphs = pad_decode_batches = False
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda" and torch.cuda.is_available()
         self.pad_sizes = graph_batch_sizes(max_num_seqs) if (self.use_cuda_graphs or pad_decode_batches) else []
         self.graphs: dict[int, _Graph] = {}
@@ -150,11 +152,13 @@ class ModelRunner:
                 k += r
         bt = v["block_tables"]
         np.take(host_rows[:, :width], rows, axis=0, out=bt[: len(seqs)])
-        if self.num_routed:  # never padded (see the module docstring)
+        if self.num_routed:  # padding columns are written by _pad
             lens = v["routed_lens"]
-            lens[:] = np.array([self.bm.routed_lens[s.request.request_id] for s in seqs], dtype=np.int32).T
+            lens[:, : len(seqs)] = np.array([self.bm.routed_lens[s.request.request_id] for s in seqs],
+                                            dtype=np.int32).T
             for j, rows_j in enumerate(self.routed_rows):
-                np.take(rows_j.host[:, :routed_width], routed_rows[j], axis=0, out=v["routed_block_tables"][j])
+                np.take(rows_j.host[:, :routed_width], routed_rows[j], axis=0,
+                        out=v["routed_block_tables"][j, : len(seqs)])
         if padded:
             self._pad(v, n, len(seqs), padded)
         return self._upload(lay, 1 if padded else max_new, max_ctx), padded
@@ -181,12 +185,16 @@ class ModelRunner:
 
     def _pad(self, v: dict[str, np.ndarray], n: int, num_seqs: int, padded: int) -> None:
         """Padding rows after n tokens of num_seqs decodes: one token each, written to and read from the null
-        block, every row sampled."""
+        block, every row sampled. In each routed layer a padding sequence has routed length 0 and the null block
+        for a table, so a padding row its router routes writes and reads entry 0 of that pool's null block."""
         v["tokens"][n:], v["positions"][n:], v["slot_mapping"][n:] = 0, 0, NULL_BLOCK * self.block_size
         v["context_lens"][num_seqs:] = 1
         v["query_start_loc"][num_seqs + 1 :] = np.arange(n + 1, n + 1 + padded - num_seqs)
         v["block_tables"][num_seqs:] = NULL_BLOCK
         v["sample_indices"][:] = np.arange(padded)
+        if "routed_lens" in v:
+            v["routed_lens"][:, num_seqs:] = 0
+            v["routed_block_tables"][:, num_seqs:] = NULL_BLOCK
 
     def _upload(self, lay: Layout, max_query_len: int, max_context_len: int) -> StepBatch:
         t = self.buffers.upload(lay)
@@ -215,19 +223,22 @@ class ModelRunner:
         num_rows = len(sampled) if sched.plain_decodes else sum(s.num_rows for s in sampled)
         batch, padded = self.prepare(sched)
         with torch.inference_mode():
+            if self.num_routed:  # a one-token prefill after a prefix hit can be a graph's decode batch too
+                self._copy_routed_blocks()
             if padded and padded in self.graphs:
                 logits = self._replay(self.graphs[padded], batch)
             else:
-                if self.num_routed:
-                    self._copy_routed_blocks()
                 logits = self.model(batch, self.kv_cache)
         if self.num_routed:
             logits, routed = logits
-            routed = routed.cpu().numpy()  # one copy: [routed layers, N], rows in schedule order
-            row = 0
-            for s in sched.seqs:
-                self.bm.record(s.request.request_id, s.start, routed[:, row : row + s.num_new])
-                row += s.num_new
+            # One copy: [routed layers, N], real rows in schedule order, then the padding rows, never recorded.
+            routed = routed.cpu().numpy()
+            ends = np.cumsum([0] + [s.num_new for s in sched.seqs])
+            sums = np.zeros((routed.shape[0], ends[-1] + 1), dtype=np.int64)
+            np.cumsum(routed[:, : ends[-1]], axis=1, out=sums[:, 1:])
+            counts = (sums[:, ends[1:]] - sums[:, ends[:-1]]).T.tolist()  # per sequence, in one pass over the batch
+            for s, a, c in zip(sched.seqs, ends[:-1].tolist(), counts, strict=True):
+                self.bm.record(s.request.request_id, s.start, routed[:, a : a + s.num_new], c)
         return logits[:num_rows].float(), sampled
 
     def _copy_routed_blocks(self) -> None:
@@ -281,19 +292,7 @@ class ModelRunner:
     # ---- CUDA graphs (only with a CUDA device; not exercised by the CPU test suite) ----------------------
 
     def _capture_all(self) -> None:
-        biggest = self.pad_sizes[-1]
-        dev = self.model.device
-        self._static = StepBatch(
-            tokens=torch.zeros(biggest, dtype=torch.int64, device=dev),
-            positions=torch.zeros(biggest, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((biggest,), NULL_BLOCK * self.block_size, dtype=torch.int64, device=dev),
-            block_tables=torch.full((biggest, self.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32, device=dev),
-            context_lens=torch.ones(biggest, dtype=torch.int32, device=dev),
-            query_start_loc=torch.arange(biggest + 1, dtype=torch.int32, device=dev),
-            sample_indices=torch.arange(biggest, dtype=torch.int64, device=dev),
-            max_query_len=1,
-            max_context_len=self.max_model_len,
-        )
+        self._static = self._make_static()
         pool = torch.cuda.graph_pool_handle()
         try:
             with torch.inference_mode():
@@ -303,11 +302,44 @@ class ModelRunner:
             self.graphs.clear()
             log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
 
-    def _capture(self, b: int, pool: object) -> _Graph:
+    def _make_static(self) -> StepBatch:
+        """The graphs' input buffers for the biggest batch, holding padding rows (tests build them on CPU too)."""
+        biggest = self.pad_sizes[-1]
+        dev = self.model.device
+        return StepBatch(
+            tokens=torch.zeros(biggest, dtype=torch.int64, device=dev),
+            positions=torch.zeros(biggest, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((biggest,), NULL_BLOCK * self.block_size, dtype=torch.int64, device=dev),
+            block_tables=torch.full((biggest, self.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32, device=dev),
+            context_lens=torch.ones(biggest, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(biggest + 1, dtype=torch.int32, device=dev),
+            sample_indices=torch.arange(biggest, dtype=torch.int64, device=dev),
+            max_query_len=1,
+            max_context_len=self.max_model_len,
+            # A routed model's lengths and tables: padding values (length 0, the null block) until a replay.
+            **self._static_routed(biggest),
+        )
+
+    def _static_routed(self, biggest: int) -> dict[str, torch.Tensor]:
+        if not self.num_routed:
+            return {}
+        dev, shape = self.model.device, (self.num_routed, biggest)
+        return dict(routed_lens=torch.zeros(shape, dtype=torch.int32, device=dev),
+                    routed_block_tables=torch.full((*shape, self.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32,
+                                                   device=dev))
+
+    def _static_views(self, b: int) -> StepBatch:
+        """The graph of batch size b's inputs: views of the first b rows of the static buffers."""
         st = self._static
-        batch = StepBatch(st.tokens[:b], st.positions[:b], st.slot_mapping[:b], st.block_tables[:b],
-                          st.context_lens[:b], st.query_start_loc[: b + 1], st.sample_indices[:b], 1,
-                          self.max_model_len)
+        routed = {}
+        if self.num_routed:  # [:, :b] is strided; mod_kv_slots indexes a layer first, so its rows are contiguous
+            routed = dict(routed_lens=st.routed_lens[:, :b], routed_block_tables=st.routed_block_tables[:, :b])
+        return StepBatch(st.tokens[:b], st.positions[:b], st.slot_mapping[:b], st.block_tables[:b],
+                         st.context_lens[:b], st.query_start_loc[: b + 1], st.sample_indices[:b], 1,
+                         self.max_model_len, **routed)
+
+    def _capture(self, b: int, pool: object) -> _Graph:
+        batch = self._static_views(b)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy initialisation must not happen under capture
@@ -320,11 +352,21 @@ class ModelRunner:
         return _Graph(graph, batch, out)
 
     @staticmethod
-    def _replay(g: _Graph, batch: StepBatch) -> torch.Tensor:
-        for name in ("tokens", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_indices"):
-            getattr(g.batch, name).copy_(getattr(batch, name), non_blocking=True)
-        # Columns past the batch's widest table keep stale block ids: the kernels never read past a context.
-        g.batch.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
+    def _replay(g: _Graph, batch: StepBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ModelRunner._fill(g.batch, batch)
         g.graph.replay()
         return g.out
+
+    @staticmethod
+    def _fill(static: StepBatch, batch: StepBatch) -> None:
+        """Copy a padded decode batch into a graph's static inputs (the same batch size)."""
+        for name in ("tokens", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_indices"):
+            getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
+        # Columns past the batch's widest table keep stale block ids: the kernels never read past a context, and
+        # mod_kv_slots never past the block a sequence's routed length needs (reserved, so in the copied columns).
+        static.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
+        if batch.routed_lens is not None:
+            static.routed_lens.copy_(batch.routed_lens, non_blocking=True)
+            wr = batch.routed_block_tables.shape[2]
+            static.routed_block_tables[:, :, :wr].copy_(batch.routed_block_tables, non_blocking=True)
 

@@ -203,21 +203,24 @@ class RoutedBlockManager(BlockManager):
         assert ok, "checked above: every group had room"
         return True
 
-    def record(self, request_id: str, start: int, routed: np.ndarray) -> None:
+    def record(self, request_id: str, start: int, routed: np.ndarray, counts: Sequence[int] | None = None) -> None:
         """After a step that ran the request's tokens [start, start + m): routed[j, t] is 1 where routed layer j
-        routed token start + t (and wrote it). Advances c_j, keeps c_j at each dense block boundary passed, and
-        frees the reserved blocks that were not needed."""
+        routed token start + t (and wrote it); counts[j], if given, is routed[j].sum() (the runner sums a whole
+        batch in one numpy call). Advances c_j, keeps c_j at each dense block boundary passed, and frees the
+        reserved blocks that were not needed."""
         assert start == self.known[request_id], f"{request_id}: step at {start}, routing known to {self.known}"
         lens = self.routed_lens[request_id]
         m = routed.shape[1]
         bs = self.block_size
-        if self.enable_prefix_caching:
+        first = -(-(start + 1) // bs) * bs  # the first block boundary in (start, start + m], if any
+        if self.enable_prefix_caching and first <= start + m:
             sums = routed.cumsum(axis=1)
-            for end in range(-(-(start + 1) // bs) * bs, start + m + 1, bs):  # block boundaries in (start, start+m]
+            for end in range(first, start + m + 1, bs):
                 self._boundary[request_id][end // bs - 1] = tuple(int(c + sums[j, end - start - 1])
                                                                   for j, c in enumerate(lens))
+        counts = routed.sum(axis=1).tolist() if counts is None else counts
         for j, g in enumerate(self.routed):
-            lens[j] += int(routed[j].sum())
+            lens[j] += counts[j]
             assert g.blocks_for(lens[j]) <= len(g.table(request_id)), f"{request_id}: layer {j} wrote past its table"
             g.truncate(request_id, lens[j])
         self.known[request_id] = start + m

@@ -13,7 +13,9 @@ length c) in the blocks routed_block_tables[layer, s]; the op gives that layer's
 - counts[s]: how many of s's new rows were routed; query_start_loc: 0 then their running sum;
 - context_lens[s] = c + counts[s] (a routed layer's keys are its routed tokens only);
 - slot_mapping: the j-th routed row of s goes to entry c + j: slot table[s][(c + j) // bs] * bs + (c + j) % bs
-  (bs = routed_kv_cache's block size); padding rows get -1, which the paged write skips;
+  (bs = routed_kv_cache's block size); padding rows get -1, which the paged write skips. A padding *sequence*
+  of the runner's padded decode batches (one dummy token; routed length 0, its tables the null block) is an
+  ordinary sequence here: if its row is routed, it writes entry 0 of the routed pool's null block and reads it;
 - block_tables: a copy of routed_block_tables[layer] (a custom op may not return a view of an input);
 - routed: 1 for each flat row that was routed (the step graph's compact batch has C = N rows), else 0: the host
   sums it per sequence for the counts, and per dense block for a routed layer's state at a block boundary
@@ -34,8 +36,8 @@ positions are not touched here: the compact rows keep their original positions (
   are the padding rows of the padded path (zeros, position 0, index 0, slot -1), so the real rows go through
   the same per-row math as there (a GEMM may round differently for another row count). This reference returns
   copies (a custom op may not return its inputs or views of them); the lowered graph's version
-  (kiln.compile.lowering) returns views, no copy. It never syncs inside a CUDA graph capture (it keeps C there;
-  routed models run eagerly anyway).
+  (kiln.compile.lowering) returns views, no copy. It never syncs inside a CUDA graph capture: it keeps C there,
+  the padded path, right for every count a replay routes (decode graphs stay below min_rows anyway).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ import operator
 import torch
 from torch import fx
 
+import kiln.ir.ops  # noqa: F401  (registers kiln::attention, which this pass matches)
+import kiln.ir.ops_level2  # noqa: F401  (registers kiln::flash_attention, which it also matches)
 from kiln.passes._graph import attr_tensor, erase_attr_if_unused, is_call, rename, set_param, unique_attr_name
 from kiln.passes.base import Pass, PassResult
 

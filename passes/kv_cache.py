@@ -57,6 +57,8 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import kiln.ir.ops_level2  # noqa: F401  (registers kiln::flash_attention, which this pass rewrites)
+import kiln.ir.ops_mod  # noqa: F401  (registers kiln::mod_route and kiln::mod_gather, which this pass matches)
 import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots and kiln::mod_narrow)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 from kiln.errors import PassError

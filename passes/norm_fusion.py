@@ -16,6 +16,8 @@ import operator
 import torch
 from torch import fx
 
+import kiln.ir.ops  # noqa: F401  (registers the norms this pass matches)
+import kiln.ir.ops_level2  # noqa: F401  (registers the fused add + norm ops it emits)
 from kiln.passes._graph import hoist_before, is_call, rename
 from kiln.passes.base import Pass, PassResult
 

@@ -63,13 +63,15 @@ def test_hf_logits_match_eager_with_exact_claims(family, tmp_path):
 
 def test_sdpa_attention_is_claimed():
     model, tokens = build_hf_model("qwen2"), prompts(length=9)
-    model.set_attn_implementation("sdpa")  # is_causal=True, enable_gqa=True, no mask tensor
+    model.set_attn_implementation("sdpa")  # is_causal=True, enable_gqa=True
     first = len(STATS.reports)
     with torch.no_grad():
         want, got = model(tokens).logits, torch.compile(model, backend="kiln", options=EAGER)(tokens).logits
     assert close(got, want)
     (report,) = STATS.reports[first:]
-    assert report.counts()["attention"] == 2 and report.masks == {}
+    # Under torch 2.13 transformers skips the mask (is_causal=True); under 2.11 dynamo sees it build one, which
+    # kiln must then recognise as the causal mask (checked once per compile) and not leave the attention behind.
+    assert report.counts()["attention"] == 2 and set(report.masks.values()) <= {(True, 0)}
 
 
 def test_generate_same_tokens_bounded_recompiles():

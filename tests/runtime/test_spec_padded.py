@@ -138,13 +138,13 @@ def sm():
 
 @pytest.fixture(scope="module")
 def trace():
-    """20 (prompt, max_tokens): repeated phrases (n-gram drafts accepted), a shared 24-token prefix for a third
+    """14 (prompt, max_tokens): repeated phrases (n-gram drafts accepted), a shared 24-token prefix for a third
     (prefix-cache hits), some 1-3 token prompts (a context shorter than k + 1); then 6 requests admitted together
     whose outputs end one after the other (verification steps of 6, 5, ... 1 sequences)."""
     rng = random.Random(11)
     shared = [rng.randrange(512) for _ in range(24)]
     out = []
-    for i in range(20):
+    for i in range(14):
         phrase = [rng.randrange(512) for _ in range(rng.randint(1, 8))]
         prompt = phrase * rng.randint(1, 4) if i % 2 else phrase[:3]
         if i % 3 == 0:
@@ -204,18 +204,20 @@ def test_padded_verification_gives_the_unpadded_tokens_with_prefix_caching(sm, t
     target, draft = watch(engine)
     assert run(engine, trace) == plain
     st = engine.stats
-    assert st.spec_accepted > 0 and st.prefix_cache_hits > 0
+    assert st.prefix_cache_hits > 0 and st.spec_proposed > st.spec_accepted
+    assert st.spec_accepted > 0 or kind == "draft"  # a separate random model's drafts are all rejected
     assert (st.spec_proposed, st.spec_accepted) == (unpadded.stats.spec_proposed, unpadded.stats.spec_accepted)
     check_padding_ran(target, draft, kind)
 
 
 @pytest.mark.parametrize("kind", ["ngram", "self", "draft"])
 def test_padded_verification_under_preemption(sm, trace, plain, kind):
-    # 17 usable blocks of 4 tokens (one 64-token sequence needs 16): six requests of up to 58 tokens preempt.
+    # 17 usable blocks of 4 tokens (one 64-token sequence needs 16): six requests of up to 52 tokens preempt.
     engine = make(sm, drafter=drafter(sm, kind), pad_decode_batches=True, num_blocks=18)
     target, draft = watch(engine)
-    assert run(engine, trace) == plain
-    assert engine.stats.num_preemptions > 0 and engine.stats.spec_accepted > 0
+    assert run(engine, trace[-SEATS:]) == plain[-SEATS:]
+    assert engine.stats.num_preemptions > 0 and engine.stats.spec_proposed > 0
+    assert engine.stats.spec_accepted > 0 or kind == "draft"
     assert target.verify and (kind == "ngram" or draft.runner.graph_stats.padded_decodes > 0)
 
 

@@ -12,8 +12,8 @@ Greedy tokens must equal the unpadded speculative engine's and the plain engine'
 drafters (batches of 1, 3, 5 of 6 seats: padded to 1, 4, 6; drafts shorter than k), with prefix caching and under
 preemption, with no leaked blocks; seeded sampling must give the same tokens padded and unpadded. The same runs
 from the graphs' static buffers (StepGraphs.views / fill, as a replay reads them), on the generated kernels
-(Triton's interpreter: padding rows with no visible key), and, on a GPU, replayed from captured graphs; and the
-property-based speculative churn of test_engine_logic.py (adds, steps, aborts) on a padded engine.
+(Triton's interpreter: padding rows with no visible key), and, on a GPU, replayed from captured graphs.
+test_spec_padded_churn.py runs the property-based speculative churn on a padded engine.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import random
 
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from kiln.build import load_model
 from kiln.compile.step import compile_step
@@ -38,11 +36,9 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.scheduler import Schedule
-from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter
+from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch
-from tests.runtime.test_engine_logic import SpeculativeMachine, V
-from tests.support.fake_step import FakeDraftModel, FakeStepModel, fake_config
-from tests.support.speculative import other_draft, reference_verify, self_draft, spec_models
+from tests.support.speculative import other_draft, self_draft, spec_models
 
 NAN = float("nan")
 SEATS = 6  # max_num_seqs: decode and verification graphs of 1, 2, 4, 6 sequences
@@ -251,18 +247,6 @@ def test_verification_from_the_graphs_static_buffers(sm, trace, plain):
     assert (st.block_tables != NULL_BLOCK).any()
 
 
-def test_verification_graph_sizes_stop_where_speculation_turns_off(sm):
-    eng = make(sm, drafter=NgramDrafter(k=3), pad_decode_batches=True, max_num_seqs=64)
-    assert eng.runner.pad_sizes == graph_batch_sizes(64) and eng.runner.verify_len == 4
-    assert eng.runner.verify_sizes == graph_batch_sizes(DEFAULT_SPECULATION_MAX_BATCH)
-    eng = make(sm, drafter=drafter(sm, "draft"), pad_decode_batches=True, speculation_max_batch=5)
-    assert eng.runner.verify_sizes == [1, 2, 4, 5] and eng.drafter.runner.pad_sizes == [1, 2, 4, 5]
-    eng = make(sm, drafter=NgramDrafter(k=3), pad_decode_batches=True, speculation_max_batch=0)
-    assert eng.runner.verify_len == 0 and eng.runner.verify_sizes == []
-    eng = make(sm, drafter=NgramDrafter(k=3))  # no padding asked (CPU): nothing padded
-    assert eng.runner.verify_len == 0 and eng.runner.pad_sizes == []
-
-
 def test_generated_kernels_serve_padded_verification():
     """The kernel path (Triton's interpreter): the paged prefill kernel over chunks padded to k + 1 rows, including
     a sequence whose context is shorter than k + 1 (its padding rows see no key), against the reference."""
@@ -278,58 +262,6 @@ def test_generated_kernels_serve_padded_verification():
     assert run(engine, trace) == want
     assert engine.stats.spec_accepted > 0 and (3, 4) in {(r, b) for r, b, _, _ in target.verify}
     assert min(c for _, _, _, c in target.verify) < engine.runner.verify_len
-
-
-class SkipsPadding:
-    """A fake step model (tests/support/fake_step.py) that checks and answers only the real rows: a padding row
-    (its slot in the null block) gets zero logits, since the fake's context check does not hold for it."""
-
-    def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
-        samp = batch.sample_indices
-        real = batch.slot_mapping[samp] // kv_cache.block_size != NULL_BLOCK
-        out = torch.zeros(samp.shape[0], self.vocab)
-        out[real] = super().__call__(dataclasses.replace(batch, sample_indices=samp[real]), kv_cache)
-        return out
-
-
-class PaddedFakeModel(SkipsPadding, FakeStepModel):
-    pass
-
-
-class PaddedFakeDraft(SkipsPadding, FakeDraftModel):
-    pass
-
-
-def padded_churn(kind: str) -> type[SpeculativeMachine]:
-    """tests/runtime/test_engine_logic.py's speculative churn (adds, steps, aborts, preemption, seeded sampling and
-    opt-outs on a small pool; the greedy oracle; every block back) on a padded engine."""
-
-    class Machine(SpeculativeMachine):
-        padded = 0
-
-        def __init__(self):
-            RuleBasedStateMachine.__init__(self)
-            model = PaddedFakeModel(V)
-            model.verify = reference_verify
-            drafter = NgramDrafter(n=2, k=3) if kind == "ngram" else ModelDrafter(
-                PaddedFakeDraft(V), k=3, shares_target_cache=kind == "shared")
-            self.engine = Engine(model, None, fake_config(64), block_size=4, num_blocks=18, max_num_seqs=6,
-                                 max_num_batched_tokens=24, drafter=drafter, speculation_max_batch=6,
-                                 pad_decode_batches=True)
-            self.expect, self.live = {}, set()
-
-        def teardown(self):
-            super().teardown()
-            type(self).padded += self.engine.runner.graph_stats.padded_verifications
-
-    return Machine
-
-
-@pytest.mark.parametrize("kind", ["ngram", "own", "shared"])
-def test_no_leak_with_padded_speculation_under_churn(kind):
-    machine = padded_churn(kind)
-    run_state_machine_as_test(machine, settings=settings(max_examples=15, stateful_step_count=30, deadline=None))
-    assert machine.padded > 0
 
 
 @pytest.mark.gpu

@@ -1,0 +1,93 @@
+"""Padded speculative verification (see test_spec_padded.py) under tests/runtime/test_engine_logic.py's property-based
+speculative churn: random adds, steps and aborts, preemption, seeded sampling and opt-outs on a small pool, the
+greedy oracle of the fake step model and every block back at the end, for the n-gram drafter and fake draft models
+with their own pool or sharing the target's cache; and which batch sizes get verification graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+
+from kiln.runtime.block_manager import NULL_BLOCK
+from kiln.runtime.cuda_graphs import graph_batch_sizes
+from kiln.runtime.engine import Engine
+from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter
+from kiln.step import KVCache, StepBatch
+from tests.runtime.test_engine_logic import SpeculativeMachine, V
+from tests.support.fake_step import FakeDraftModel, FakeStepModel, fake_config
+from tests.support.speculative import reference_verify
+
+
+class SkipsPadding:
+    """A fake step model (tests/support/fake_step.py) that checks and answers only the real rows: a padding row
+    (its slot in the null block) gets zero logits, since the fake's context check does not hold for it."""
+
+    def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
+        samp = batch.sample_indices
+        real = batch.slot_mapping[samp] // kv_cache.block_size != NULL_BLOCK
+        out = torch.zeros(samp.shape[0], self.vocab)
+        out[real] = super().__call__(dataclasses.replace(batch, sample_indices=samp[real]), kv_cache)
+        return out
+
+
+class PaddedFakeModel(SkipsPadding, FakeStepModel):
+    pass
+
+
+class PaddedFakeDraft(SkipsPadding, FakeDraftModel):
+    pass
+
+
+def padded_churn(kind: str) -> type[SpeculativeMachine]:
+    """tests/runtime/test_engine_logic.py's speculative churn (adds, steps, aborts, preemption, seeded sampling and
+    opt-outs on a small pool; the greedy oracle; every block back) on a padded engine."""
+
+    class Machine(SpeculativeMachine):
+        padded = 0
+
+        def __init__(self):
+            RuleBasedStateMachine.__init__(self)
+            model = PaddedFakeModel(V)
+            model.verify = reference_verify
+            drafter = NgramDrafter(n=2, k=3) if kind == "ngram" else ModelDrafter(
+                PaddedFakeDraft(V), k=3, shares_target_cache=kind == "shared")
+            self.engine = Engine(model, None, fake_config(64), block_size=4, num_blocks=18, max_num_seqs=6,
+                                 max_num_batched_tokens=24, drafter=drafter, speculation_max_batch=6,
+                                 pad_decode_batches=True)
+            self.expect, self.live = {}, set()
+
+        def teardown(self):
+            super().teardown()
+            type(self).padded += self.engine.runner.graph_stats.padded_verifications
+
+    return Machine
+
+
+@pytest.mark.parametrize("kind", ["ngram", "own", "shared"])
+def test_no_leak_with_padded_speculation_under_churn(kind):
+    machine = padded_churn(kind)
+    run_state_machine_as_test(machine, settings=settings(max_examples=15, stateful_step_count=30, deadline=None))
+    assert machine.padded > 0
+
+
+def test_verification_graph_sizes_stop_where_speculation_turns_off():
+    def make(**kw) -> Engine:
+        model = FakeStepModel(V)
+        model.verify = reference_verify
+        return Engine(model, None, fake_config(64), block_size=4, num_blocks=40, max_num_seqs=kw.pop("max_num_seqs", 6),
+                      **kw)
+
+    eng = make(drafter=NgramDrafter(k=3), pad_decode_batches=True, max_num_seqs=64)
+    assert eng.runner.pad_sizes == graph_batch_sizes(64) and eng.runner.verify_len == 4
+    assert eng.runner.verify_sizes == graph_batch_sizes(DEFAULT_SPECULATION_MAX_BATCH)
+    eng = make(drafter=ModelDrafter(FakeDraftModel(V), k=3), pad_decode_batches=True, speculation_max_batch=5)
+    assert eng.runner.verify_sizes == [1, 2, 4, 5] and eng.drafter.runner.pad_sizes == [1, 2, 4, 5]
+    eng = make(drafter=NgramDrafter(k=3), pad_decode_batches=True, speculation_max_batch=0)
+    assert eng.runner.verify_len == 0 and eng.runner.verify_sizes == []
+    eng = make(drafter=NgramDrafter(k=3))  # no padding asked (CPU): nothing padded
+    assert eng.runner.verify_len == 0 and eng.runner.pad_sizes == []

@@ -57,9 +57,6 @@ class GraphStats:
     decode_replays: int = 0
     verification_replays: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
 
 @dataclass
 class StepGraphs:

@@ -55,8 +55,6 @@ from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache, num_routed_layers
 
-__all__ = ["ModelRunner", "graph_batch_sizes"]
-
 
 class ModelRunner:
     # Decode batches from this many sequences on are staged with numpy (gather_decodes); below it the per-element

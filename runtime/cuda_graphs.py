@@ -121,8 +121,8 @@ class StepGraphs:
     def capture_all(self) -> None:
         """Capture every shape, most tokens first (later graphs fit in its memory pool); on failure (a step model
         that syncs or allocates on the host cannot be captured) keep none and run eagerly, with one warning."""
-        pool = torch.cuda.graph_pool_handle()
         try:
+            pool = torch.cuda.graph_pool_handle()
             with torch.inference_mode():
                 for b, q in sorted(self.shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True):
                     self.graphs[b, q] = self._capture(b, q, pool)

@@ -14,12 +14,12 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from kiln.runtime.block_manager import NULL_BLOCK
-from kiln.runtime.cuda_graphs import graph_batch_sizes
+from kiln.runtime.cuda_graphs import StepGraphs, graph_batch_sizes
 from kiln.runtime.engine import Engine
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch
 from tests.runtime.test_engine_logic import SpeculativeMachine, V
-from tests.support.fake_step import FakeDraftModel, FakeStepModel, fake_config
+from tests.support.fake_step import FakeDraftModel, FakeStepModel, fake_config, fake_generate
 from tests.support.speculative import reference_verify
 
 
@@ -91,3 +91,29 @@ def test_verification_graph_sizes_stop_where_speculation_turns_off():
     assert eng.runner.verify_len == 0 and eng.runner.verify_sizes == []
     eng = make(drafter=NgramDrafter(k=3))  # no padding asked (CPU): nothing padded
     assert eng.runner.verify_len == 0 and eng.runner.pad_sizes == []
+
+
+def test_a_failed_capture_leaves_the_engine_eager_with_one_warning(caplog, monkeypatch):
+    """StepGraphs.capture_all when a capture raises (a step model that syncs with the host under capture, or no CUDA
+    at all): no graph, one warning, and the padded steps then run eagerly (and are still counted as padded)."""
+
+    def capture(self, b, q, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StepGraphs, "_capture", capture)
+    model = PaddedFakeModel(V)
+    model.verify = reference_verify
+    eng = Engine(model, None, fake_config(64), block_size=4, num_blocks=40, max_num_seqs=4, drafter=NgramDrafter(k=3),
+                 pad_decode_batches=True)
+    graphs = eng.runner.make_graphs()
+    assert sorted(graphs.shapes) == [(1, 1), (1, 4), (2, 1), (2, 4), (4, 1), (4, 4)]
+    with caplog.at_level("WARNING", logger="kiln.runtime"):
+        graphs.capture_all()
+    assert graphs.graphs == {} and len(caplog.records) == 1 and "CUDA graph capture failed" in caplog.text
+    eng.runner.cuda_graphs = graphs
+    prompt = [1, 2, 3] * 3
+    ids = [eng.add_request(prompt_token_ids=prompt, params={"max_tokens": 9, "temperature": 0}) for _ in range(3)]
+    done = {o.request_id: o.outputs[0].token_ids for o in eng.run()}
+    assert [done[i] for i in ids] == [fake_generate(prompt, 9, V)] * 3
+    st = eng.runner.graph_stats
+    assert st.padded_verifications > 0 and st.verification_replays == st.decode_replays == 0

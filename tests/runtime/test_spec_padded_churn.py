@@ -1,24 +1,33 @@
 """Padded speculative verification (see test_spec_padded.py) under tests/runtime/test_engine_logic.py's property-based
 speculative churn: random adds, steps and aborts, preemption, seeded sampling and opt-outs on a small pool, the
 greedy oracle of the fake step model and every block back at the end, for the n-gram drafter and fake draft models
-with their own pool or sharing the target's cache; and which batch sizes get verification graphs.
+with their own pool or sharing the target's cache; which batch sizes get verification graphs; a failed capture;
+and prepare()'s padded verification batch against the unpadded one on random schedules (no model needed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-from kiln.runtime.block_manager import NULL_BLOCK
+from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
 from kiln.runtime.cuda_graphs import StepGraphs, graph_batch_sizes
+from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.request import Request
+from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch
 from tests.runtime.test_engine_logic import SpeculativeMachine, V
+from tests.runtime.test_prepare_decodes import HostOnlyModel
 from tests.support.fake_step import FakeDraftModel, FakeStepModel, fake_config, fake_generate
 from tests.support.speculative import reference_verify
 
@@ -117,3 +126,46 @@ def test_a_failed_capture_leaves_the_engine_eager_with_one_warning(caplog, monke
     assert [done[i] for i in ids] == [fake_generate(prompt, 9, V)] * 3
     st = eng.runner.graph_stats
     assert st.padded_verifications > 0 and st.verification_replays == st.decode_replays == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), block=st.sampled_from([1, 2, 4, 16]))
+def test_a_padded_verification_batch_holds_the_unpadded_rows(seed, block):
+    """Each real chunk's tokens, positions and slots end its k + 1 rows, contexts and table rows as unpadded; every
+    padding token's slot is in the null block; the real rows' sample indices come first, in the unpadded order."""
+    rng = random.Random(seed)
+    k = rng.randint(1, 5)
+    bm = BlockManager(400, block, enable_prefix_caching=False)
+    padded = ModelRunner(HostOnlyModel(), bm, max_num_seqs=8, max_model_len=64, pad_decode_batches=True, spec_k=k)
+    plain = ModelRunner(HostOnlyModel(), bm, max_num_seqs=8, max_model_len=64)
+    seqs = []
+    for i in range(rng.randint(1, 8)):
+        req = Request(f"r{i}", None, [rng.randrange(50) for _ in range(rng.randint(1, 40))], SamplingParams(),
+                      Detokenizer(None))
+        n = rng.randint(int(i == 0), k)  # the first one drafts: a verification batch
+        req.draft_tokens = [rng.randrange(50) for _ in range(n)]
+        start = req.num_tokens - 1
+        assert bm.append_slots(req.request_id, start + 1 + n)
+        seqs.append(ScheduledSeq(req, start, 1 + n, True, n))
+    sched = Schedule(seqs)
+    batch, _ = plain.prepare(sched)
+    want = {f: getattr(batch, f).tolist() for f in ("tokens", "positions", "slot_mapping", "context_lens",
+                                                    "query_start_loc", "block_tables", "sample_indices")}
+    got, b = padded.prepare(sched)
+    q = k + 1
+    assert b == min(x for x in padded.verify_sizes if x >= len(seqs)) and got.max_query_len == q
+    assert got.query_start_loc.tolist() == list(range(0, b * q + 1, q))
+    rows = []
+    for i, s in enumerate(seqs):
+        lo, hi = want["query_start_loc"][i : i + 2]
+        mine = list(range((i + 1) * q - s.num_new, (i + 1) * q))
+        for f in ("tokens", "positions", "slot_mapping"):
+            assert [getattr(got, f).tolist()[r] for r in mine] == want[f][lo:hi]
+        rows += mine
+    slots = got.slot_mapping.tolist()
+    assert all(slots[r] // block == NULL_BLOCK for r in set(range(b * q)) - set(rows))
+    assert got.sample_indices.tolist()[: len(rows)] == rows and want["sample_indices"] == list(range(len(rows)))
+    ctx, tables, n = got.context_lens.tolist(), got.block_tables.tolist(), len(seqs)
+    assert ctx[:n] == want["context_lens"] and ctx[n:] == [1] * (b - n)
+    width = len(want["block_tables"][0])
+    assert [t[:width] for t in tables[:n]] == want["block_tables"] and all(set(t) == {NULL_BLOCK} for t in tables[n:])

@@ -88,6 +88,17 @@ def run(engine: Engine, reqs: list[list[int]], new_tokens: int) -> tuple[float, 
     return time.perf_counter() - t, [done[i] for i in ids]
 
 
+def counters(eng: Engine) -> dict[str, int]:
+    """The engine's speculative counters, and its steps replayed from CUDA graphs: the target's verification and
+    decode steps, the draft model's decode steps (0 without one, and without graphs)."""
+    st, g = eng.stats_dict(), eng.runner.graph_stats
+    draft = getattr(eng.drafter, "runner", None)
+    return {**{k: st[k] for k in ("spec_proposed", "spec_accepted", "spec_rows", "spec_emitted", "num_steps",
+                                  "spec_verify_steps")},
+            "verify_replays": g.verification_replays, "decode_replays": g.decode_replays,
+            "draft_decode_replays": draft.graph_stats.decode_replays if draft is not None else 0}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="smollm2-135m")
@@ -130,11 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         best: dict[str, tuple[float, list[list[int]], dict]] = {}
         for _ in range(args.repeats):  # interleaved, best of: the CPU is shared with other work
             for name, eng in engines.items():
-                before = eng.stats_dict()
+                before = counters(eng)
                 secs, outs = run(eng, reqs, args.new_tokens)
-                after = eng.stats_dict()
-                st = {k: after[k] - before[k] for k in ("spec_proposed", "spec_accepted", "spec_rows", "spec_emitted",
-                                                        "num_steps")}
+                st = {k: v - before[k] for k, v in counters(eng).items()}
                 if name not in best or secs < best[name][0]:
                     best[name] = (secs, outs, st)
         base_tps, base_outs = b * args.new_tokens / best["none"][0], best["none"][1]
@@ -144,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                    "speedup": round(tps / base_tps, 3), "same_tokens_as_plain": outs == base_outs,
                    "acceptance_rate": round(st["spec_accepted"] / max(st["spec_proposed"], 1), 4),
                    "mean_accepted_length": round(st["spec_emitted"] / max(st["spec_rows"], 1), 3),
-                   "proposed": st["spec_proposed"], "accepted": st["spec_accepted"], "steps": st["num_steps"]}
+                   "proposed": st["spec_proposed"], "accepted": st["spec_accepted"], "steps": st["num_steps"],
+                   # CUDA graphs: verification steps run, and of them replayed (0 without graphs: eager)
+                   "verify_steps": st["spec_verify_steps"], "verify_replays": st["verify_replays"],
+                   "decode_replays": st["decode_replays"], "draft_decode_replays": st["draft_decode_replays"]}
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
             if name != "none" and tps > base_tps:

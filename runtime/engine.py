@@ -118,16 +118,19 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
         graphs = step_model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        spec_batch = DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None else speculation_max_batch
+        # Verification batches get graphs (or padding) up to the batch where speculation turns itself off.
         self.runner = ModelRunner(step_model, self.block_manager, max_num_seqs=max_num_seqs,
                                   max_model_len=self.max_model_len, use_cuda_graphs=graphs,
-                                  pad_decode_batches=pad_decode_batches)
+                                  pad_decode_batches=pad_decode_batches, spec_k=drafter.k if drafter is not None else 0,
+                                  spec_max_batch=spec_batch)
         self.drafter = drafter
         if drafter is not None:
             drafter.bind(step_model, self.block_manager, self.runner.kv_cache, max_num_seqs=max_num_seqs,
-                         max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+                         max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                         use_cuda_graphs=graphs, pad_decode_batches=pad_decode_batches, max_batch=spec_batch)
             self.scheduler.spec_k = drafter.k
-            self.scheduler.spec_max_batch = (DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None
-                                             else speculation_max_batch)
+            self.scheduler.spec_max_batch = spec_batch
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         overlap = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
         self.output = OutputMaker(self.scheduler, self.block_manager, self.requests, self.eos_token_ids, overlap)

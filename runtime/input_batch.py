@@ -188,3 +188,42 @@ def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRow
     if not starts:
         return None
     return DecodeInputs(np.array(starts, dtype=np.int64), toks, np.array(row_ids, dtype=np.intp), max(lens))
+
+
+def write_verify_batch(v: dict[str, np.ndarray], seqs: list, rows: list[int], host_rows: np.ndarray, q: int,
+                       block_size: int) -> int:
+    """Stage a verification batch in the graph shape (b, q), b = len(v["context_lens"]): sequence i's chunk is rows
+    [i * q, (i + 1) * q), its 1 + n real tokens at the end and q - 1 - n padding tokens before them; the sequences
+    after len(seqs) are all padding. The block tables are the caller's. Returns the longest real context.
+
+    Real tokens end the chunk because attention aligns a chunk's queries to the end of its keys (context_lens =
+    the real end): the real rows then see exactly their unpadded keys, and a padding row sees a prefix of the same
+    sequence's context (nothing past it, no table column the sequence lacks; none at all when the context is
+    shorter than q: the kernels give such a row 0, the reference NaN, neither read). Padding tokens write their
+    K/V to the null block (slot NULL_BLOCK * block_size) and a padding sequence has context 1 on the null block,
+    like a padded decode's. sample_indices lists the real rows first, in chunk order, so the step's first
+    sum(1 + n) logit rows are the real ones (the rest: the padding rows, never read).
+    """
+    tok, pos, slot, ctx, qsl, samp = (v[k] for k in ("tokens", "positions", "slot_mapping", "context_lens",
+                                                     "query_start_loc", "sample_indices"))
+    n = tok.shape[0]
+    tok[:], pos[:], slot[:] = 0, 0, NULL_BLOCK * block_size
+    real = np.zeros(n, dtype=bool)
+    k = max_ctx = 0
+    for i, s in enumerate(seqs):
+        a, m = s.start, s.num_new
+        end, lo = a + m, (i + 1) * q - m
+        p = np.arange(a, end)
+        tok[lo : lo + m] = s.request.token_slice(a, end)
+        pos[i * q : lo] = a  # a padding token's own position: any in range (its attention is fixed by the chunk's)
+        pos[lo : lo + m] = p
+        slot[lo : lo + m] = host_rows[rows[i], p // block_size].astype(np.int64) * block_size + p % block_size
+        ctx[i] = end
+        samp[k : k + m] = np.arange(lo, lo + m)
+        real[lo : lo + m] = True
+        k += m
+        max_ctx = max(max_ctx, end)
+    ctx[len(seqs) :] = 1
+    qsl[:] = np.arange(0, n + 1, q)
+    samp[k:] = np.flatnonzero(~real)
+    return max_ctx

@@ -1,11 +1,19 @@
-"""From a Schedule to a StepBatch, and the call into the step model (eager, or CUDA-graph replay for decodes).
+"""From a Schedule to a StepBatch, and the call into the step model (eager, or a CUDA-graph replay).
 
-On CUDA, pure-decode steps replay graphs captured for batch sizes 1, 2, 4, 8, ... up to max_num_seqs: the
-batch is padded to the next captured size with rows that write to and read from the null block (block 0).
-The graphs were captured with full-width block tables and max_context_len = max_model_len; a replay copies
-only the batch's real columns in, and the decode kernels bound their work by the context lengths they read
-on the device (the split length is per sequence), so a long max_model_len costs nothing per step.
-`pad_decode_batches` runs the same padded batches eagerly: it is how the padding is tested without a GPU.
+Two kinds of step are padded to a captured shape and, on CUDA, replayed from graphs (runtime/cuda_graphs.py):
+
+- pure decodes, padded to the next captured batch size (1, 2, 4, 8, ... up to max_num_seqs) with one-token
+  sequences that write to and read from the null block (block 0);
+- verification batches (speculation k > 0, every sequence a decode chunk of 1 + n tokens, n <= k drafts, at least
+  one n > 0): padded to (b, k + 1), every sequence a chunk of exactly k + 1 rows (its real tokens last, padding
+  tokens on the null block before them; input_batch.write_verify_batch says why), then padding sequences, b from
+  the captured sizes up to the batch where speculation turns itself off (spec_max_batch); all rows are sampled
+  and the real ones come first, so the host reads only those.
+
+The graphs were captured with full-width block tables and max_context_len = max_model_len; a replay copies only
+the batch's real columns in, and the kernels bound their work by the context lengths they read on the device, so
+a long max_model_len costs nothing per step. `pad_decode_batches` runs the same padded batches eagerly: it is how
+the padding is tested without a GPU. graph_stats counts padded steps and replays of each kind.
 
 A Mixture-of-Depths model (block manager: runtime.routed_blocks.RoutedBlockManager) also gets, per routed layer,
 its routed lengths and block tables (one more set of persistent rows per layer), and its step returns which rows
@@ -17,45 +25,35 @@ null block, and the host reads only the real rows' routed flags. The graphs hold
 full-width routed tables in static buffers (a replay copies the batch's real columns, as for the dense tables);
 the routing is data, and everything after it (compaction, slots, attention, scatter) is table-driven on the
 device, so one capture serves every routing. The routed flags are a graph output, read back after the replay.
+A routed model gets no verification graphs (speculation is refused for it).
 
-A speculative decode (ScheduledSeq.num_drafts = n) is a chunk of n + 1 tokens with all n + 1 rows sampled; a
-step with one is not a pure decode, so it runs eagerly (a GPU would want graphs captured for (batch, k + 1)
-query shapes too; not done yet). A draft model's runner shares the block manager and may be given an existing
-cache (the target's first layers, as a view) instead of allocating its own.
+A draft model's runner (runtime/speculative.py) shares the block manager, pads and replays its decode steps the
+same way when the target's runner does, and may be given an existing cache (the target's first layers, as a
+view) instead of allocating its own.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kiln.errors import KilnError
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
-from kiln.runtime.input_batch import BlockTableRows, DecodeInputs, Layout, StepBuffers, gather_decodes, layout
+from kiln.runtime.cuda_graphs import Graph, GraphStats, StepGraphs, graph_batch_sizes
+from kiln.runtime.input_batch import (
+    BlockTableRows,
+    DecodeInputs,
+    Layout,
+    StepBuffers,
+    gather_decodes,
+    layout,
+    write_verify_batch,
+)
 from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache, num_routed_layers
-
-log = logging.getLogger("kiln.runtime")
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, max_num_seqs]
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    batch: StepBatch  # views of the static input buffers
-    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # static: logits [B, vocab] (and a routed model's flags)
 
 
 class ModelRunner:
@@ -65,7 +63,10 @@ class ModelRunner:
 
     def __init__(self, model: StepModel, block_manager: BlockManager, *, max_num_seqs: int, max_model_len: int,
                  use_cuda_graphs: bool = False, pad_decode_batches: bool = False, warmup: bool | None = None,
-                 kv_cache: KVCache | None = None):
+                 kv_cache: KVCache | None = None, spec_k: int = 0, spec_max_batch: int | None = None):
+        """spec_k: the engine's speculation k (0: none), so verification batches are padded to (b, spec_k + 1) for
+        b up to spec_max_batch (None: max_num_seqs) when decodes are; warmup (None: on CUDA) compiles the kernels
+        now; kv_cache: an existing cache to run on (a self drafter's view of the target's) instead of a new one."""
         self.model = model
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -81,8 +82,14 @@ class ModelRunner:
                                          groups[0].num_blocks if groups else None)
         self.kv_cache = kv_cache
         self.use_cuda_graphs = use_cuda_graphs and model.device.type == "cuda" and torch.cuda.is_available()
-        self.pad_sizes = graph_batch_sizes(max_num_seqs) if (self.use_cuda_graphs or pad_decode_batches) else []
-        self.graphs: dict[int, _Graph] = {}
+        padding = self.use_cuda_graphs or pad_decode_batches
+        self.pad_sizes = graph_batch_sizes(max_num_seqs) if padding else []
+        spec_batch = max_num_seqs if spec_max_batch is None else min(spec_max_batch, max_num_seqs)
+        verify = padding and spec_k > 0 and spec_batch > 0 and not self.num_routed
+        self.verify_len = spec_k + 1 if verify else 0  # query rows of a padded verification chunk (0: none)
+        self.verify_sizes = graph_batch_sizes(spec_batch) if verify else []
+        self.graph_stats = GraphStats()
+        self.cuda_graphs: StepGraphs | None = None
         self.rows = BlockTableRows(self.max_blocks_per_seq, max_num_seqs)
         block_manager.on_free.append(self.rows.release)
         block_manager.on_truncate.append(self.rows.truncate)
@@ -94,12 +101,32 @@ class ModelRunner:
         if model.device.type == "cuda" if warmup is None else warmup:
             self.warmup()
         if self.use_cuda_graphs:
-            self._capture_all()
+            self.cuda_graphs = self.make_graphs()
+            self.cuda_graphs.capture_all()
+
+    def make_graphs(self) -> StepGraphs:
+        """The static buffers for every padded shape (on any device; the CPU tests run steps from them), no
+        graph captured yet."""
+        shapes = [(b, 1) for b in self.pad_sizes] + [(b, self.verify_len) for b in self.verify_sizes]
+        return StepGraphs(self.model, self.kv_cache, self.block_size, self.max_blocks_per_seq, self.max_model_len,
+                          self.num_routed, shapes, self.graph_stats)
+
+    @property
+    def graphs(self) -> dict[int, Graph]:
+        """The captured decode graphs by batch size (empty without CUDA graphs, or when the capture failed)."""
+        g = self.cuda_graphs
+        return {b: graph for (b, q), graph in g.graphs.items() if q == 1} if g is not None else {}
+
+    @property
+    def verify_graphs(self) -> dict[int, Graph]:
+        """The captured verification graphs (k + 1 rows per sequence) by batch size."""
+        g = self.cuda_graphs
+        return {b: graph for (b, q), graph in g.graphs.items() if q > 1} if g is not None else {}
 
     # ---- batch building -----------------------------------------------------------------------------------
 
     def prepare(self, sched: Schedule) -> tuple[StepBatch, int]:
-        """The StepBatch for a schedule, and how many rows (graph padding) it was padded to.
+        """The StepBatch for a schedule, and the batch size (sequences) it was padded to for a graph (0: none).
 
         Costs O(tokens + blocks in the step): tables come from the persistent rows (written when a request
         gains blocks), everything is staged in one buffer and copied to the device once. The batch's tensors
@@ -110,6 +137,9 @@ class ModelRunner:
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
             if dec is not None:
                 return self._prepare_decodes(dec)
+        padded = self._verify_pad_size(sched) if self.verify_len else 0
+        if padded:
+            return self._prepare_verify(seqs, padded), padded
         tables = [self.bm.table(s.request.request_id) for s in seqs]
         rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
         width = max(len(t) for t in tables)
@@ -183,6 +213,36 @@ class ModelRunner:
             v["sample_indices"][:] = np.arange(n)
         return self._upload(lay, 1, int(st.max()) + 1), padded
 
+    def _verify_pad_size(self, sched: Schedule) -> int:
+        """The captured batch size a verification batch is padded to: every chunk a decode of 1 + n <= k + 1 rows,
+        all sampled, some with drafts (else a pure decode's padding applies); 0 when it is not one or too big."""
+        seqs = sched.seqs
+        if sched.plain_decodes or len(seqs) > self.verify_sizes[-1]:
+            return 0
+        drafts = False
+        for s in seqs:
+            if not s.sample or s.num_new != 1 + s.num_drafts or s.num_new > self.verify_len:
+                return 0
+            drafts = drafts or s.num_drafts > 0
+        return next(b for b in self.verify_sizes if b >= len(seqs)) if drafts else 0
+
+    def _prepare_verify(self, seqs: list[ScheduledSeq], padded: int) -> StepBatch:
+        """prepare() for a verification batch padded to (padded, k + 1): see input_batch.write_verify_batch."""
+        q, bs = self.verify_len, self.block_size
+        tables = [self.bm.table(s.request.request_id) for s in seqs]
+        rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
+        for s, t in zip(seqs, tables, strict=True):
+            end = s.start + s.num_new
+            assert len(t) * bs >= end, f"{s.request.request_id}: {end} tokens but {len(t)} blocks"
+        width = max(len(t) for t in tables)
+        lay = layout(padded * q, padded * q, padded, width)
+        v = self.buffers.stage(lay)
+        max_ctx = write_verify_batch(v, seqs, rows, self.rows.host, q, bs)
+        bt = v["block_tables"]
+        np.take(self.rows.host[:, :width], rows, axis=0, out=bt[: len(seqs)])
+        bt[len(seqs) :] = NULL_BLOCK
+        return self._upload(lay, q, max_ctx)
+
     def _pad(self, v: dict[str, np.ndarray], n: int, num_seqs: int, padded: int) -> None:
         """Padding rows after n tokens of num_seqs decodes: one token each, written to and read from the null
         block, every row sampled. In each routed layer a padding sequence has routed length 0 and the null block
@@ -225,9 +285,8 @@ class ModelRunner:
         with torch.inference_mode():
             if self.num_routed:  # a one-token prefill after a prefix hit can be a graph's decode batch too
                 self._copy_routed_blocks()
-            if padded and padded in self.graphs:
-                logits = self._replay(self.graphs[padded], batch)
-            else:
+            logits = self._replay(batch) if padded else None
+            if logits is None:
                 logits = self.model(batch, self.kv_cache)
         if self.num_routed:
             logits, routed = logits
@@ -241,6 +300,15 @@ class ModelRunner:
                 self.bm.record(s.request.request_id, s.start, routed[:, a : a + s.num_new], c)
         return logits[:num_rows].float(), sampled
 
+    def _replay(self, batch: StepBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+        """Count a padded step; its graph's output after a replay, or None (no graph: run it eagerly)."""
+        st = self.graph_stats
+        if batch.max_query_len == 1:
+            st.padded_decodes += 1
+        else:
+            st.padded_verifications += 1
+        return self.cuda_graphs.replay(batch) if self.cuda_graphs is not None else None
+
     def _copy_routed_blocks(self) -> None:
         """Copy-on-write of routed blocks that prefix hits share partially filled (RoutedBlockManager.match_prefix),
         before the step writes anything."""
@@ -252,10 +320,12 @@ class ModelRunner:
 
     def warmup_shapes(self) -> list[tuple[int, int, int]]:
         """(sequences, new tokens each, context) of the warm-up steps: prefill and decode, token and sample counts
-        of 1, odd and a multiple of 16, short and long contexts (one and several decode splits), so each kernel
-        is compiled for the integer specializations a real step hits."""
+        of 1, odd and a multiple of 16, short and long contexts (one and several decode splits), verification
+        chunks when speculating, so each kernel is compiled for the integer specializations a real step hits."""
         long_ctx = min(self.max_model_len, 1024)
         shapes = [(1, 7, 7), (1, 16, 16), (2, 9, 40), (1, 1, 1), (3, 1, long_ctx), (16, 1, 17)]
+        if self.verify_len:  # a verification batch's chunks of k + 1 query rows
+            shapes.append((3, self.verify_len, 40))
         return [(s, min(q, min(c, self.max_model_len)), min(c, self.max_model_len)) for s, q, c in shapes]
 
     def warmup(self, progress: bool = True) -> None:
@@ -288,85 +358,3 @@ class ModelRunner:
             context_lens=torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev), query_start_loc=qsl,
             sample_indices=(qsl[1:] - 1).long(), max_query_len=q_len, max_context_len=ctx, **routed,
         )  # fmt: skip
-
-    # ---- CUDA graphs (only with a CUDA device; not exercised by the CPU test suite) ----------------------
-
-    def _capture_all(self) -> None:
-        self._static = self._make_static()
-        pool = torch.cuda.graph_pool_handle()
-        try:
-            with torch.inference_mode():
-                for b in reversed(self.pad_sizes):  # largest first, so later graphs fit in its memory pool
-                    self.graphs[b] = self._capture(b, pool)
-        except Exception as e:  # a step model that syncs or allocates on the host cannot be captured
-            self.graphs.clear()
-            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
-
-    def _make_static(self) -> StepBatch:
-        """The graphs' input buffers for the biggest batch, holding padding rows (tests build them on CPU too)."""
-        biggest = self.pad_sizes[-1]
-        dev = self.model.device
-        return StepBatch(
-            tokens=torch.zeros(biggest, dtype=torch.int64, device=dev),
-            positions=torch.zeros(biggest, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((biggest,), NULL_BLOCK * self.block_size, dtype=torch.int64, device=dev),
-            block_tables=torch.full((biggest, self.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32, device=dev),
-            context_lens=torch.ones(biggest, dtype=torch.int32, device=dev),
-            query_start_loc=torch.arange(biggest + 1, dtype=torch.int32, device=dev),
-            sample_indices=torch.arange(biggest, dtype=torch.int64, device=dev),
-            max_query_len=1,
-            max_context_len=self.max_model_len,
-            # A routed model's lengths and tables: padding values (length 0, the null block) until a replay.
-            **self._static_routed(biggest),
-        )
-
-    def _static_routed(self, biggest: int) -> dict[str, torch.Tensor]:
-        if not self.num_routed:
-            return {}
-        dev, shape = self.model.device, (self.num_routed, biggest)
-        return dict(routed_lens=torch.zeros(shape, dtype=torch.int32, device=dev),
-                    routed_block_tables=torch.full((*shape, self.max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32,
-                                                   device=dev))
-
-    def _static_views(self, b: int) -> StepBatch:
-        """The graph of batch size b's inputs: views of the first b rows of the static buffers."""
-        st = self._static
-        routed = {}
-        if self.num_routed:  # [:, :b] is strided; mod_kv_slots indexes a layer first, so its rows are contiguous
-            routed = dict(routed_lens=st.routed_lens[:, :b], routed_block_tables=st.routed_block_tables[:, :b])
-        return StepBatch(st.tokens[:b], st.positions[:b], st.slot_mapping[:b], st.block_tables[:b],
-                         st.context_lens[:b], st.query_start_loc[: b + 1], st.sample_indices[:b], 1,
-                         self.max_model_len, **routed)
-
-    def _capture(self, b: int, pool: object) -> _Graph:
-        batch = self._static_views(b)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: lazy initialisation must not happen under capture
-            for _ in range(2):
-                self.model(batch, self.kv_cache)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self.model(batch, self.kv_cache)
-        return _Graph(graph, batch, out)
-
-    @staticmethod
-    def _replay(g: _Graph, batch: StepBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ModelRunner._fill(g.batch, batch)
-        g.graph.replay()
-        return g.out
-
-    @staticmethod
-    def _fill(static: StepBatch, batch: StepBatch) -> None:
-        """Copy a padded decode batch into a graph's static inputs (the same batch size)."""
-        for name in ("tokens", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_indices"):
-            getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
-        # Columns past the batch's widest table keep stale block ids: the kernels never read past a context, and
-        # mod_kv_slots never past the block a sequence's routed length needs (reserved, so in the copied columns).
-        static.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
-        if batch.routed_lens is not None:
-            static.routed_lens.copy_(batch.routed_lens, non_blocking=True)
-            wr = batch.routed_block_tables.shape[2]
-            static.routed_block_tables[:, :, :wr].copy_(batch.routed_block_tables, non_blocking=True)
-

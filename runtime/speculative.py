@@ -55,7 +55,7 @@ class NgramDrafter:
         return 0
 
     def bind(self, target: StepModel, bm: BlockManager, cache: KVCache, *, max_num_seqs: int,
-             max_model_len: int, max_num_batched_tokens: int | None = None) -> None:
+             max_model_len: int, max_num_batched_tokens: int | None = None, **padding: object) -> None:
         pass
 
     def propose(self, seqs: Sequence[ScheduledSeq]) -> list[Draft]:
@@ -107,7 +107,11 @@ class ModelDrafter:
         return 0 if self.shares else kv_bytes_per_block(self.model, block_size)
 
     def bind(self, target: StepModel, bm: BlockManager, cache: KVCache, *, max_num_seqs: int,
-             max_model_len: int, max_num_batched_tokens: int | None = None) -> None:
+             max_model_len: int, max_num_batched_tokens: int | None = None, use_cuda_graphs: bool = False,
+             pad_decode_batches: bool = False, max_batch: int | None = None) -> None:
+        """Check the draft against the target and make its runner. use_cuda_graphs / pad_decode_batches: as the
+        target's runner, so the draft's decode steps are padded (and replayed from graphs) the same way; max_batch:
+        the most sequences that speculate at once (the engine's speculation_max_batch), which bounds its graphs."""
         d = self.model
         self.catchup_budget = max_num_batched_tokens
         if d.vocab != target.vocab:
@@ -123,7 +127,9 @@ class ModelDrafter:
                     f"target's kv dtype, kv heads and head dim {want}; it has {d.num_layers} layers and {got}. "
                     "Build it from the target's spec with layers = L, or use shares_target_cache=False")
             view = KVCache(cache.data[: d.num_layers], None if cache.scales is None else cache.scales[: d.num_layers])
-        self.runner = ModelRunner(d, bm, max_num_seqs=max_num_seqs, max_model_len=max_model_len, kv_cache=view)
+        seqs = max_num_seqs if max_batch is None else max(1, min(max_batch, max_num_seqs))
+        self.runner = ModelRunner(d, bm, max_num_seqs=seqs, max_model_len=max_model_len, kv_cache=view,
+                                  use_cuda_graphs=use_cuda_graphs, pad_decode_batches=pad_decode_batches)
         bm.on_free.append(self._forget)
 
     def _forget(self, request_id: str) -> None:

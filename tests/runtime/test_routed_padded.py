@@ -105,13 +105,13 @@ class WriteWatch:
 
 class StaticInputs:
     """Stands in for a runner's step model: runs each decode batch of a captured size the way a CUDA-graph replay
-    does, but eagerly on CPU: copied (ModelRunner._fill) into views of the graphs' static buffers (full-width
+    does, but eagerly on CPU: copied (StepGraphs.fill) into views of the graphs' static buffers (full-width
     tables whose columns past the batch's keep earlier steps' blocks, strided routed views, max_context_len the
     model's context) and the step run on those views."""
 
     def __init__(self, runner: ModelRunner):
         self.runner, self.model, self.replays = runner, runner.model, 0
-        runner._static = runner._make_static()
+        self.graphs = runner.make_graphs()
         runner.model = self
 
     def __getattr__(self, name: str):
@@ -121,8 +121,8 @@ class StaticInputs:
         b = batch.num_seqs
         if batch.max_query_len != 1 or b not in self.runner.pad_sizes or batch.num_tokens != b:
             return self.model(batch, cache)
-        static = self.runner._static_views(b)
-        ModelRunner._fill(static, batch)
+        static = self.graphs.views(b, 1)
+        self.graphs.fill(static, batch)
         self.replays += 1
         return self.model(static, cache)
 
@@ -211,7 +211,7 @@ def test_decodes_from_the_graphs_static_buffers_match_the_unpadded_engine(model,
         trace, want, want_lens = unpadded[name]
         assert run(engine, trace) == (want, want_lens)
     assert static.replays > 20 and {3, 5, 7} <= {real for real, _ in watch.padded}
-    wide = engine.runner._static.routed_block_tables
+    wide = static.graphs.static.routed_block_tables
     assert wide.shape[2] == engine.runner.max_blocks_per_seq and (wide != NULL_BLOCK).any()
     check_no_leaks(engine.block_manager)
 
@@ -253,15 +253,7 @@ def test_cuda_graph_decodes_of_a_routed_model_match_the_reference(spec):
     engine = Engine(step, m.tokenizer, m.model, block_size=kv.BLOCK, max_model_len=kv.CONTEXT, max_num_seqs=8,
                     max_num_batched_tokens=24, use_cuda_graphs=True)
     assert sorted(engine.runner.graphs) == [1, 2, 4, 8], "CUDA graph capture failed (see the log)"
-    replays = 0
-    replay = engine.runner._replay
-
-    def counted(g, batch):
-        nonlocal replays
-        replays += 1
-        return replay(g, batch)
-
-    engine.runner._replay = counted
+    replays = engine.runner.graph_stats.decode_replays
     for trace in (make_trace(n=12), staggered()):  # the second: decode steps of 7, 6, ... 1 sequences
         want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **kv.GREEDY), context=m.model.context).token_ids
                 for p, n in trace]
@@ -269,5 +261,5 @@ def test_cuda_graph_decodes_of_a_routed_model_match_the_reference(spec):
         got, lens = run(engine, trace)
         assert got == want
         assert lens == [cuda_routing(ref_gm, p + w[:-1])[0] for (p, _), w in zip(trace, want, strict=True)]
-    assert replays > 20
+    assert engine.runner.graph_stats.decode_replays - replays > 20
     check_no_leaks(engine.block_manager)

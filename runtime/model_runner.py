@@ -115,8 +115,9 @@ class ModelRunner:
         n = sum(s.num_new for s in seqs)
         routed_width = 0
         if self.num_routed:  # slots of the block manager's routed state (runtime/routed_state.py)
-            routed_slots = self.bm.state.slots([s.request.request_id for s in seqs])
-            routed_width = self.bm.state.width(routed_slots)
+            routed = self.bm.routed_state()
+            routed_slots = routed.slots([s.request.request_id for s in seqs])
+            routed_width = routed.width(routed_slots)
         lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width, self.num_routed,
                      routed_width)
         v = self.buffers.stage(lay)
@@ -149,8 +150,7 @@ class ModelRunner:
         bt = v["block_tables"]
         np.take(host_rows[:, :width], rows, axis=0, out=bt[: len(seqs)])
         if self.num_routed:  # padding columns are written by _pad
-            self.bm.state.gather(routed_slots, v["routed_lens"][:, : len(seqs)],
-                                 v["routed_block_tables"][:, : len(seqs)])
+            routed.gather(routed_slots, v["routed_lens"][:, : len(seqs)], v["routed_block_tables"][:, : len(seqs)])
         if padded:
             self._pad(v, n, len(seqs), padded)
         return self._upload(lay, 1 if padded else max_new, max_ctx), padded
@@ -162,8 +162,9 @@ class ModelRunner:
         padded = self._decode_pad_size(n)
         routed_slots = routed_width = 0
         if self.num_routed:  # the routed lengths and tables by slot of the block manager's routed state
-            routed_slots = self.bm.state.slots(dec.ids)
-            routed_width = self.bm.state.width(routed_slots)
+            routed = self.bm.routed_state()
+            routed_slots = routed.slots(dec.ids)
+            routed_width = routed.width(routed_slots)
         lay = layout(padded or n, padded or n, padded or n, dec.width, self.num_routed, routed_width)
         v = self.buffers.stage(lay)
         host_rows = self.rows.host
@@ -174,7 +175,7 @@ class ModelRunner:
         v["query_start_loc"][: n + 1] = np.arange(n + 1)
         np.take(host_rows[:, : dec.width], rows, axis=0, out=v["block_tables"][:n])
         if self.num_routed:
-            self.bm.state.gather(routed_slots, v["routed_lens"][:, :n], v["routed_block_tables"][:, :n])
+            routed.gather(routed_slots, v["routed_lens"][:, :n], v["routed_block_tables"][:, :n])
         if padded:
             self._pad(v, n, n, padded)
         else:
@@ -227,9 +228,9 @@ class ModelRunner:
                 logits = self._replay(self.graphs[padded], batch)
             else:
                 logits = self.model(batch, self.kv_cache)
-        if self.num_routed:  # one copy: [routed layers, N], real rows in schedule order, then padding (not recorded)
+        if self.num_routed:  # [routed layers, N]: real rows in schedule order, then padding (never recorded)
             logits, routed = logits
-            self.bm.record_step(sched.seqs, routed.cpu().numpy(), sched.plain_decodes)
+            self.bm.record_step(sched.seqs, routed, sched.plain_decodes)  # copied behind the step, recorded later
         return logits[:num_rows].float(), sampled
 
     def _copy_routed_blocks(self) -> None:

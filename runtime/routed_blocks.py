@@ -42,11 +42,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from kiln.errors import KilnError
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.kv_pool import routed_pool_blocks
-from kiln.runtime.routed_state import LensView, RoutedState
+from kiln.runtime.routed_state import FlagCopy, LensView, RoutedState, step_counts
 from kiln.step import StepModel, kv_bytes_per_block, kv_bytes_per_layer_block, num_routed_layers
 
 log = logging.getLogger("kiln.runtime")
@@ -89,8 +90,11 @@ class RoutedBlockManager(BlockManager):
         self.routed = [BlockManager(routed_num_blocks, block_size, enable_prefix_caching=False)
                        for _ in range(num_routed_layers)]
         self.state = RoutedState(num_routed_layers)  # c_j and the routed tables by request slot (numpy)
-        self.routed_lens = LensView(self.state)  # c_j per routed layer: entries written in its cache
-        self.known: dict[str, int] = {}  # tokens (from the start) whose routing routed_lens accounts for
+        self.routed_lens = LensView(self.state, self.settle)  # c_j per routed layer: entries written in its cache
+        self._known: dict[str, int] = {}  # tokens (from the start) whose routing routed_lens accounts for
+        # A step's routing not recorded yet (record_step): (ids, starts, num_new, flags on the host, copy event).
+        self._pending: tuple | None = None
+        self._flags = FlagCopy()
         # Tokens (from the start) every routed table has room for: append_slots up to it reserves nothing routed.
         self._limit: dict[str, int] = {}
         self._boundary: dict[str, dict[int, tuple[int, ...]]] = {}  # dense block i -> c_j after its last token
@@ -103,6 +107,17 @@ class RoutedBlockManager(BlockManager):
     def num_routed_layers(self) -> int:
         return len(self.routed)
 
+    @property
+    def known(self) -> dict[str, int]:
+        """Per request, the tokens (from the start) whose routing routed_lens accounts for."""
+        self.settle()
+        return self._known
+
+    def routed_state(self) -> RoutedState:
+        """The numpy mirror of c_j and the routed tables (what a step's routed inputs are gathered from)."""
+        self.settle()
+        return self.state
+
     @staticmethod
     def _entry_id(block_hash: bytes) -> str:
         return "\0prefix:" + block_hash.hex()  # a pseudo-request id; NUL-prefixed, unlike the engine's ids
@@ -113,6 +128,7 @@ class RoutedBlockManager(BlockManager):
         return block_hash in self.entries
 
     def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        self.settle()
         got = super().match_prefix(request_id, token_ids)
         self._start(request_id)
         if got == 0:
@@ -137,7 +153,7 @@ class RoutedBlockManager(BlockManager):
         self.state.lens[slot] = lens
         for j, g in enumerate(self.routed):
             self.state.write(slot, j, g.table(request_id))
-        self.known[request_id] = got
+        self._known[request_id] = got
         self._limit[request_id] = got + self._room(request_id, lens)
         self._copies[request_id] = copies
         self.tail_copies += len(copies)
@@ -151,6 +167,7 @@ class RoutedBlockManager(BlockManager):
         self._start(request_id)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        self.settle()
         chain = self._chain.get(request_id, [])
         old = len(chain)
         super().commit(request_id, token_ids, num_computed)
@@ -191,6 +208,7 @@ class RoutedBlockManager(BlockManager):
         return out
 
     def reset_prefix_cache(self) -> None:
+        self.settle()
         super().reset_prefix_cache()
         while self._evict_entry():
             pass
@@ -198,9 +216,9 @@ class RoutedBlockManager(BlockManager):
     # ---- allocation ---------------------------------------------------------------------------------------
 
     def _start(self, request_id: str) -> None:
-        if request_id not in self.known:
+        if request_id not in self._known:
             self.state.add(request_id)
-            self.known[request_id] = 0
+            self._known[request_id] = 0
             self._limit[request_id] = 0
             self._boundary[request_id] = {}
 
@@ -210,6 +228,8 @@ class RoutedBlockManager(BlockManager):
         return min((len(g.table(request_id)) * bs - c for g, c in zip(self.routed, lens, strict=True)), default=bs)
 
     def append_slots(self, request_id: str, num_tokens: int) -> bool:
+        if self._pending is not None:
+            self.settle()
         if num_tokens <= self._limit.get(request_id, -1):  # every routed table has room: only the dense one grows
             table = self.tables.get(request_id)
             if table is not None and num_tokens <= len(table) * self.block_size:
@@ -218,7 +238,7 @@ class RoutedBlockManager(BlockManager):
         self._start(request_id)
         st, bs = self.state, self.block_size
         slot = st.slot_of[request_id]
-        new = num_tokens - self.known[request_id]
+        new = num_tokens - self._known[request_id]
         lens, blocks = st.lens[slot].tolist(), st.blocks[slot].tolist()
         # The worst case (every new token routed) only where a routed table is too short for it.
         grow = [(j, -(-(c + new) // bs) - b) for j, (c, b) in enumerate(zip(lens, blocks, strict=True))
@@ -235,45 +255,52 @@ class RoutedBlockManager(BlockManager):
             st.write(slot, j, g.table(request_id), blocks[j])
         assert ok, "checked above: every group had room"
         room = min((max(b, -(-(c + new) // bs)) * bs - c for c, b in zip(lens, blocks, strict=True)), default=bs)
-        self._limit[request_id] = self.known[request_id] + room
+        self._limit[request_id] = self._known[request_id] + room
         return True
 
     def record(self, request_id: str, start: int, routed: np.ndarray) -> None:
         """After a step that ran the request's tokens [start, start + m): routed[j, t] is 1 where routed layer j
-        routed token start + t (and wrote it). record_step for one request."""
+        routed token start + t (and wrote it). record_batch for one request."""
         self.record_batch([request_id], [start], [routed.shape[1]], routed)
 
-    def record_step(self, seqs: Sequence, routed: np.ndarray, plain_decodes: bool = False) -> None:
-        """record() for a whole step: seqs are its ScheduledSeqs in row order, routed [layers, rows] its routed
-        flags (rows past the sequences' tokens are graph padding, never recorded); plain_decodes: every sequence
-        is one token (Schedule.plain_decodes)."""
+    def record_step(self, seqs: Sequence, routed: torch.Tensor | np.ndarray, plain_decodes: bool = False) -> None:
+        """record() for a whole step, on the host when the block manager is next used (settle): seqs are the
+        step's ScheduledSeqs in row order, routed [layers, rows] its routed flags as the step returned them (rows
+        past the sequences' tokens are graph padding, never recorded); plain_decodes: every sequence is one token
+        (Schedule.plain_decodes). On CUDA the flags are copied to pinned memory behind the step, so the host does
+        not wait for the step here: the engine's work between the model call and reading the sampled ids (the
+        previous step's outputs, with overlap_outputs) runs while the device computes, as for a dense model."""
+        self.settle()
         ids = [s.request.request_id for s in seqs]
         starts = [s.start for s in seqs]
-        self.record_batch(ids, starts, None if plain_decodes else [s.num_new for s in seqs], routed)
+        num_new = None if plain_decodes else [s.num_new for s in seqs]
+        self._pending = (ids, starts, num_new, *self._flags.start(routed))
+
+    def settle(self) -> None:
+        """Record the pending step's routing (record_step), waiting for its flags' copy if it is in flight."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            ids, starts, num_new, host, event = pending
+            self._record(ids, starts, num_new, FlagCopy.wait(host, event))
 
     def record_batch(self, request_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int] | None,
                      routed: np.ndarray) -> None:
         """Sequence i ran tokens [starts[i], starts[i] + num_new[i]) (one each when num_new is None), rows of
         `routed` in that order. Advances c_j, keeps c_j at each dense block boundary passed, and frees the reserved
         blocks that were not needed."""
-        known = self.known
+        self.settle()
+        self._record(request_ids, starts, num_new, routed)
+
+    def _record(self, request_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int] | None,
+                routed: np.ndarray) -> None:
+        known = self._known
         got = list(map(known.__getitem__, request_ids))
         if got != list(starts):
             bad = next(i for i, (k, a) in enumerate(zip(got, starts, strict=True)) if k != a)
             raise AssertionError(f"{request_ids[bad]}: step at {starts[bad]}, routing known to {got[bad]}")
         n = len(request_ids)
         a = np.asarray(starts, dtype=np.int64)
-        if num_new is None:  # decodes: row i is sequence i's token
-            m = np.ones(n, dtype=np.int64)
-            counts = routed[:, :n].T.astype(np.int64)
-            offsets = np.arange(n)
-        else:
-            m = np.asarray(num_new, dtype=np.int64)
-            ends = np.cumsum(m)
-            offsets = ends - m
-            sums = np.zeros((routed.shape[0], int(ends[-1]) + 1 if n else 1), dtype=np.int64)
-            np.cumsum(routed[:, : sums.shape[1] - 1], axis=1, out=sums[:, 1:])
-            counts = (sums[:, ends] - sums[:, offsets]).T
+        counts, m, offsets = step_counts(routed, n, num_new)
         st, bs = self.state, self.block_size
         slots = st.slots(request_ids)
         old = st.lens[slots]
@@ -302,40 +329,35 @@ class RoutedBlockManager(BlockManager):
         self._limit.update(zip(request_ids, (np.asarray(done) + room).tolist(), strict=True))
 
     def free(self, request_id: str) -> None:
+        self.settle()
         super().free(request_id)  # on_free listeners still see the routed lengths
         for g in self.routed:
             g.free(request_id)
-        for state in (self.known, self._limit, self._boundary, self._copies):
+        for state in (self._known, self._limit, self._boundary, self._copies):
             state.pop(request_id, None)
         self.state.remove(request_id)
 
     # ---- accounting ---------------------------------------------------------------------------------------
 
     def routed_blocks_in_use(self) -> list[int]:
+        self.settle()
         return [g.num_usable_blocks - g.num_free_blocks for g in self.routed]
 
     def check_invariants(self) -> None:
+        self.settle()
         super().check_invariants()
         entries = {self._entry_id(h) for h in self.entries}
         for g in self.routed:
             g.check_invariants()
             assert set(g.tables) <= set(self.tables) | entries, "a routed table outlived its request"
-        assert set(self.routed_lens) == set(self.known) == set(self._limit) <= set(self.tables), \
+        assert set(self.routed_lens) == set(self._known) == set(self._limit) <= set(self.tables), \
             "routed state of an unknown request"
-        st = self.state
         for rid, lens in self.routed_lens.items():
-            slot = st.slot_of[rid]
-            for j, (g, c) in enumerate(zip(self.routed, lens, strict=True)):
-                table = g.table(rid)
-                assert g.blocks_for(c) <= len(table), f"{rid}: {c} routed entries in {len(table)} blocks"
-                assert st.blocks[slot, j] == len(table), f"{rid}: layer {j}'s mirrored table length is stale"
-                row = st.tables[j, slot].tolist()
-                assert row[: len(table)] == table and set(row[len(table) :]) <= {0}, f"{rid}: layer {j}'s row"
-            assert self._limit[rid] == self.known[rid] + self._room(rid, lens), f"{rid}: stale routed room"
-        used = sorted(st.slot_of.values())
-        assert len(set(used)) == len(used) and not set(used) & set(st.free_slots), "a slot is shared"
-        free = st.free_slots
-        assert not st.lens[free].any() and not st.blocks[free].any() and not st.tables[:, free].any(), "a dirty slot"
+            for g, c in zip(self.routed, lens, strict=True):
+                assert g.blocks_for(c) <= len(g.table(rid)), f"{rid}: {c} routed entries in {len(g.table(rid))} blocks"
+            self.state.check(rid, lens, [g.table(rid) for g in self.routed])
+            assert self._limit[rid] == self._known[rid] + self._room(rid, lens), f"{rid}: stale routed room"
+        self.state.check_free()
         for h, lens in self.entries.items():
             for g, c in zip(self.routed, lens, strict=True):
                 assert len(g.table(self._entry_id(h))) == g.blocks_for(c), "a prefix entry lost blocks"

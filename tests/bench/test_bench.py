@@ -124,7 +124,7 @@ def test_host_step_bench_runs_a_routed_spec_beside_its_dense_twin(tmp_path, monk
     for dense, routed in zip(result["rows"][::2], result["rows"][1::2], strict=True):
         assert routed["routed_over_dense"]["step_ms_median"] == round(routed["step_ms_median"]
                                                                       / dense["step_ms_median"], 3)
-    assert result["capacity"] == 0.125 and result["every"] == 2 and "record_batch" in prof.read_text()
+    assert result["capacity"] == 0.125 and result["every"] == 2 and "routed_blocks.py" in prof.read_text()
     assert json.loads(next(tmp_path.glob("host_step-routed-t-*.json")).read_text())["rows"] == result["rows"]
     with pytest.raises(SystemExit, match="give --spec too"):
         mod.main(["--capacity", "0.5"])

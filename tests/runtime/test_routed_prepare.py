@@ -1,7 +1,8 @@
 """A routed (Mixture-of-Depths) model's per-step host work: ModelRunner.prepare's numpy decode path against its
 general path (every StepBatch field, the routed lengths and tables included, and both against the block manager's
-own lists), and RoutedBlockManager.record_step for a whole step against record() one sequence after another (the
-same lengths, tables, free queues, prefix entries and reservations), on random schedules."""
+own lists), and RoutedBlockManager.record_step for a whole step (recorded when the block manager is next used)
+against record() one sequence after another (the same lengths, tables, free queues, prefix entries and
+reservations), on random schedules."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
 from kiln.runtime.routed_blocks import RoutedBlockManager
+from kiln.runtime.routed_state import FlagCopy
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 
@@ -174,11 +176,31 @@ def test_record_step_refuses_a_step_that_does_not_follow_the_known_routing():
     bm.match_prefix("a", [1, 2, 3])
     assert bm.append_slots("a", 3)
     req = Request("a", None, [1, 2, 3], SamplingParams(), Detokenizer(None))
+    bm.record_step([ScheduledSeq(req, 1, 2, True)], np.ones((2, 2), dtype=np.int32))
     with pytest.raises(AssertionError, match="a: step at 1, routing known to 0"):
-        bm.record_step([ScheduledSeq(req, 1, 2, True)], np.ones((2, 2), dtype=np.int32))
-    bm.record_step([ScheduledSeq(req, 0, 3, True)], np.array([[1, 0, 1], [0, 0, 0]], dtype=np.int32))
+        bm.settle()  # recorded when the block manager is next used
+    bm.record_step([ScheduledSeq(req, 0, 3, True)], torch.tensor([[1, 0, 1], [0, 0, 0]], dtype=torch.int32))
+    assert [len(g.table("a")) for g in bm.routed] == [1, 1]  # pending: the reservation is still held
     assert bm.routed_lens["a"] == [2, 0] and [len(g.table("a")) for g in bm.routed] == [1, 0]
     assert bm._limit["a"] == 3  # layer 1's table is empty: the next token needs a block there
     assert bm.append_slots("a", 4) and [len(g.table("a")) for g in bm.routed] == [1, 1]
     assert bm._limit["a"] == 5  # layer 0: 2 entries + 1 reserved in a block of 4; layer 1: 0 + 1
     bm.check_invariants()
+
+
+def test_flag_copy_passes_host_flags_through():
+    flags = torch.tensor([[1, 0, 1]], dtype=torch.int32)
+    host, event = FlagCopy().start(flags)
+    assert host is flags and event is None and FlagCopy.wait(host, event).tolist() == [[1, 0, 1]]
+    array = np.array([[0, 1]], dtype=np.int32)
+    assert FlagCopy.wait(*FlagCopy().start(array)) is array
+
+
+@pytest.mark.gpu
+def test_flag_copy_brings_device_flags_to_pinned_memory_behind_the_stream():
+    copy = FlagCopy()
+    for n in (5, 70000, 3):  # the pinned buffer grows, then serves a smaller step
+        flags = (torch.arange(2 * n, device="cuda").view(2, n) % 3 == 0).to(torch.int32)
+        host, event = copy.start(flags)
+        assert host.is_pinned() and event is not None
+        assert np.array_equal(FlagCopy.wait(host, event), flags.cpu().numpy())

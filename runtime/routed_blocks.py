@@ -240,9 +240,16 @@ class RoutedBlockManager(BlockManager):
         slot = st.slot_of[request_id]
         new = num_tokens - self._known[request_id]
         lens, blocks = st.lens[slot].tolist(), st.blocks[slot].tolist()
-        # The worst case (every new token routed) only where a routed table is too short for it.
-        grow = [(j, -(-(c + new) // bs) - b) for j, (c, b) in enumerate(zip(lens, blocks, strict=True))
-                if c + new > b * bs]
+        # The worst case (every new token routed) only where a routed table is too short for it; room: the tokens
+        # every routed table has room for once grown.
+        grow, rooms = [], []
+        for j, (c, b) in enumerate(zip(lens, blocks, strict=True)):
+            r = b * bs - c
+            if r < new:
+                k = -(-(c + new) // bs) - b
+                grow.append((j, k))
+                r += k * bs
+            rooms.append(r)
         if self.blocks_for(num_tokens) - len(self.table(request_id)) > self.num_free_blocks:
             return False
         for j, need in grow:
@@ -254,8 +261,7 @@ class RoutedBlockManager(BlockManager):
             ok = g.append_slots(request_id, lens[j] + new) and ok
             st.write(slot, j, g.table(request_id), blocks[j])
         assert ok, "checked above: every group had room"
-        room = min((max(b, -(-(c + new) // bs)) * bs - c for c, b in zip(lens, blocks, strict=True)), default=bs)
-        self._limit[request_id] = self._known[request_id] + room
+        self._limit[request_id] = self._known[request_id] + min(rooms, default=bs)
         return True
 
     def record(self, request_id: str, start: int, routed: np.ndarray) -> None:

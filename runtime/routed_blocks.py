@@ -71,6 +71,32 @@ def make_block_manager(model: StepModel, num_blocks: int, block_size: int, conte
     return bm
 
 
+def _take(g: BlockManager, table: list[int], k: int) -> None:
+    """g.append_slots growing a routed table by k blocks, room checked: a routed group never hashes a block (its
+    prefix caching is off; RoutedBlockManager keeps entries itself), so there is nothing to evict, and the
+    per-call bookkeeping is done (reserved every step where a routed table is full, this is the hot path)."""
+    fq, refs = g.free_queue, g.ref_counts
+    for _ in range(k):
+        block = fq.popitem(last=False)[0]
+        refs[block] = 1
+        table.append(block)
+
+
+def _give_back(g: BlockManager, request_id: str, keep: int) -> None:
+    """g.truncate(request_id, tokens of `keep` blocks) for a routed table's reserved, private tail blocks."""
+    table = g.tables[request_id]
+    dropped = table[keep:]
+    del table[keep:]
+    for listener in g.on_truncate:
+        listener(request_id, keep)
+    fq, refs = g.free_queue, g.ref_counts
+    for block in reversed(dropped):
+        assert refs[block] == 1, f"routed block {block} is shared"
+        refs[block] = 0
+        fq[block] = None
+        fq.move_to_end(block, last=False)
+
+
 def pool_bytes(model: StepModel, bm: BlockManager) -> tuple[int, int]:
     """(bytes of the KV pools, bytes they would take if every layer cached every token in the dense pool's blocks)."""
     block = kv_bytes_per_layer_block(model, bm.block_size)
@@ -256,11 +282,16 @@ class RoutedBlockManager(BlockManager):
             if not self._make_room(self.routed[j], need):
                 return False
         ok = super().append_slots(request_id, num_tokens)
-        for j, _ in grow:
+        assert ok, "checked above: the dense pool had room"
+        for j, k in grow:
             g = self.routed[j]
-            ok = g.append_slots(request_id, lens[j] + new) and ok
-            st.write(slot, j, g.table(request_id), blocks[j])
-        assert ok, "checked above: every group had room"
+            table = g.tables.get(request_id)
+            if table is None:  # its first blocks in this group: the group's own bookkeeping starts it
+                assert g.append_slots(request_id, lens[j] + new), "checked above: every group had room"
+                table = g.tables[request_id]
+            else:
+                _take(g, table, k)
+            st.grow(slot, j, table, blocks[j])
         self._limit[request_id] = self._known[request_id] + min(rooms, default=bs)
         return True
 
@@ -324,10 +355,11 @@ class RoutedBlockManager(BlockManager):
         if (need > have).any():
             i, j = (int(x[0]) for x in np.nonzero(need > have))
             raise AssertionError(f"{request_ids[i]}: layer {j} wrote past its table")
-        for i, j in zip(*(x.tolist() for x in np.nonzero(have > need)), strict=True):  # reservations given back
-            rid, g = request_ids[i], self.routed[j]
-            g.truncate(rid, int(lens[i, j]))
-            st.write(int(slots[i]), j, g.table(rid))
+        over = np.nonzero(have > need)
+        for i, j, keep, old_len in zip(*(x.tolist() for x in (*over, need[over], have[over])), strict=True):
+            rid = request_ids[i]
+            _give_back(self.routed[j], rid, keep)  # the reservation's unneeded blocks
+            st.cut(int(slots[i]), j, keep, old_len)
         done = (a + m).tolist()
         known.update(zip(request_ids, done, strict=True))
         # Every routed table now holds exactly the blocks c_j needs: room to the end of its last block.
@@ -356,6 +388,7 @@ class RoutedBlockManager(BlockManager):
         for g in self.routed:
             g.check_invariants()
             assert set(g.tables) <= set(self.tables) | entries, "a routed table outlived its request"
+            assert not g.cached, "a routed group hashed a block (_take evicts none)"
         assert set(self.routed_lens) == set(self._known) == set(self._limit) <= set(self.tables), \
             "routed state of an unknown request"
         for rid, lens in self.routed_lens.items():

@@ -62,6 +62,20 @@ class RoutedState:
             row[n:old] = NULL_BLOCK
         self.blocks[slot, layer] = n
 
+    def grow(self, slot: int, layer: int, table: Sequence[int], start: int) -> None:
+        """write() for a table that only gained blocks past its first `start` (the reservation's common case)."""
+        n = len(table)
+        if n > self.tables.shape[2]:
+            self.write(slot, layer, table, start)
+            return
+        self.tables[layer, slot, start:n] = table[start:]
+        self.blocks[slot, layer] = n
+
+    def cut(self, slot: int, layer: int, keep: int, old: int) -> None:
+        """write() for a table cut from `old` blocks to its first `keep`."""
+        self.tables[layer, slot, keep:old] = NULL_BLOCK
+        self.blocks[slot, layer] = keep
+
     def slots(self, request_ids: Sequence[str]) -> np.ndarray:
         return np.fromiter(map(self.slot_of.__getitem__, request_ids), dtype=np.intp, count=len(request_ids))
 

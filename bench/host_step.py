@@ -2,7 +2,8 @@
 sampling, detokenization and output objects (issue 9: less than the GPU step at 256 running sequences).
 
     python bench/host_step.py [--seqs 1 32 256] [--steps 200] [--prompt-len 512] [--vocab 32000] [--detokenize]
-                              [--spec NAME [--capacity C --every E]] [--tag TAG] [--profile FILE] [--out-dir DIR]
+                              [--spec NAME [--capacity C --every E]] [--repeat N] [--tag TAG] [--profile FILE]
+                              [--out-dir DIR]
 
 The engine runs over a model that does no compute: it returns fixed fp32 logits [R, vocab] (a different argmax per
 row, so every request keeps decoding) and writes no K/V. Everything else is kiln's own runtime on the CPU: the
@@ -26,7 +27,9 @@ counts: the null model then has its dense layers and, for a routed spec, its rou
 flags a router would, from a fixed pattern (each row routed in layer j with probability `capacity`, drawn once per
 (position, row) from a seeded table, so sequences differ and every run routes the same). Every size then runs the
 spec's dense twin (the same layers unrouted) and the routed model side by side, and `routed_over_dense` is the
-ratio of their step times. The KV pools stay tiny (one kv head of 8): the host work does not depend on them.
+ratio of their step times (with `--repeat N` each size runs N times, the models alternating, and every figure is
+the median over the runs: the CPU figures move with a shared machine's load). The KV pools stay tiny (one kv head
+of 8): the host work does not depend on them.
 Writes bench/results/host_step-<device>-<date>.json, or for a routed spec host_step-routed[-TAG]-<device>-<date>.json.
 """
 
@@ -189,6 +192,12 @@ def run(num_seqs: int, steps: int, prompt_len: int, vocab: int, detokenize: bool
     return row
 
 
+def _median(rows) -> dict:
+    """Each figure's median over runs of the same size and model."""
+    rows = list(rows)
+    return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0] if k != "profile"}
+
+
 def ms(seconds: float) -> float:
     return round(seconds * 1e3, 3)
 
@@ -208,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
                                    "(default: one dense layer)")
     ap.add_argument("--capacity", type=float, help="route the spec: the share of tokens a routed layer takes")
     ap.add_argument("--every", type=int, help="route the spec: every n-th layer is routed")
+    ap.add_argument("--repeat", type=int, default=1, help="run each size this many times, the models alternating; "
+                                                          "report the median of each figure")
     ap.add_argument("--tag", help="a word for the result file's name (host_step-routed-TAG-...), e.g. before")
     ap.add_argument("--profile", help="write a cProfile summary (top 30 by own time) of the largest --seqs run here "
                                       "(the routed model's, for a routed spec)")
@@ -221,11 +232,16 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     load_before = os.getloadavg()[0]  # a shared machine's other work shows up in every figure
     for n in args.seqs:
+        runs: dict[str, list[tuple[dict, dict]]] = {kind: [] for kind, _ in models}
+        for _ in range(args.repeat):  # the models alternate, so a change in the machine's load hits them alike
+            for kind, sh in models:
+                runs[kind].append((run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False,
+                                       shape=sh),
+                                   run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False,
+                                       overlap=True, shape=sh)))
         for kind, sh in models:
             profile = bool(args.profile) and n == max(args.seqs) and sh is models[-1][1]
-            off = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False, shape=sh)
-            on = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False, overlap=True,
-                     shape=sh)
+            off, on = (_median(r[i] for r in runs[kind]) for i in (0, 1))
             if profile:  # a run of its own: cProfile's overhead would inflate the timed ones
                 prof = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=True,
                            shape=sh)["profile"]
@@ -237,6 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "us_per_seq_per_step": off["us_per_seq_per_step"],
                    **{f"overlap_{k}": v for k, v in on.items() if k != "us_per_seq_per_step"},
                    "model": kind, "layers": sh.num_layers, "routed_layers": sh.num_routed_layers}
+            if args.repeat > 1:  # each figure above is the median over the repeats; these are the repeats
+                row["repeats"] = {"step_ms_median": [r[0]["step_ms_median"] for r in runs[kind]],
+                                  "overlap_critical_ms_median": [r[1]["critical_ms_median"] for r in runs[kind]]}
             if kind == "routed":
                 dense = rows[-1]
                 row["routed_over_dense"] = {k: round(row[k] / dense[k], 3) for k in

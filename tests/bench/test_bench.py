@@ -118,9 +118,12 @@ def test_host_step_bench_runs_a_routed_spec_beside_its_dense_twin(tmp_path, monk
     prof = tmp_path / "prof.txt"
     result = mod.main(["--spec", "llama-3.2-1b", "--capacity", "0.125", "--every", "2", "--seqs", "1", "3",
                        "--steps", "5", "--prompt-len", "9", "--vocab", "300", "--tag", "t", "--profile", str(prof),
-                       "--out-dir", str(tmp_path)])
+                       "--repeat", "3", "--out-dir", str(tmp_path)])
     assert [(r["seqs"], r["model"], r["layers"], r["routed_layers"]) for r in result["rows"]] == [
         (1, "dense", 16, 0), (1, "routed", 8, 8), (3, "dense", 16, 0), (3, "routed", 8, 8)]
+    for r in result["rows"]:  # the figures are the medians of the repeats
+        for k, values in r["repeats"].items():
+            assert len(values) == 3 and r[k] == sorted(values)[1]
     for dense, routed in zip(result["rows"][::2], result["rows"][1::2], strict=True):
         assert routed["routed_over_dense"]["step_ms_median"] == round(routed["step_ms_median"]
                                                                       / dense["step_ms_median"], 3)

@@ -7,17 +7,18 @@ only the batch's real columns in, and the decode kernels bound their work by the
 on the device (the split length is per sequence), so a long max_model_len costs nothing per step.
 `pad_decode_batches` runs the same padded batches eagerly: it is how the padding is tested without a GPU.
 
-A Mixture-of-Depths model (block manager: runtime.routed_blocks.RoutedBlockManager) also gets, per routed layer,
-its routed lengths and block tables (gathered by request slot from the block manager's numpy mirror of them,
+A Mixture-of-Depths model (block manager: runtime.routed_blocks.RoutedBlockManager) also gets, per routed layer, its
+routed lengths and block tables (gathered by request slot from the block manager's numpy mirror of them,
 runtime/routed_state.py, on the decode fast path too), and its step returns which rows each routed layer routed:
-one copy to the host after the step, recorded for the whole batch at once (RoutedBlockManager.record_step), which
-gives back the blocks reserved for tokens that were not routed. Its decodes are padded and replayed from graphs like
-a dense model's: a padding row is a sequence of routed length 0 whose routed tables are the null block, so if its
-router (which sees a dummy token) routes it, kiln::mod_kv_slots sends its K/V to entry 0 of that routed pool's
-null block, and the host reads only the real rows' routed flags. The graphs hold the routed lengths and
-full-width routed tables in static buffers (a replay copies the batch's real columns, as for the dense tables);
-the routing is data, and everything after it (compaction, slots, attention, scatter) is table-driven on the
-device, so one capture serves every routing. The routed flags are a graph output, read back after the replay.
+copied to the host behind the step and recorded for the whole batch when the block manager is next used
+(RoutedBlockManager.record_step), which gives back the blocks reserved for tokens that were not routed. Its decodes
+are padded and replayed from graphs like a dense model's: a padding row is a sequence of routed length 0 whose
+routed tables are the null block, so if its router (which sees a dummy token) routes it, kiln::mod_kv_slots sends
+its K/V to entry 0 of that routed pool's null block, and the host reads only the real rows' routed flags. The graphs
+hold the routed lengths and full-width routed tables in static buffers (a replay copies the batch's real columns, as
+for the dense tables); the routing is data, and everything after it (compaction, slots, attention, scatter) is
+table-driven on the device, so one capture serves every routing. The routed flags are a graph output, read back
+after the replay.
 
 A speculative decode (ScheduledSeq.num_drafts = n) is a chunk of n + 1 tokens with all n + 1 rows sampled; a
 step with one is not a pure decode, so it runs eagerly (a GPU would want graphs captured for (batch, k + 1)

@@ -11,7 +11,8 @@ BlockManager (the scheduler, engine and runner use it unchanged) that keeps the 
 - record_step(seqs, routed) (record(request, start, routed) for one): after a step, which of the new tokens each
   routed layer routed (the step graph's output) advances c_j, and each routed table is cut back to the blocks c_j
   needs (the reservation's unused blocks go back at once); c_j at every dense block boundary passed is kept for
-  commit;
+  commit. record_step only takes the flags (on CUDA a copy behind the step): every method that reads the routed
+  state first records them (settle), so the host never waits for the step in the model runner;
 - free(request): every group's table (preemption by recompute restarts at c_j = 0; chunked prefill carries c_j
   from chunk to chunk because nothing but record changes it).
 

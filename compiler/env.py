@@ -8,6 +8,7 @@
 | KILN_AUTOTUNE | 0: tiles from the heuristic table, never timed on the GPU nor read from autotune/ (default 1) |
 | KILN_FLASH_TMA | 1: the flash kernel loads Q/K/V through TMA tensor descriptors on sm90+ (default 0, until measured) |
 | TRITON_INTERPRET | 1: Triton runs kernels in its interpreter on CPU; triton reads it once, when first imported |
+| TQDM_DISABLE | set (not 0): progress bars whose caller leaves `progress` unset stay off (router training, training) |
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def dump_dir() -> Path | None:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KILN_CACHE_DIR") or Path.home() / ".cache" / "kiln" / "kernels")
+
+
+def progress_bars() -> bool:
+    """Whether a progress bar left to the default shows: tqdm's own TQDM_DISABLE switches them off (an explicit
+    `disable=` would override tqdm's reading of it, so kiln reads it here)."""
+    return not _flag("TQDM_DISABLE")
 
 
 def autotune() -> bool:

@@ -154,6 +154,7 @@ class DecodeInputs:
     tokens: list[int]  # the token at that position
     rows: np.ndarray  # intp [S]: each sequence's BlockTableRows row
     width: int  # the widest block table
+    ids: list[str]  # each sequence's request id (a routed model's routed state is found by it)
 
 
 def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRows, block_size: int,
@@ -162,7 +163,7 @@ def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRow
     when any sequence is something else (or has no table), for the general path to build. known: the schedule
     says they all are (Schedule.plain_decodes)."""
     row_of, written = rows.row_of, rows.written
-    starts, toks, row_ids, lens = [], [], [], []
+    starts, toks, row_ids, lens, ids = [], [], [], [], []
     for s in seqs:
         if not known and (s.num_new != 1 or not s.sample):
             return None
@@ -179,6 +180,7 @@ def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRow
         if a >= nb * block_size:
             raise AssertionError(f"{rid}: {a + 1} tokens but {nb} blocks")
         starts.append(a)
+        ids.append(rid)
         prompt = req.prompt_token_ids
         if a < len(prompt):
             toks.append(prompt[a])
@@ -187,7 +189,7 @@ def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRow
             toks.append(out[i] if i < len(out) else req.token_slice(a, a + 1)[0])
     if not starts:
         return None
-    return DecodeInputs(np.array(starts, dtype=np.int64), toks, np.array(row_ids, dtype=np.intp), max(lens))
+    return DecodeInputs(np.array(starts, dtype=np.int64), toks, np.array(row_ids, dtype=np.intp), max(lens), ids)
 
 
 def write_verify_batch(v: dict[str, np.ndarray], seqs: list, rows: list[int], host_rows: np.ndarray, q: int,

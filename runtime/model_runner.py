@@ -15,16 +15,18 @@ the batch's real columns in, and the kernels bound their work by the context len
 a long max_model_len costs nothing per step. `pad_decode_batches` runs the same padded batches eagerly: it is how
 the padding is tested without a GPU. graph_stats counts padded steps and replays of each kind.
 
-A Mixture-of-Depths model (block manager: runtime.routed_blocks.RoutedBlockManager) also gets, per routed layer,
-its routed lengths and block tables (one more set of persistent rows per layer), and its step returns which rows
-each routed layer routed: one copy to the host after the step, recorded in the block manager, which gives back
-the blocks reserved for tokens that were not routed. Its decodes are padded and replayed from graphs like a dense
-model's: a padding row is a sequence of routed length 0 whose routed tables are the null block, so if its
-router (which sees a dummy token) routes it, kiln::mod_kv_slots sends its K/V to entry 0 of that routed pool's
-null block, and the host reads only the real rows' routed flags. The graphs hold the routed lengths and
-full-width routed tables in static buffers (a replay copies the batch's real columns, as for the dense tables);
-the routing is data, and everything after it (compaction, slots, attention, scatter) is table-driven on the
-device, so one capture serves every routing. The routed flags are a graph output, read back after the replay.
+A Mixture-of-Depths model (block manager: runtime.routed_blocks.RoutedBlockManager) also gets, per routed layer, its
+routed lengths and block tables (gathered by request slot from the block manager's numpy mirror of them,
+runtime/routed_state.py, on the decode fast path too), and its step returns which rows each routed layer routed:
+copied to the host behind the step and recorded for the whole batch when the block manager is next used
+(RoutedBlockManager.record_step), which gives back the blocks reserved for tokens that were not routed. Its decodes
+are padded and replayed from graphs like a dense model's: a padding row is a sequence of routed length 0 whose
+routed tables are the null block, so if its router (which sees a dummy token) routes it, kiln::mod_kv_slots sends
+its K/V to entry 0 of that routed pool's null block, and the host reads only the real rows' routed flags. The graphs
+hold the routed lengths and full-width routed tables in static buffers (a replay copies the batch's real columns, as
+for the dense tables); the routing is data, and everything after it (compaction, slots, attention, scatter) is
+table-driven on the device, so one capture serves every routing. The routed flags are a graph output, read back
+after the replay.
 A routed model gets no verification graphs (speculation is refused for it).
 
 A draft model's runner (runtime/speculative.py) shares the block manager, pads and replays its decode steps the
@@ -93,10 +95,6 @@ class ModelRunner:
         self.rows = BlockTableRows(self.max_blocks_per_seq, max_num_seqs)
         block_manager.on_free.append(self.rows.release)
         block_manager.on_truncate.append(self.rows.truncate)
-        self.routed_rows = [BlockTableRows(self.max_blocks_per_seq, max_num_seqs) for _ in groups]
-        for g, rows in zip(groups, self.routed_rows, strict=True):
-            g.on_free.append(rows.release)
-            g.on_truncate.append(rows.truncate)
         self.buffers = StepBuffers(model.device)
         if model.device.type == "cuda" if warmup is None else warmup:
             self.warmup()
@@ -133,7 +131,7 @@ class ModelRunner:
         are views of the runner's buffers, valid until the next prepare().
         """
         bs, seqs = self.block_size, sched.seqs
-        if not self.num_routed and len(seqs) >= self.decode_numpy_min_seqs:
+        if len(seqs) >= self.decode_numpy_min_seqs:
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
             if dec is not None:
                 return self._prepare_decodes(dec)
@@ -147,10 +145,10 @@ class ModelRunner:
         extra = padded - len(seqs) if padded else 0
         n = sum(s.num_new for s in seqs)
         routed_width = 0
-        if self.num_routed:
-            routed_rows = [[rows_j.row(s.request.request_id, g.table(s.request.request_id)) for s in seqs]
-                           for g, rows_j in zip(self.bm.routed, self.routed_rows, strict=True)]
-            routed_width = max(len(g.table(s.request.request_id)) for g in self.bm.routed for s in seqs)
+        if self.num_routed:  # slots of the block manager's routed state (runtime/routed_state.py)
+            routed = self.bm.routed_state()
+            routed_slots = routed.slots([s.request.request_id for s in seqs])
+            routed_width = routed.width(routed_slots)
         lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width, self.num_routed,
                      routed_width)
         v = self.buffers.stage(lay)
@@ -183,12 +181,7 @@ class ModelRunner:
         bt = v["block_tables"]
         np.take(host_rows[:, :width], rows, axis=0, out=bt[: len(seqs)])
         if self.num_routed:  # padding columns are written by _pad
-            lens = v["routed_lens"]
-            lens[:, : len(seqs)] = np.array([self.bm.routed_lens[s.request.request_id] for s in seqs],
-                                            dtype=np.int32).T
-            for j, rows_j in enumerate(self.routed_rows):
-                np.take(rows_j.host[:, :routed_width], routed_rows[j], axis=0,
-                        out=v["routed_block_tables"][j, : len(seqs)])
+            routed.gather(routed_slots, v["routed_lens"][:, : len(seqs)], v["routed_block_tables"][:, : len(seqs)])
         if padded:
             self._pad(v, n, len(seqs), padded)
         return self._upload(lay, 1 if padded else max_new, max_ctx), padded
@@ -198,7 +191,12 @@ class ModelRunner:
         bs, st, rows = self.block_size, dec.starts, dec.rows
         n = len(st)
         padded = self._decode_pad_size(n)
-        lay = layout(padded or n, padded or n, padded or n, dec.width)
+        routed_slots = routed_width = 0
+        if self.num_routed:  # the routed lengths and tables by slot of the block manager's routed state
+            routed = self.bm.routed_state()
+            routed_slots = routed.slots(dec.ids)
+            routed_width = routed.width(routed_slots)
+        lay = layout(padded or n, padded or n, padded or n, dec.width, self.num_routed, routed_width)
         v = self.buffers.stage(lay)
         host_rows = self.rows.host
         v["tokens"][:n] = dec.tokens
@@ -207,6 +205,8 @@ class ModelRunner:
         v["context_lens"][:n] = st + 1
         v["query_start_loc"][: n + 1] = np.arange(n + 1)
         np.take(host_rows[:, : dec.width], rows, axis=0, out=v["block_tables"][:n])
+        if self.num_routed:
+            routed.gather(routed_slots, v["routed_lens"][:, :n], v["routed_block_tables"][:, :n])
         if padded:
             self._pad(v, n, n, padded)
         else:
@@ -288,16 +288,9 @@ class ModelRunner:
             logits = self._replay(batch) if padded else None
             if logits is None:
                 logits = self.model(batch, self.kv_cache)
-        if self.num_routed:
+        if self.num_routed:  # [routed layers, N]: real rows in schedule order, then padding (never recorded)
             logits, routed = logits
-            # One copy: [routed layers, N], real rows in schedule order, then the padding rows, never recorded.
-            routed = routed.cpu().numpy()
-            ends = np.cumsum([0] + [s.num_new for s in sched.seqs])
-            sums = np.zeros((routed.shape[0], ends[-1] + 1), dtype=np.int64)
-            np.cumsum(routed[:, : ends[-1]], axis=1, out=sums[:, 1:])
-            counts = (sums[:, ends[1:]] - sums[:, ends[:-1]]).T.tolist()  # per sequence, in one pass over the batch
-            for s, a, c in zip(sched.seqs, ends[:-1].tolist(), counts, strict=True):
-                self.bm.record(s.request.request_id, s.start, routed[:, a : a + s.num_new], c)
+            self.bm.record_step(sched.seqs, routed, sched.plain_decodes)  # copied behind the step, recorded later
         return logits[:num_rows].float(), sampled
 
     def _replay(self, batch: StepBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:

@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from kiln import env
 from kiln.errors import KilnError
 from kiln.ir.frontend import build_graph
 from kiln.model_config import ModConfig, ModelConfig, param_shapes
@@ -125,10 +126,12 @@ def _train_only_routers(gm: fx.GraphModule) -> None:
 
 
 def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int], opts: RouterTraining,
-           progress: bool = True) -> RouterResult:
-    """Train the routers of `cfg` (a dense config) routed as `opts` says; returns the router tensors."""
+           progress: bool | None = None) -> RouterResult:
+    """Train the routers of `cfg` (a dense config) routed as `opts` says; returns the router tensors. progress: a
+    bar on stderr (and a line per fitted router); None: on unless TQDM_DISABLE is set (kiln.env.progress_bars)."""
     if cfg.route is not None:
         raise KilnError(f"{cfg.name} is already routed; train routers on its dense form")
+    progress = env.progress_bars() if progress is None else progress
     mcfg = dataclasses.replace(cfg, route=opts.mod())
     gen = torch.Generator().manual_seed(opts.seed)
     teacher = build_graph(cfg, weights)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kiln import env
 from kiln.ir.frontend import build_graph
 from kiln.model_config import ModelConfig
 from kiln.train.differentiable import Differentiable
@@ -34,8 +35,10 @@ class ScratchResult:
 
 
 def train_from_scratch(cfg: ModelConfig, ids: Sequence[int], opts: ScratchTraining,
-                       progress: bool = True) -> ScratchResult:
-    """Next-token cross-entropy with Adam (cosine decay) on random windows of `ids`; cfg.route decides dense/MoD."""
+                       progress: bool | None = None) -> ScratchResult:
+    """Next-token cross-entropy with Adam (cosine decay) on random windows of `ids`; cfg.route decides dense/MoD.
+    progress: a bar on stderr; None: on unless TQDM_DISABLE is set (kiln.env.progress_bars)."""
+    progress = env.progress_bars() if progress is None else progress
     gen = torch.Generator().manual_seed(opts.seed)
     gm = build_graph(cfg, seed=opts.seed, mod_form="training")  # the top-k form: a dense model ignores it
     params = [p for n, p in gm.named_parameters() if not n.endswith("threshold")]

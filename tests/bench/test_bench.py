@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.cli.commands import main
 from kiln.runtime.throughput import make_trace, parse_range
@@ -85,12 +86,17 @@ def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch
     assert all(x["proposed"] == 0 for x in rows if x["drafter"] == "none")
 
 
-def test_host_step_bench_times_the_runtime_without_a_model(tmp_path, monkeypatch):
+def _host_step(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("host_step_bench", ROOT / "bench" / "host_step.py")
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "host_step_bench", mod)  # its dataclasses look their module up there
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_host_step_bench_times_the_runtime_without_a_model(tmp_path, monkeypatch):
+    mod = _host_step(monkeypatch)
     prof = tmp_path / "prof.txt"
     result = mod.main(["--seqs", "1", "3", "--steps", "5", "--prompt-len", "9", "--vocab", "300", "--detokenize",
                        "--profile", str(prof), "--out-dir", str(tmp_path)])
@@ -102,3 +108,44 @@ def test_host_step_bench_times_the_runtime_without_a_model(tmp_path, monkeypatch
     assert "synchronous" in result["note"]
     assert "engine.py" in prof.read_text()  # the profile covers the engine's step
     assert json.loads(next(tmp_path.glob("host_step-*.json")).read_text())["rows"] == result["rows"]
+
+
+def test_host_step_bench_runs_a_routed_spec_beside_its_dense_twin(tmp_path, monkeypatch):
+    mod = _host_step(monkeypatch)
+    assert mod.spec_shape("tiny-llama-mod", None, None) == mod.Shape("tiny-llama-mod", 2, 2, 0.5, 2)
+    assert mod.spec_shape("llama-3.2-1b", 0.125, 2) == mod.Shape("llama-3.2-1b", 8, 8, 0.125, 2)
+    assert mod.spec_shape("llama-3.2-1b", None, None) == mod.Shape("llama-3.2-1b", 16)
+    prof = tmp_path / "prof.txt"
+    result = mod.main(["--spec", "llama-3.2-1b", "--capacity", "0.125", "--every", "2", "--seqs", "1", "3",
+                       "--steps", "5", "--prompt-len", "9", "--vocab", "300", "--tag", "t", "--profile", str(prof),
+                       "--repeat", "3", "--out-dir", str(tmp_path)])
+    assert [(r["seqs"], r["model"], r["layers"], r["routed_layers"]) for r in result["rows"]] == [
+        (1, "dense", 16, 0), (1, "routed", 8, 8), (3, "dense", 16, 0), (3, "routed", 8, 8)]
+    for r in result["rows"]:  # the figures are the medians of the repeats
+        for k, values in r["repeats"].items():
+            assert len(values) == 3 and r[k] == sorted(values)[1]
+    for dense, routed in zip(result["rows"][::2], result["rows"][1::2], strict=True):
+        assert routed["routed_over_dense"]["step_ms_median"] == round(routed["step_ms_median"]
+                                                                      / dense["step_ms_median"], 3)
+    assert result["capacity"] == 0.125 and result["every"] == 2 and "routed_blocks.py" in prof.read_text()
+    assert json.loads(next(tmp_path.glob("host_step-routed-t-*.json")).read_text())["rows"] == result["rows"]
+    with pytest.raises(SystemExit, match="give --spec too"):
+        mod.main(["--capacity", "0.5"])
+
+
+def test_the_null_models_routing_pattern_is_fixed_and_near_its_capacity(monkeypatch):
+    from kiln.step import StepBatch
+
+    mod = _host_step(monkeypatch)
+    model = mod.NullModel(50, num_routed_layers=3, routed_capacity=0.125)
+    n = 4000
+    pos = torch.arange(n) % 700
+    batch = StepBatch(torch.zeros(n, dtype=torch.long), pos, pos, torch.zeros(1, 1, dtype=torch.int32),
+                      torch.ones(1, dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                      torch.tensor([n - 1]), n, n)
+    logits, routed = model(batch, None)
+    assert logits.shape == (1, 50) and routed.shape == (3, n) and routed.dtype == torch.int32
+    assert all(abs(f - 0.125) < 0.03 for f in routed.float().mean(1).tolist())
+    assert len({tuple(r.tolist()) for r in routed}) == 3  # the layers route differently
+    assert torch.equal(routed, mod.NullModel(50, num_routed_layers=3, routed_capacity=0.125)(batch, None)[1])
+    assert mod.NullModel(50)(batch, None).shape == (1, 50)  # a dense null model returns the logits alone

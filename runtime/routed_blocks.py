@@ -9,10 +9,11 @@ BlockManager (the scheduler, engine and runner use it unchanged) that keeps the 
   worst case where every token not yet run through the model is routed there; all groups or none (False: the
   scheduler preempts, as for the dense pool);
 - record_step(seqs, routed) (record(request, start, routed) for one): after a step, which of the new tokens each
-  routed layer routed (the step graph's output) advances c_j, and each routed table is cut back to the blocks c_j
-  needs (the reservation's unused blocks go back at once); c_j at every dense block boundary passed is kept for
-  commit. record_step only takes the flags (on CUDA a copy behind the step): every method that reads the routed
-  state first records them (settle), so the host never waits for the step in the model runner;
+  routed layer routed (the step graph's output) advances c_j, and each routed table is cut back to the blocks
+  c_j + 1 entries need (the reservation's other blocks go back at once; a full table keeps the block its next
+  token may need, rather than giving it back and taking it again next step); c_j at every dense block boundary
+  passed is kept for commit. record_step only takes the flags (on CUDA a copy behind the step): every method that
+  reads the routed state first records them (settle), so the host never waits for the step in the model runner;
 - free(request): every group's table (preemption by recompute restarts at c_j = 0; chunked prefill carries c_j
   from chunk to chunk because nothing but record changes it).
 
@@ -356,15 +357,21 @@ class RoutedBlockManager(BlockManager):
         if (need > have).any():
             i, j = (int(x[0]) for x in np.nonzero(need > have))
             raise AssertionError(f"{request_ids[i]}: layer {j} wrote past its table")
-        over = np.nonzero(have > need)
-        for i, j, keep, old_len in zip(*(x.tolist() for x in (*over, need[over], have[over])), strict=True):
+        # A reservation's blocks beyond what c_j + 1 entries need go back; the one that gives a full table room
+        # for the next token stays (a full table waits ~1 / capacity steps for a routed token, and giving its
+        # reserved block back each step only to take it again at the next append_slots was most of the routed
+        # host work per decode step). So a table holds at most one block past c_j's, only when c_j fills its
+        # blocks exactly.
+        keep = np.minimum(have, -(-(lens + 1) // bs))
+        over = np.nonzero(have > keep)
+        for i, j, k, old_len in zip(*(x.tolist() for x in (*over, keep[over], have[over])), strict=True):
             rid = request_ids[i]
-            _give_back(self.routed[j], rid, keep)  # the reservation's unneeded blocks
-            st.cut(int(slots[i]), j, keep, old_len)
+            _give_back(self.routed[j], rid, k)  # the reservation's unneeded blocks
+            st.cut(int(slots[i]), j, k, old_len)
         done = (a + m).tolist()
         known.update(zip(request_ids, done, strict=True))
-        # Every routed table now holds exactly the blocks c_j needs: room to the end of its last block.
-        room = ((-lens) % bs).min(axis=1, initial=bs) if n else ()
+        # Room: to the end of each routed table's last block (a kept spare block included).
+        room = (keep * bs - lens).min(axis=1, initial=bs) if n else ()
         self._limit.update(zip(request_ids, (np.asarray(done) + room).tolist(), strict=True))
 
     def free(self, request_id: str) -> None:

@@ -173,18 +173,37 @@ def test_record_step_equals_recording_each_sequence_in_turn(seed):
 
 def test_record_step_refuses_a_step_that_does_not_follow_the_known_routing():
     bm = RoutedBlockManager(20, 4, 2, 20, enable_prefix_caching=False)
-    bm.match_prefix("a", [1, 2, 3])
-    assert bm.append_slots("a", 3)
-    req = Request("a", None, [1, 2, 3], SamplingParams(), Detokenizer(None))
-    bm.record_step([ScheduledSeq(req, 1, 2, True)], np.ones((2, 2), dtype=np.int32))
+    bm.match_prefix("a", [1, 2, 3, 4, 5])
+    assert bm.append_slots("a", 5)  # the worst case: 5 routed entries, 2 blocks in each routed layer
+    req = Request("a", None, [1, 2, 3, 4, 5], SamplingParams(), Detokenizer(None))
+    bm.record_step([ScheduledSeq(req, 1, 4, True)], np.ones((2, 4), dtype=np.int32))
     with pytest.raises(AssertionError, match="a: step at 1, routing known to 0"):
         bm.settle()  # recorded when the block manager is next used
-    bm.record_step([ScheduledSeq(req, 0, 3, True)], torch.tensor([[1, 0, 1], [0, 0, 0]], dtype=torch.int32))
-    assert [len(g.table("a")) for g in bm.routed] == [1, 1]  # pending: the reservation is still held
-    assert bm.routed_lens["a"] == [2, 0] and [len(g.table("a")) for g in bm.routed] == [1, 0]
-    assert bm._limit["a"] == 3  # layer 1's table is empty: the next token needs a block there
-    assert bm.append_slots("a", 4) and [len(g.table("a")) for g in bm.routed] == [1, 1]
-    assert bm._limit["a"] == 5  # layer 0: 2 entries + 1 reserved in a block of 4; layer 1: 0 + 1
+    flags = torch.tensor([[1, 0, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.int32)
+    bm.record_step([ScheduledSeq(req, 0, 5, True)], flags)
+    assert [len(g.table("a")) for g in bm.routed] == [2, 2]  # pending: the reservation is still held
+    # Settled: each table keeps the blocks c_j + 1 entries need (room for the next token), the rest goes back.
+    assert bm.routed_lens["a"] == [2, 0] and [len(g.table("a")) for g in bm.routed] == [1, 1]
+    assert bm._limit["a"] == 7  # layer 0: 2 entries in a block of 4, room for tokens 6 and 7
+    assert bm.append_slots("a", 6) and [len(g.table("a")) for g in bm.routed] == [1, 1]
+    assert bm.append_slots("a", 8) and [len(g.table("a")) for g in bm.routed] == [2, 1]
+    assert bm._limit["a"] == 9  # layer 0: room for 6 more after token 5; layer 1: for 4
+    bm.check_invariants()
+
+
+def test_a_full_routed_table_keeps_its_reserved_block_for_the_next_token():
+    bm = RoutedBlockManager(20, 4, 1, 20, enable_prefix_caching=False)
+    bm.match_prefix("a", [1, 2, 3, 4])
+    assert bm.append_slots("a", 4)
+    req = Request("a", None, [1, 2, 3, 4, 5, 6], SamplingParams(), Detokenizer(None))
+    bm.record_step([ScheduledSeq(req, 0, 4, True)], np.ones((1, 4), dtype=np.int32))
+    assert bm.routed_lens["a"] == [4] and len(bm.routed[0].table("a")) == 1  # full: no room for token 5
+    assert bm.append_slots("a", 5) and len(bm.routed[0].table("a")) == 2  # reserved for the worst case
+    free = bm.routed[0].num_free_blocks
+    for t in (4, 5):  # two decodes its layer does not route: the reserved block stays, nothing is taken again
+        bm.record_step([ScheduledSeq(req, t, 1, True)], np.zeros((1, 1), dtype=np.int32))
+        assert bm.routed_lens["a"] == [4] and len(bm.routed[0].table("a")) == 2
+        assert bm.append_slots("a", t + 2) and bm.routed[0].num_free_blocks == free
     bm.check_invariants()
 
 

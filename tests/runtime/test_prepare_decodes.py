@@ -20,8 +20,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
-
-NAMES = ("tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "sample_indices")
+from tests.support.prepare_snapshot import DENSE, snapshot
 
 
 class HostOnlyModel:
@@ -30,24 +29,6 @@ class HostOnlyModel:
     num_layers, num_kv_heads, head_dim, vocab = 1, 1, 1, 50
     dtype = kv_dtype = torch.float32
     device = torch.device("cpu")
-
-
-def snapshot(runner: ModelRunner, sched: Schedule, general: bool) -> tuple:
-    calls = []
-    real = runner_mod.gather_decodes
-
-    def gather(*a, **k):
-        calls.append(1)
-        return None if general else real(*a, **k)
-
-    runner_mod.gather_decodes = gather
-    try:
-        batch, padded = runner.prepare(sched)
-    finally:
-        runner_mod.gather_decodes = real
-    assert calls, "prepare did not try the fast path"
-    return (padded, batch.max_query_len, batch.max_context_len,
-            *((getattr(batch, n).dtype, getattr(batch, n).tolist()) for n in NAMES))
 
 
 @settings(max_examples=150, deadline=None)
@@ -83,7 +64,7 @@ def test_the_decode_path_builds_the_general_paths_inputs(seed, pad, block):
             s = seqs[0]
             s.start, s.num_new = max(s.start - 2, 0), min(s.start, 2) + 1
         sched = Schedule(seqs, plain_decodes=not mixed and rng.random() < 0.5)
-        assert snapshot(runner, sched, general=False) == snapshot(runner, sched, general=True)
+        assert snapshot(runner, sched, general=False, names=DENSE) == snapshot(runner, sched, general=True, names=DENSE)
 
 
 def test_a_decode_batch_takes_the_fast_path_and_a_mixed_one_does_not():

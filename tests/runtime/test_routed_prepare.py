@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kiln.runtime.model_runner as runner_mod
 from kiln.runtime.block_manager import NULL_BLOCK
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.model_runner import ModelRunner
@@ -23,9 +22,7 @@ from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.routed_state import FlagCopy
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
-
-NAMES = ("tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "sample_indices",
-         "routed_lens", "routed_block_tables")
+from tests.support.prepare_snapshot import ROUTED, snapshot
 
 
 class HostOnlyRoutedModel:
@@ -38,24 +35,6 @@ class HostOnlyRoutedModel:
     def __init__(self, routed_layers: int):
         self.num_routed_layers = routed_layers
         self.routed_capacity = 0.5
-
-
-def snapshot(runner: ModelRunner, sched: Schedule, general: bool) -> tuple:
-    calls = []
-    real = runner_mod.gather_decodes
-
-    def gather(*a, **k):
-        calls.append(1)
-        return None if general else real(*a, **k)
-
-    runner_mod.gather_decodes = gather
-    try:
-        batch, padded = runner.prepare(sched)
-    finally:
-        runner_mod.gather_decodes = real
-    assert calls, "prepare did not try the fast path"
-    return (padded, batch.max_query_len, batch.max_context_len,
-            *((getattr(batch, n).dtype, getattr(batch, n).tolist()) for n in NAMES))
 
 
 def expected_routed(bm: RoutedBlockManager, seqs: list[ScheduledSeq]) -> tuple[list, list]:
@@ -106,7 +85,8 @@ def test_the_routed_decode_path_builds_the_general_paths_inputs(seed, pad, block
         rng.shuffle(seqs)
         decodes = all(s.num_new == 1 for s in seqs)
         sched = Schedule(seqs, plain_decodes=decodes and rng.random() < 0.5)
-        got, want = snapshot(runner, sched, general=False), snapshot(runner, sched, general=True)
+        got = snapshot(runner, sched, general=False, names=ROUTED)
+        want = snapshot(runner, sched, general=True, names=ROUTED)
         assert got == want
         lens, tables = expected_routed(bm, seqs)
         s = len(seqs)

@@ -54,6 +54,7 @@ from kiln.runtime.input_batch import (
     write_verify_batch,
 )
 from kiln.runtime.routed_blocks import RoutedBlockManager
+from kiln.runtime.routed_state import RoutedState
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache, num_routed_layers
 
@@ -138,17 +139,11 @@ class ModelRunner:
         padded = self._verify_pad_size(sched) if self.verify_len else 0
         if padded:
             return self._prepare_verify(seqs, padded), padded
-        tables = [self.bm.table(s.request.request_id) for s in seqs]
-        rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
-        width = max(len(t) for t in tables)
+        tables, rows, width = self._tables(seqs)
         padded = self._pad_size(sched)
         extra = padded - len(seqs) if padded else 0
         n = sum(s.num_new for s in seqs)
-        routed_width = 0
-        if self.num_routed:  # slots of the block manager's routed state (runtime/routed_state.py)
-            routed = self.bm.routed_state()
-            routed_slots = routed.slots([s.request.request_id for s in seqs])
-            routed_width = routed.width(routed_slots)
+        routed, routed_slots, routed_width = self._routed_slots([s.request.request_id for s in seqs])
         lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width, self.num_routed,
                      routed_width)
         v = self.buffers.stage(lay)
@@ -186,16 +181,27 @@ class ModelRunner:
             self._pad(v, n, len(seqs), padded)
         return self._upload(lay, 1 if padded else max_new, max_ctx), padded
 
+    def _tables(self, seqs: list[ScheduledSeq]) -> tuple[list[list[int]], list[int], int]:
+        """The sequences' block tables, their persistent host rows and the widest table."""
+        tables = [self.bm.table(s.request.request_id) for s in seqs]
+        rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
+        return tables, rows, max(len(t) for t in tables)
+
+    def _routed_slots(self, request_ids: list[str]) -> tuple[RoutedState | None, np.ndarray | None, int]:
+        """A routed model's state (runtime/routed_state.py), the requests' slots in it and their widest routed
+        table, which the step's routed lengths and tables are gathered from; (None, None, 0) for a dense model."""
+        if not self.num_routed:
+            return None, None, 0
+        routed = self.bm.routed_state()
+        slots = routed.slots(request_ids)
+        return routed, slots, routed.width(slots)
+
     def _prepare_decodes(self, dec: DecodeInputs) -> tuple[StepBatch, int]:
         """prepare() for plain decodes: the same inputs, written with numpy from the gathered lists."""
         bs, st, rows = self.block_size, dec.starts, dec.rows
         n = len(st)
         padded = self._decode_pad_size(n)
-        routed_slots = routed_width = 0
-        if self.num_routed:  # the routed lengths and tables by slot of the block manager's routed state
-            routed = self.bm.routed_state()
-            routed_slots = routed.slots(dec.ids)
-            routed_width = routed.width(routed_slots)
+        routed, routed_slots, routed_width = self._routed_slots(dec.ids)
         lay = layout(padded or n, padded or n, padded or n, dec.width, self.num_routed, routed_width)
         v = self.buffers.stage(lay)
         host_rows = self.rows.host
@@ -229,12 +235,10 @@ class ModelRunner:
     def _prepare_verify(self, seqs: list[ScheduledSeq], padded: int) -> StepBatch:
         """prepare() for a verification batch padded to (padded, k + 1): see input_batch.write_verify_batch."""
         q, bs = self.verify_len, self.block_size
-        tables = [self.bm.table(s.request.request_id) for s in seqs]
-        rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
+        tables, rows, width = self._tables(seqs)
         for s, t in zip(seqs, tables, strict=True):
             end = s.start + s.num_new
             assert len(t) * bs >= end, f"{s.request.request_id}: {end} tokens but {len(t)} blocks"
-        width = max(len(t) for t in tables)
         lay = layout(padded * q, padded * q, padded, width)
         v = self.buffers.stage(lay)
         max_ctx = write_verify_batch(v, seqs, rows, self.rows.host, q, bs)

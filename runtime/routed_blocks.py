@@ -299,8 +299,10 @@ class RoutedBlockManager(BlockManager):
 
     def record(self, request_id: str, start: int, routed: np.ndarray) -> None:
         """After a step that ran the request's tokens [start, start + m): routed[j, t] is 1 where routed layer j
-        routed token start + t (and wrote it). record_batch for one request."""
-        self.record_batch([request_id], [start], [routed.shape[1]], routed)
+        routed token start + t (and wrote it). Advances c_j, keeps c_j at each dense block boundary passed, and
+        frees the reserved blocks that are not needed (record_step does this for a whole step)."""
+        self.settle()
+        self._record([request_id], [start], [routed.shape[1]], routed)
 
     def record_step(self, seqs: Sequence, routed: torch.Tensor | np.ndarray, plain_decodes: bool = False) -> None:
         """record() for a whole step, on the host when the block manager is next used (settle): seqs are the
@@ -321,14 +323,6 @@ class RoutedBlockManager(BlockManager):
         if pending is not None:
             ids, starts, num_new, host, event = pending
             self._record(ids, starts, num_new, FlagCopy.wait(host, event))
-
-    def record_batch(self, request_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int] | None,
-                     routed: np.ndarray) -> None:
-        """Sequence i ran tokens [starts[i], starts[i] + num_new[i]) (one each when num_new is None), rows of
-        `routed` in that order. Advances c_j, keeps c_j at each dense block boundary passed, and frees the reserved
-        blocks that were not needed."""
-        self.settle()
-        self._record(request_ids, starts, num_new, routed)
 
     def _record(self, request_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int] | None,
                 routed: np.ndarray) -> None:

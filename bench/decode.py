@@ -14,7 +14,9 @@ not timed). Bytes per step = every weight but the embedding table + the K/V of t
 bandwidth = bytes per step x steps/s, reported as a share of the measured device copy bandwidth (read + write
 of a --copy-mib buffer). Start-up, per row: seconds to load the random weights next to seconds to write the same
 bytes on the device, compile_step and engine start (kernel warm-up) times, and the time to first token of the
-first and of the second request (issue 9 asks for the first within 2x of the second).
+first and of the second request (issue 9 asks for the first within 2x of the second). Each row also decodes the
+same request once more with the engine's async scheduling flipped (`async_scheduling`: the setting of the main
+figure, on by default on CUDA; `kiln_tok_s_async_flipped` and whether its tokens agree).
 Writes bench/results/decode-<specs>-<device>-<date>.json (metadata: bench_meta.py).
 
 On a CPU only the plumbing is meaningful (kiln runs its reference ops there); tests/test_bench_decode.py runs
@@ -91,6 +93,20 @@ def kiln_decode(m, prompt: list[int], new_tokens: int) -> tuple[float, list[int]
     startup = {"compile_step_s": round(compiled - t, 3), "engine_start_s": round(started - compiled, 3),
                "ttft_first_s": round(first_ttft, 4), "ttft_second_s": round(second_ttft, 4),
                "ttft_first_over_second": round(first_ttft / second_ttft, 2)}
+    tps, tokens = engine_decode(engine, prompt, new_tokens)
+    # The same request with async scheduling off (on by default on CUDA): what launching each decode step before
+    # the last one's ids are read is worth, in the same run.
+    was = engine.async_scheduling
+    engine.async_scheduling = not was
+    other_tps, other_tokens = engine_decode(engine, prompt, new_tokens)
+    engine.async_scheduling = was
+    startup |= {"async_scheduling": was, "kiln_tok_s_async_flipped": round(other_tps, 2),
+                "async_flipped_tokens_agree": other_tokens == tokens}
+    return tps, tokens, startup
+
+
+def engine_decode(engine: Engine, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """(decode tokens/s between the first and the last token, the tokens) of one greedy request."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine.add_request(prompt_token_ids=prompt, params=params)
     first = last = None
@@ -100,7 +116,7 @@ def kiln_decode(m, prompt: list[int], new_tokens: int) -> tuple[float, list[int]
             now = time.perf_counter()
             first = first or now
             last, tokens = now, out.outputs[0].token_ids
-    return (len(tokens) - 1) / (last - first), tokens, startup
+    return (len(tokens) - 1) / (last - first), tokens
 
 
 def baseline_decode(dec: StaticDecoder, prompt: list[int], new_tokens: int, mode: str) -> tuple[float, list[int]]:

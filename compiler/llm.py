@@ -45,6 +45,7 @@ class LLM:
         max_model_len: int | None = None,
         speculation: SpeculationConfig | str | dict | None = None,
         overlap_outputs: bool | None = None,
+        async_scheduling: bool | None = None,
     ):
         """Load the model (seeded random weights without `weights`), compile its step model, start an engine.
 
@@ -55,7 +56,8 @@ class LLM:
         its spec syntax ("ngram(n = 3, k = 4)", "self(layers = 2)", 'draft(spec = "...", k = 4)'), a dict of its
         fields ({"kind": "ngram", "n": 3, "k": 4}) or "off"; None takes the spec's `speculation` key (if any).
         overlap_outputs: make each step's outputs during the next step's model call (None: on for CUDA; see
-        kiln.runtime.engine.Engine).
+        kiln.runtime.engine.Engine). async_scheduling: launch each decode step before the last one's sampled ids
+        reach the host (None: on for CUDA without speculation or routed layers; see Engine).
         """
         self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed)
         m = self.loaded
@@ -72,7 +74,8 @@ class LLM:
             self.step_model, m.tokenizer, m.model, num_blocks=num_blocks, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
-            use_cuda_graphs=use_cuda_graphs, max_model_len=max_model_len, overlap_outputs=overlap_outputs, **drafter,
+            use_cuda_graphs=use_cuda_graphs, max_model_len=max_model_len, overlap_outputs=overlap_outputs,
+            async_scheduling=async_scheduling, **drafter,
         )  # fmt: skip
         # Outputs are routed to a queue per request, so any number of generate / generate_stream callers (and
         # threads) can share the engine: whoever steps it delivers everyone's outputs, and nothing is dropped.

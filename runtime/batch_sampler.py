@@ -70,6 +70,9 @@ class LaunchedSample:
     packed: torch.Tensor | None  # everything the host needs, in one tensor (None: no rows)
     errors: list[str | None]  # rows whose sampling raised while launching
     unpack: Callable[[list], tuple[list[int], list[int], list[dict[int, float] | None]]]
+    # The sampled ids on the device (int64 [R]; None: no rows), which a step launched before this one's host copy
+    # takes its input tokens from (the engine's async scheduling). A row that cannot be sampled holds a dummy id.
+    tokens: torch.Tensor | None = None
 
     def result(self) -> BatchSample:
         if self.packed is None:
@@ -103,7 +106,7 @@ def launch_batch(
     plain = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if plain and not asked:  # the usual decode batch: nothing reads the rows again
-        return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain)
+        return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain, toks)
     rows = rows.masked_fill(~finite[:, None], 0.0)  # never feed NaN to multinomial (a device assert on CUDA)
     if not plain:
         parts: list[torch.Tensor] = []
@@ -117,9 +120,9 @@ def launch_batch(
                 parts.append(argmax[i : i + 1])
         toks = torch.cat(parts)
     if not asked:
-        return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain)
+        return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain, toks)
     packed, unpack = _with_logprobs(rows, toks, finite, params, asked)
-    return LaunchedSample(packed, errors, unpack)
+    return LaunchedSample(packed, errors, unpack, toks)
 
 
 def _unpack_plain(host: list) -> tuple[list[int], list[int], list[dict[int, float] | None]]:

@@ -14,7 +14,9 @@ A step is: schedule (runtime/scheduler.py), fill the draft slots (spec_step.py),
 (model_runner.py), the sampler's device work for the plain rows (plain_rows.py), the last step's deferred output
 work (overlap_outputs), then the sampled ids read back and taken into the requests (plain_rows.py, and the
 verification of drafts in spec_step.py); tokens, stops, failures and RequestOutputs are outputs.py's, the
-counters engine_stats.py's.
+counters engine_stats.py's. With async_scheduling a pure-decode step is left in flight: the next step() call
+schedules and launches the step after it first, its input tokens copied from the sampled ids on the device
+(Scheduler.schedule_ahead), and only then takes the one in flight in (step()).
 
 With a drafter (runtime/speculative.py) decodes speculate: the scheduler reserves draft slots, the drafter fills
 them, the target scores [last token, drafts] in the same step as everything else, the model's verifier accepts
@@ -34,6 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 from kiln.errors import KilnError, RequestError
+from kiln.runtime.async_steps import AsyncSteps, InFlight
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine_stats import EngineStats, SpecCounters, collect_stats, kv_waste
@@ -42,7 +45,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
-from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
+from kiln.runtime.routed_blocks import RoutedBlockManager, make_block_manager, pool_bytes
 from kiln.runtime.sampler import SamplingParams, make_generator
 from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
 from kiln.runtime.spec_step import SpecStep
@@ -50,6 +53,7 @@ from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, Draft, Model
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
 
 __all__ = ["Engine", "EngineStats"]
+
 
 
 class Engine:
@@ -73,13 +77,16 @@ class Engine:
         speculation_max_batch: int | None = None,
         routed_num_blocks: int | None = None,
         overlap_outputs: bool | None = None,
+        async_scheduling: bool | None = None,
     ):
         """drafter: speculative decoding (the verifier is step_model.verify). speculation_max_batch: speculate only
         while at most this many decode-ready requests run (None: DEFAULT_SPECULATION_MAX_BATCH, measured).
         routed_num_blocks: blocks in each routed layer's pool of a Mixture-of-Depths model (None: from its routed
         capacity, see runtime/kv_pool.py). overlap_outputs: build each step's outputs during the next step's model
         call (see step(); None: on for a CUDA model, whose calls are asynchronous, off elsewhere, where it could
-        only delay the outputs)."""
+        only delay the outputs). async_scheduling: schedule and launch the next decode step before this one's
+        sampled ids reach the host (see step(); implies overlap_outputs; None: on for a CUDA model with
+        overlap_outputs on and neither a drafter nor routed layers, which it is not built for)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise KilnError(f"{name} = {value!r} is out of range; allowed: an integer >= 1")
@@ -133,7 +140,18 @@ class Engine:
             self.scheduler.spec_max_batch = spec_batch
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         overlap = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
+        if async_scheduling:
+            why = ("speculative decoding" if drafter is not None else "a Mixture-of-Depths model" if
+                   num_routed_layers(step_model) else "overlap_outputs off" if overlap_outputs is False else None)
+            if why is not None:
+                raise KilnError(f"async_scheduling is not built for {why}; leave async_scheduling unset (or False)")
+            overlap = True
+        elif async_scheduling is None:
+            async_scheduling = (overlap and step_model.device.type == "cuda" and drafter is None
+                                and not num_routed_layers(step_model))
         self.output = OutputMaker(self.scheduler, self.block_manager, self.requests, self.eos_token_ids, overlap)
+        self._async = bool(async_scheduling)
+        self.ahead = AsyncSteps(self.scheduler, self.runner, self.output)  # the step in flight (async scheduling)
         self.spec_counters = SpecCounters()
         self.spec = None if drafter is None else SpecStep(drafter, self.verify, self.output, self.spec_counters)
         self._ids = itertools.count()
@@ -151,7 +169,24 @@ class Engine:
 
     @overlap_outputs.setter
     def overlap_outputs(self, on: bool) -> None:
+        if not on:
+            self.async_scheduling = False  # it makes outputs one call later by construction
         self.output.overlap = bool(on)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether a decode step is scheduled and launched before the last one's sampled ids are read (step())."""
+        return self._async
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        if on and (self.drafter is not None or isinstance(self.block_manager, RoutedBlockManager)):
+            raise KilnError("async_scheduling is not built for speculative decoding or a Mixture-of-Depths model")
+        if not on:
+            self.ahead.land()
+        else:
+            self.output.overlap = True
+        self._async = bool(on)
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -201,6 +236,7 @@ class Engine:
         output of its last step, not made yet, comes first (notify or not), and a request that finished in the last
         step gives False: its final output is still to come.
         """
+        self.ahead.land()  # as if its tokens had come in with the last step (overlap_outputs' state)
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
@@ -214,7 +250,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.output.has_work()
+        return self.scheduler.has_unfinished() or self.output.has_work() or self.ahead.flight is not None
 
     # ---- stepping -----------------------------------------------------------------------------------------
 
@@ -229,9 +265,32 @@ class Engine:
         computed for a finished request either way; a request whose output work fails (its detokenizer raised)
         ends with finish_reason "error", as without the overlap, and the row the step in flight computed for
         it is dropped.
+
+        With async_scheduling (which implies the overlap) a step of plain decodes is not taken in where it was
+        launched: the next call first schedules the step after it as if no request stopped on a token not yet
+        seen (Scheduler.schedule_ahead; max_tokens is known), launches it with the sampled ids as input tokens,
+        copied on the device, and then reads the ids back and makes the outputs while the device computes. The
+        host's scheduling and step preparation then hide behind the device too. A request that did stop on its
+        token in flight (eos, a stop id or string, an error) had one more row computed, which is dropped; where
+        the next step cannot be known without the ids (a waiting request may be admitted, a block is missing, a
+        prefill chunk, a repetition penalty), the call takes the step in flight in first and schedules as
+        without it. The outputs are the same as with overlap_outputs alone, one call after their step; they
+        come in the same calls unless a request stopped on a token the host had not seen (then a waiting request
+        may be admitted a step later). abort() takes the step in flight in first.
         """
         output = self.output
         outputs = output.take_pending()
+        if self.ahead.flight is not None:  # async scheduling: the last step's ids are still on the device
+            got = self.ahead.launch_ahead() if self._async else None
+            if got is not None:  # the host takes the last step in while the device runs the one just launched
+                sched, last = got
+                self.num_steps += 1
+                self.num_batched_tokens += sched.num_tokens
+                outputs += self.ahead.take(last)
+                if all(s.request.status.done for s in sched.seqs):  # all of them ended: nothing to wait for
+                    self.ahead.land()
+                return outputs
+            self.ahead.land()  # its outputs are the deferred work of the step scheduled now, from its tokens
         sched = self.scheduler.schedule()
         if not sched.seqs:
             # Cannot happen while the pool holds one max-length sequence; fail loudly rather than spin forever.
@@ -248,6 +307,9 @@ class Engine:
         outputs += output.emit_deferred()  # host work while the device runs this step (on CUDA)
         made: Made = []
         if sched.plain_decodes:  # one plain row per chunk: no commit before sampling, no drafts, no reservations
+            if self._async:  # taken in by the next step() call, after it launches the step after this one
+                self.ahead.flight = InFlight(plain, launched)
+                return outputs
             take_plain(output, plain, launched, time.perf_counter(), made, advance=True)
             return outputs + output.end_step(made)
         for s in sched.seqs:
@@ -299,14 +361,15 @@ class Engine:
 
     def kv_waste(self) -> list[int]:
         """Allocated minus used (K/V written) slots of each running request."""
-        return kv_waste(self.block_manager, self.scheduler)
+        return kv_waste(self.block_manager, self.scheduler, self.ahead.writing())
 
     @property
     def stats(self) -> EngineStats:
         return collect_stats(self.block_manager, self.scheduler, self.spec_counters, num_steps=self.num_steps,
                              num_batched_tokens=self.num_batched_tokens,
                              num_generated_tokens=self.num_generated_tokens, kv_bytes=self.kv_bytes,
-                             kv_bytes_dense=self.kv_bytes_dense)
+                             kv_bytes_dense=self.kv_bytes_dense, num_steps_ahead=self.ahead.num_steps_ahead,
+                             writing=self.ahead.writing())
 
     def stats_dict(self) -> dict:
         return self.stats.as_dict()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kiln.runtime.block_manager import BlockManager
@@ -48,6 +49,7 @@ class EngineStats:
     kv_bytes_dense: int = 0  # what the same pool would take if every layer cached every token
     routed_blocks: int = 0  # usable blocks in each routed layer's pool (0: not a routed model)
     routed_blocks_in_use: tuple[int, ...] = ()  # per routed layer, right now
+    num_steps_ahead: int = 0  # steps launched before the previous step's sampled ids were read (async scheduling)
 
     @property
     def kv_bytes_saved(self) -> int:
@@ -68,24 +70,29 @@ class EngineStats:
                 "mean_accepted_length": self.mean_accepted_length, "kv_bytes_saved": self.kv_bytes_saved}
 
 
-def kv_waste(bm: BlockManager, sch: Scheduler) -> list[int]:
-    """Allocated minus used (K/V written) slots of each running request."""
-    return [bm.num_slots(r.request_id) - r.num_computed_tokens for r in sch.running]
+def kv_waste(bm: BlockManager, sch: Scheduler, writing: Collection[str] = ()) -> list[int]:
+    """Allocated minus used (K/V written) slots of each running request; `writing`: requests a step in flight is
+    writing one more token of (async scheduling), counted as used."""
+    return [bm.num_slots(r.request_id) - r.num_computed_tokens - (r.request_id in writing) for r in sch.running]
 
 
 def collect_stats(bm: BlockManager, sch: Scheduler, spec: SpecCounters, *, num_steps: int, num_batched_tokens: int,
-                  num_generated_tokens: int, kv_bytes: int, kv_bytes_dense: int) -> EngineStats:
-    """A snapshot of the engine's counters and of its block manager and scheduler right now."""
+                  num_generated_tokens: int, kv_bytes: int, kv_bytes_dense: int, num_steps_ahead: int = 0,
+                  writing: Collection[str] = ()) -> EngineStats:
+    """A snapshot of the engine's counters and of its block manager and scheduler right now (writing: as for
+    kv_waste)."""
     routed = isinstance(bm, RoutedBlockManager)
     return EngineStats(
         num_steps=num_steps, num_preemptions=sch.num_preemptions,
         prefix_cache_queries=bm.stats.prefix_queries, prefix_cache_hits=bm.stats.prefix_hits,
         prefix_cache_evictions=bm.stats.evictions, num_shared_blocks=bm.num_shared_blocks(),
-        num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_usable_blocks, kv_waste_slots=sum(kv_waste(bm, sch)),
+        num_free_blocks=bm.num_free_blocks, num_blocks=bm.num_usable_blocks,
+        kv_waste_slots=sum(kv_waste(bm, sch, writing)),
         num_running=len(sch.running), num_waiting=len(sch.waiting),
         num_batched_tokens=num_batched_tokens, num_generated_tokens=num_generated_tokens,
         spec_proposed=spec.proposed, spec_accepted=spec.accepted, spec_verify_steps=spec.verify_steps,
         spec_rows=spec.rows, spec_emitted=spec.emitted, spec_off_steps=sch.num_spec_off_steps,
         spec_drafter_failures=spec.drafter_failures, kv_bytes=kv_bytes, kv_bytes_dense=kv_bytes_dense,
         routed_blocks=bm.routed[0].num_usable_blocks if routed and bm.routed else 0,
-        routed_blocks_in_use=tuple(bm.routed_blocks_in_use()) if routed else ())  # fmt: skip
+        routed_blocks_in_use=tuple(bm.routed_blocks_in_use()) if routed else (), num_steps_ahead=num_steps_ahead,
+    )  # fmt: skip

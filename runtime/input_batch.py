@@ -151,17 +151,18 @@ class DecodeInputs:
     """A batch of plain decodes (one token each, sampled), gathered for vectorized staging."""
 
     starts: np.ndarray  # int64 [S]: each sequence's position (tokens already in the cache)
-    tokens: list[int]  # the token at that position
+    tokens: list[int] | None  # the token at that position (None: not gathered, the caller has them on the device)
     rows: np.ndarray  # intp [S]: each sequence's BlockTableRows row
     width: int  # the widest block table
     ids: list[str]  # each sequence's request id (a routed model's routed state is found by it)
 
 
 def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRows, block_size: int,
-                   known: bool = False) -> DecodeInputs | None:
+                   known: bool = False, with_tokens: bool = True) -> DecodeInputs | None:
     """The inputs of a pure-decode batch (ScheduledSeqs with num_new 1 and sample), rows brought up to date; None
     when any sequence is something else (or has no table), for the general path to build. known: the schedule
-    says they all are (Schedule.plain_decodes)."""
+    says they all are (Schedule.plain_decodes). with_tokens=False: leave the tokens out (they are not on the host
+    yet: a step scheduled ahead of its predecessor's sampled ids)."""
     row_of, written = rows.row_of, rows.written
     starts, toks, row_ids, lens, ids = [], [], [], [], []
     for s in seqs:
@@ -181,6 +182,8 @@ def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRow
             raise AssertionError(f"{rid}: {a + 1} tokens but {nb} blocks")
         starts.append(a)
         ids.append(rid)
+        if not with_tokens:
+            continue
         prompt = req.prompt_token_ids
         if a < len(prompt):
             toks.append(prompt[a])
@@ -189,7 +192,8 @@ def gather_decodes(seqs: list, tables: dict[str, list[int]], rows: BlockTableRow
             toks.append(out[i] if i < len(out) else req.token_slice(a, a + 1)[0])
     if not starts:
         return None
-    return DecodeInputs(np.array(starts, dtype=np.int64), toks, np.array(row_ids, dtype=np.intp), max(lens), ids)
+    return DecodeInputs(np.array(starts, dtype=np.int64), toks if with_tokens else None,
+                        np.array(row_ids, dtype=np.intp), max(lens), ids)
 
 
 def write_verify_batch(v: dict[str, np.ndarray], seqs: list, rows: list[int], host_rows: np.ndarray, q: int,

@@ -124,14 +124,26 @@ class ModelRunner:
 
     # ---- batch building -----------------------------------------------------------------------------------
 
-    def prepare(self, sched: Schedule) -> tuple[StepBatch, int]:
+    def prepare(self, sched: Schedule, tokens: torch.Tensor | None = None) -> tuple[StepBatch, int]:
         """The StepBatch for a schedule, and the batch size (sequences) it was padded to for a graph (0: none).
 
         Costs O(tokens + blocks in the step): tables come from the persistent rows (written when a request
         gains blocks), everything is staged in one buffer and copied to the device once. The batch's tensors
         are views of the runner's buffers, valid until the next prepare().
+
+        tokens: plain decodes whose input tokens are still on the device (int64 [sequences], the last step's
+        sampled ids; the engine's async scheduling): copied into the batch there, after its upload, in stream
+        order, so the host never reads them.
         """
         bs, seqs = self.block_size, sched.seqs
+        if tokens is not None:
+            if not sched.plain_decodes or tokens.shape != (len(seqs),):
+                raise AssertionError(f"device tokens {tuple(tokens.shape)} for a schedule that is not "
+                                     f"{len(seqs)} plain decodes")
+            dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, True, with_tokens=False)
+            batch, padded = self._prepare_decodes(dec)
+            batch.tokens[: len(seqs)].copy_(tokens, non_blocking=True)
+            return batch, padded
         if len(seqs) >= self.decode_numpy_min_seqs:
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
             if dec is not None:
@@ -205,7 +217,8 @@ class ModelRunner:
         lay = layout(padded or n, padded or n, padded or n, dec.width, self.num_routed, routed_width)
         v = self.buffers.stage(lay)
         host_rows = self.rows.host
-        v["tokens"][:n] = dec.tokens
+        if dec.tokens is not None:  # else the caller writes them on the device
+            v["tokens"][:n] = dec.tokens
         v["positions"][:n] = st
         v["slot_mapping"][:n] = host_rows[rows, st // bs].astype(np.int64) * bs + st % bs
         v["context_lens"][:n] = st + 1
@@ -280,12 +293,12 @@ class ModelRunner:
 
     # ---- execution ----------------------------------------------------------------------------------------
 
-    def execute(self, sched: Schedule) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def execute(self, sched: Schedule, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """fp32 logits [R, vocab] and the sampled sequences in row order: one row per sequence, 1 + n rows for a
-        speculative decode with n drafts."""
+        speculative decode with n drafts. tokens: plain decodes' input tokens on the device (see prepare)."""
         sampled = sched.seqs if sched.plain_decodes else [s for s in sched.seqs if s.sample]
         num_rows = len(sampled) if sched.plain_decodes else sum(s.num_rows for s in sampled)
-        batch, padded = self.prepare(sched)
+        batch, padded = self.prepare(sched, tokens)
         with torch.inference_mode():
             if self.num_routed:  # a one-token prefill after a prefix hit can be a graph's decode batch too
                 self._copy_routed_blocks()

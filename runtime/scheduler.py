@@ -183,6 +183,47 @@ class Scheduler:
             self.num_spec_off_steps += 1  # counted only now: had this returned None, the general walk would count it
         return Schedule(seqs, plain_decodes=True)
 
+    def schedule_ahead(self, in_flight: list[ScheduledSeq]) -> tuple[Schedule, list[int]] | None:
+        """The step after a plain-decode step whose sampled tokens are not on the host yet (the engine's async
+        scheduling), and the indices into `in_flight` of the chunks it continues; None when that step cannot be
+        known without them, and the engine takes them in and calls schedule().
+
+        It is what _schedule_decodes would give once the tokens are in, on the assumption that no request stops on
+        its token in flight unless max_tokens says it must: every request of the step in flight (which was every
+        running request, in priority order, and still is) decodes its next token. A request whose token in flight
+        is a stop token, eos or completes a stop string is found when the tokens come in; the row computed for it
+        here is then dropped. None when anyone could be admitted (or a request ending on max_tokens frees a seat
+        for a waiting one), a block is missing (preemption), speculation is on, the block manager reserves per
+        token (a routed model), or a request's sampler needs its token history (a repetition penalty). The blocks
+        grown before a None are the first ones schedule() grows, as in _schedule_decodes.
+        """
+        running = self.running
+        if self.spec_k or len(in_flight) != len(running) or self.bm.reserves_every_token:
+            return None
+        keep = []
+        for i, (s, req) in enumerate(zip(in_flight, running, strict=True)):
+            if s.request is not req or req.num_computed_tokens != s.start or req.num_tokens != s.start + 1:
+                return None
+            if req.params.repetition_penalty != 1.0:
+                return None
+            if len(req.output_token_ids) + 1 < req.params.max_tokens:  # the token in flight does not end it
+                keep.append(i)
+        n = len(keep)
+        if not n or n > self.max_num_batched_tokens:
+            return None
+        if self.policy == "continuous" and self.waiting and n < self.max_num_seqs and n < self.max_num_batched_tokens:
+            return None  # an admission
+        bm = self.bm
+        tables, bs = bm.tables, bm.block_size
+        seqs = []
+        for i in keep:
+            req = in_flight[i].request
+            start, rid = in_flight[i].start + 1, req.request_id
+            if start >= len(tables.get(rid, ())) * bs and not bm.append_slots(rid, start + 1):
+                return None
+            seqs.append(ScheduledSeq(req, start, 1, True))
+        return Schedule(seqs, plain_decodes=True), keep
+
     def _grow(self, req: Request, n: int, index: int, done: set[str], sched: Schedule,
               may_preempt_self: bool) -> bool:
         """Make room for n more tokens of a running request, preempting lower-priority ones when needed."""

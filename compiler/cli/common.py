@@ -45,7 +45,8 @@ def step_model(args: argparse.Namespace, m):
 
 def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     """The serving engine over a loaded model (or an already compiled step model of it, from step_model), from the
-    shared --num-blocks / --block-size / --speculation / --overlap-outputs ... flags (engine_flags)."""
+    shared --num-blocks / --block-size / --speculation / --overlap-outputs / --async-scheduling ... flags
+    (engine_flags)."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.engine import Engine
     from kiln.speculation import build_drafter
@@ -56,7 +57,8 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
         kw["drafter"] = build_drafter(plan, step)
     return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
                   gpu_memory_utilization=args.gpu_memory_utilization,
-                  overlap_outputs=getattr(args, "overlap_outputs", None), **kw)
+                  overlap_outputs=getattr(args, "overlap_outputs", None),
+                  async_scheduling=getattr(args, "async_scheduling", None), **kw)
 
 
 def dtype_flag(p: argparse.ArgumentParser) -> None:
@@ -75,6 +77,9 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-outputs", action=argparse.BooleanOptionalAction, default=None,
                    help="make each step's outputs (detokenization, output objects) while the next step's model "
                    "call runs; each output then comes one step later (default: on for CUDA, off elsewhere)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each decode step before the last one's sampled ids reach the host "
+                   "(implies --overlap-outputs; default: on for CUDA without speculation or Mixture-of-Depths)")
 
 
 # ---- flag values and output paths ------------------------------------------------------------------------

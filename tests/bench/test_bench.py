@@ -149,3 +149,23 @@ def test_the_null_models_routing_pattern_is_fixed_and_near_its_capacity(monkeypa
     assert len({tuple(r.tolist()) for r in routed}) == 3  # the layers route differently
     assert torch.equal(routed, mod.NullModel(50, num_routed_layers=3, routed_capacity=0.125)(batch, None)[1])
     assert mod.NullModel(50)(batch, None).shape == (1, 50)  # a dense null model returns the logits alone
+
+
+def test_pipeline_sim_hides_the_host_behind_the_device_only_with_async_scheduling(tmp_path, monkeypatch):
+    """A simulated device step of 40 ms, far longer than a step's host work here: synchronous steps and overlapped
+    outputs launch every step onto an idle device (the host schedules it only after reading the last one's ids),
+    async scheduling none (each step is queued before the last one ends)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("pipeline_sim_bench", ROOT / "bench" / "pipeline_sim.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.main(["--seqs", "1", "3", "--steps", "6", "--prompt-len", "9", "--vocab", "300", "--detokenize",
+                       "--device-ms", "40", "--out-dir", str(tmp_path)])
+    rows = {(r["mode"], r["seqs"]): r for r in result["rows"]}
+    assert sorted(rows) == sorted((m, n) for m in ("sync", "overlap", "async") for n in (1, 3))
+    for n in (1, 3):
+        assert rows["sync", n]["idle_launches"] == rows["overlap", n]["idle_launches"] == 6
+        assert rows["async", n]["idle_launches"] == 0 and rows["async", n]["steps_ahead"] >= 6
+        assert rows["sync", n]["steps_ahead"] == rows["overlap", n]["steps_ahead"] == 0
+        assert rows["sync", n]["step_ms_median"] > 40 and rows["async", n]["step_ms_median"] > 39.5
+    assert json.loads(next(tmp_path.glob("pipeline_sim-*.json")).read_text())["rows"] == result["rows"]

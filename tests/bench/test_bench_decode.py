@@ -56,5 +56,8 @@ def test_decode_bench_runs_end_to_end_on_cpu(bench, tmp_path):
     assert row["greedy_tokens_agree"] == 4  # fp32, same weights: the same greedy tokens
     assert row["weight_bytes"] > 0 and row["load_random_weights_s"] > 0 and row["write_same_bytes_s"] > 0
     assert row["ttft_first_s"] > 0 and row["ttft_second_s"] > 0 and row["ttft_first_over_second"] > 0
+    # the same request again with async scheduling flipped (off by default on CPU, so on): the same tokens
+    assert row["async_scheduling"] is False and row["kiln_tok_s_async_flipped"] > 0
+    assert row["async_flipped_tokens_agree"] is True
     saved = json.loads(next(tmp_path.glob("decode-tiny-llama-*.json")).read_text())
     assert saved["rows"] == result["rows"] and saved["copy_bandwidth_gb_s"] > 0 and saved["torch"]

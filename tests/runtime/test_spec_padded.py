@@ -73,9 +73,9 @@ class Watch:
         self.static_runs = 0
         prepare = runner.prepare
 
-        def spy(sched):
+        def spy(sched, tokens=None):
             self.sched = sched
-            batch, self.padded = prepare(sched)
+            batch, self.padded = prepare(sched, tokens)
             return batch, self.padded
 
         runner.prepare = spy

@@ -1,0 +1,90 @@
+"""Async scheduling: a pure-decode step is launched before the previous one's sampled ids reach the host.
+
+Without it the host reads step N's ids, appends them, then schedules and prepares step N + 1 while the device
+waits. With it (Engine(async_scheduling=True)) a step of plain decodes stays in flight after its launch; the next
+step() call schedules the step after it (Scheduler.schedule_ahead: every request decodes on, except those whose
+token in flight reaches max_tokens), launches it with N's sampled ids copied into its input tokens on the device
+(ModelRunner.prepare(tokens=...)), and only then reads N's ids back and makes N's outputs, while the device
+computes N + 1. A request that stopped on its token in flight (eos, a stop id or string, a failure) is found
+then; the row N + 1 computed for it is dropped (take_rows skips finished requests) and its blocks, the one grown
+for that row included, are freed with it. In stream order nothing reuses them before N + 1 has run.
+
+Where the next step needs the ids on the host (schedule_ahead says None), the step in flight is landed first:
+taken in with its outputs deferred, exactly the state overlap_outputs alone leaves, and scheduling goes on from
+there. Not built for speculative decoding (the drafter reads the last token on the host) or a Mixture-of-Depths
+model (its routed reservations are settled from the last step's routed flags before the next is scheduled).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kiln.runtime.batch_sampler import LaunchedSample
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.outputs import Made, OutputMaker
+from kiln.runtime.plain_rows import launch_plain, take_plain
+from kiln.runtime.request import RequestOutput
+from kiln.runtime.sampler import to_device
+from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
+
+
+@dataclass
+class InFlight:
+    """A plain-decode step launched and not taken in yet: its chunks and its sampler's work."""
+
+    seqs: list[ScheduledSeq]
+    launched: LaunchedSample | str  # str: why its sampling failed as a whole (take_plain fails every row)
+
+
+class AsyncSteps:
+    """The engine's step in flight, if any, and how the next one is launched ahead of it."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, output: OutputMaker):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.output = output
+        self.flight: InFlight | None = None
+        self.num_steps_ahead = 0  # steps launched before the previous step's sampled ids were on the host
+
+    def launch_ahead(self) -> tuple[Schedule, InFlight] | None:
+        """Schedule and launch the step after the one in flight, its input tokens taken on the device from the
+        sampled ids in flight. Returns that step's schedule and the step that was in flight, for the caller to
+        take in while the device runs the new one (now `flight`); None, with nothing launched, when the next
+        step needs those ids on the host first (the caller lands the step in flight and schedules as usual)."""
+        flight = self.flight
+        launched = flight.launched if flight is not None else None
+        if launched is None or isinstance(launched, str) or launched.tokens is None:
+            return None
+        got = self.scheduler.schedule_ahead(flight.seqs)
+        if got is None:
+            return None
+        sched, keep = got
+        tokens = launched.tokens
+        if len(keep) < tokens.shape[0]:  # some requests end with their token in flight (max_tokens)
+            tokens = tokens.index_select(0, to_device(torch.tensor(keep), tokens.device))
+        logits, _ = self.runner.execute(sched, tokens)
+        self.num_steps_ahead += 1
+        self.flight = InFlight(sched.seqs, launch_plain(sched.seqs, list(range(len(sched.seqs))), logits))
+        return sched, flight
+
+    def take(self, flight: InFlight) -> list[RequestOutput]:
+        """Take a step in: its sampled ids read back and appended, stops decided, its outputs made now."""
+        made: Made = []
+        take_plain(self.output, flight.seqs, flight.launched, time.perf_counter(), made, advance=True)
+        return self.output.emit(made)
+
+    def land(self) -> None:
+        """Take the step in flight in now; its outputs become deferred work, as with overlap_outputs alone, so
+        they come with the next step() call."""
+        flight, self.flight = self.flight, None
+        if flight is not None:
+            made: Made = []
+            take_plain(self.output, flight.seqs, flight.launched, time.perf_counter(), made, advance=True)
+            self.output.deferred += made
+
+    def writing(self) -> set[str]:
+        """Requests the step in flight writes a token of."""
+        return {s.request.request_id for s in self.flight.seqs} if self.flight is not None else set()

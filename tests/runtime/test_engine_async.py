@@ -1,0 +1,261 @@
+"""Engine(async_scheduling=True) schedules and launches a decode step before the last one's sampled ids are read
+back (their input tokens copied on the device): its outputs must be those of overlap_outputs alone (tokens, text,
+deltas, finish and stop reasons, logprobs, errors), call for call where no request stops on a token the host has
+not seen yet, and request for request otherwise (a row computed for a request that stopped is dropped). Runs on
+the fake step model (tests/support/fake_step.py), which checks every slot it reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import settings
+
+from kiln.errors import KilnError
+from kiln.runtime.engine import Engine
+from kiln.runtime.sampler import SamplingParams
+from kiln.tokenizer import ByteTokenizer
+from tests.runtime.test_engine_faults import BoomDetokenizer
+from tests.runtime.test_engine_logic import speculative_engine
+from tests.runtime.test_engine_overlap import (
+    EOS,
+    OverlapMachine,
+    Script,
+    V,
+    add_all,
+    drive,
+    make_engine,
+    mixed_params,
+    per_request,
+    prompt,
+)
+from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
+
+
+def engine(ahead: bool, **kw) -> Engine:
+    eng = make_engine(True, async_scheduling=ahead, **kw)
+    assert eng.overlap_outputs and eng.async_scheduling is ahead
+    return eng
+
+
+def run(ahead: bool, add: Callable[[Engine], None], script: Script | None = None, **kw) -> tuple[list, Engine]:
+    eng = engine(ahead, **kw)
+    add(eng)
+    return drive(eng, script or {}), eng
+
+
+def no_early_stops() -> list[SamplingParams]:
+    """Requests that end on max_tokens only: the host knows before each step who runs, so the schedules match."""
+    return [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=1, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=1.1, top_p=0.9, max_tokens=15, seed=2, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=11, seed=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=13, ignore_eos=True),
+    ]
+
+
+def test_without_early_stops_every_call_and_model_call_is_the_same():
+    add = add_all(no_early_stops())
+    off, e_off = run(False, add)
+    on, e_on = run(True, add)
+    assert on == off
+    assert (e_on.model.calls, e_on.model.batch_sizes) == (e_off.model.calls, e_off.model.batch_sizes)
+    # Every pure-decode step after the first was launched ahead (a prefill step is scheduled from host tokens).
+    assert e_on.stats.num_steps_ahead >= e_on.num_steps - 4 and e_off.stats.num_steps_ahead == 0
+    assert e_on.num_generated_tokens == e_off.num_generated_tokens == sum(p.max_tokens for p in no_early_stops())
+
+
+def test_mixed_requests_give_the_same_outputs_and_a_row_past_a_stop_is_dropped():
+    """Stop strings, stop ids, eos, logprobs and seeds; then with a repetition penalty too (its sampler needs the
+    token history on the host, so no step is launched ahead while it runs)."""
+    params = mixed_params()
+    assert params[5].repetition_penalty != 1.0
+    add = add_all(params[:5] + params[6:])
+    off, e_off = run(False, add)
+    on, e_on = run(True, add)
+    assert per_request(on) == per_request(off)
+    assert e_on.num_generated_tokens == e_off.num_generated_tokens and e_on.stats.num_steps_ahead > 0
+    # Requests that stopped on a token the host had not seen had one more row computed, never emitted.
+    assert sum(e_on.model.batch_sizes) > sum(e_off.model.batch_sizes)
+    off, e_off = run(False, add_all(params))
+    on, e_on = run(True, add_all(params))
+    assert per_request(on) == per_request(off)
+    penalty_steps = len(per_request(on)["r5"])
+    assert e_on.num_steps - e_on.stats.num_steps_ahead >= penalty_steps
+
+
+def test_a_stop_token_costs_exactly_one_dropped_row():
+    toks = fake_generate(prompt(0), 12, V)
+    params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(toks[4],)),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    add = add_all(params)
+    off, e_off = run(False, add)
+    on, e_on = run(True, add)
+    assert per_request(on) == per_request(off)
+    final = per_request(on)["r0"][-1]
+    assert final[2] == toks[:5] and final[6:8] == ("stop", toks[4])
+    assert sum(e_on.model.batch_sizes) == sum(e_off.model.batch_sizes) + 1
+
+
+def test_preemption_and_chunked_prefill_give_the_same_outputs():
+    add = add_all(mixed_params() * 2)
+    kw = dict(num_blocks=18, max_num_seqs=6, max_num_batched_tokens=10)
+    off, e_off = run(False, add, **kw)
+    on, e_on = run(True, add, **kw)
+    assert e_off.scheduler.num_preemptions > 0 and e_on.stats.num_steps_ahead > 0
+    assert per_request(on) == per_request(off)
+
+
+def test_preemption_without_early_stops_is_the_same_call_for_call():
+    add = add_all(no_early_stops() * 3)
+    kw = dict(num_blocks=18, max_num_seqs=8, max_num_batched_tokens=12)
+    off, e_off = run(False, add, **kw)
+    on, e_on = run(True, add, **kw)
+    assert e_off.scheduler.num_preemptions > 0 and e_on.stats.num_steps_ahead > 0
+    assert on == off and e_on.model.batch_sizes == e_off.model.batch_sizes
+
+
+def test_padded_decode_batches_take_their_tokens_on_the_device():
+    """pad_decode_batches runs CUDA graphs' padded shapes eagerly: the ahead step's tokens go into a padded batch."""
+    add = add_all(no_early_stops())
+    off, e_off = run(False, add, pad_decode_batches=True, max_num_seqs=8)
+    on, e_on = run(True, add, pad_decode_batches=True, max_num_seqs=8)
+    assert on == off and e_on.model.batch_sizes == e_off.model.batch_sizes
+    assert e_on.runner.graph_stats.padded_decodes > 0 and e_on.stats.num_steps_ahead > 0
+
+
+def test_aborts_and_late_arrivals_give_the_same_outputs():
+    """An abort takes the step in flight in first (so it sees what overlap_outputs would); a request added while a
+    step is in flight is admitted by the next call, as it would be without async scheduling."""
+
+    def abort(*rids: str, notify: bool = True) -> Callable[[Engine], None]:
+        return lambda eng: [eng.abort(r, notify=notify) for r in rids] and None
+
+    def add_late(eng: Engine) -> None:
+        eng.add_request(prompt_token_ids=[3, 4, 5], params=SamplingParams(temperature=0, max_tokens=6),
+                        request_id="late")
+
+    script = {3: abort("r1"), 4: add_late, 6: abort("r0", "late"), 7: abort("r5", notify=False),
+              9: abort("r3")}  # r3 (one token) is done by then: False, its output already came
+    add = add_all(no_early_stops())
+    off, e_off = run(False, add, script, max_num_seqs=6)
+    on, e_on = run(True, add, script, max_num_seqs=6)
+    assert on == off and e_on.stats.num_steps_ahead > 0
+    runs = per_request(on)
+    assert runs["r0"][-1][6] == "abort" and runs["r1"][-1][6] == "abort" and runs["late"][-1][6] == "abort"
+    assert not any(v[1] for v in runs["r5"])
+
+
+def test_a_failing_detokenizer_ends_only_its_request():
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, stop=["never-written"], ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+
+    def add(eng: Engine) -> None:
+        add_all(params)(eng)
+        for rid in ("r0", "r1", "r2"):
+            req = eng.requests[rid]
+            req.detokenizer = BoomDetokenizer(eng.tokenizer, req.params.stop)
+
+    off, _ = run(False, add)
+    on, e_on = run(True, add)
+    assert per_request(on) == per_request(off) and e_on.stats.num_steps_ahead > 0
+    final = {rid: runs[-1] for rid, runs in per_request(on).items()}
+    assert all(final[r][6] == "error" and len(final[r][2]) == 2 for r in ("r0", "r1", "r2"))
+    assert final["r3"][6] == "length" and final["r3"][2] == fake_generate(prompt(3), 9, V)
+
+
+def test_a_model_call_that_raises_ahead_keeps_the_step_in_flight(monkeypatch):
+    eng = engine(True)
+    rid = eng.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=5))
+    outs = eng.step() + eng.step()  # the prefill (taken in), then a decode left in flight
+    assert eng.ahead.flight is not None and len(outs) == 1
+    execute = eng.runner.execute
+    monkeypatch.setattr(eng.runner, "execute", lambda sched, tokens=None: (_ for _ in ()).throw(RuntimeError("lost")))
+    with pytest.raises(RuntimeError, match="lost"):
+        eng.step()
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    outs += [o for _ in range(6) for o in eng.step()]
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == fake_generate([1, 2, 3], 5, V)
+    assert [len(o.outputs[0].delta_token_ids) for o in outs] == [1] * 5 and not eng.has_unfinished()
+    assert outs[0].request_id == rid
+
+
+def test_the_input_tokens_come_from_the_device_not_the_host(monkeypatch):
+    """A step launched ahead gathers no input tokens on the host (they are not there yet): its staged tokens are
+    whatever the last step left there, and the outputs still follow the oracle only because the device copy
+    puts the sampled ids in."""
+    from kiln.runtime import input_batch
+
+    seen = []
+    real = input_batch.gather_decodes
+
+    def spy(*args, **kw):
+        dec = real(*args, **kw)
+        seen.append(dec.tokens is None)
+        return dec
+
+    monkeypatch.setattr("kiln.runtime.model_runner.gather_decodes", spy)
+    eng = engine(True)
+    for i in range(3):
+        eng.add_request(prompt_token_ids=prompt(i), params=SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                        request_id=f"r{i}")
+    final = {o.request_id: o.outputs[0].token_ids for o in eng.run()}
+    assert final == {f"r{i}": fake_generate(prompt(i), 9, V) for i in range(3)}
+    assert seen.count(True) == eng.stats.num_steps_ahead > 0
+
+
+def test_async_scheduling_is_refused_where_it_is_not_built():
+    cfg = fake_config(64, vocab=V)
+    with pytest.raises(KilnError, match="overlap_outputs off"):
+        Engine(FakeStepModel(V), ByteTokenizer(V, eos_token_ids=(EOS,)), cfg, block_size=4, num_blocks=40,
+               overlap_outputs=False, async_scheduling=True)
+    spec = speculative_engine("ngram")
+    assert not spec.async_scheduling
+    with pytest.raises(KilnError, match="speculative decoding"):
+        spec.async_scheduling = True
+    eng = engine(True)
+    eng.overlap_outputs = False  # turns async scheduling off with it
+    assert not eng.async_scheduling and not eng.overlap_outputs
+
+
+class AsyncMachine(OverlapMachine):
+    """The random add / step / abort churn with async scheduling: greedy outputs match the oracle, every request
+    gets its final output, every block comes back, and no running request holds more than the blocks its
+    next token needs (the step in flight's token counted as written)."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine.async_scheduling = True
+
+
+AsyncMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+test_no_leak_under_random_add_step_abort_with_async_scheduling = AsyncMachine.TestCase
+
+
+def test_llm_generate_and_streams_are_the_same_with_async_scheduling():
+    """tiny-llama on kiln's reference ops: LLM.generate and a stream, async scheduling on and off."""
+    from kiln import LLM
+
+    llm = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
+    prompts = ["Hello", "Once upon a time", "x"]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_tokens=9, seed=5, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+
+    def go(ahead: bool) -> tuple[list, list]:
+        llm.engine.overlap_outputs = True
+        llm.engine.async_scheduling = ahead
+        final = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs) for o in
+                 llm.generate(prompts, params)]
+        streamed = [o.outputs[0].delta_token_ids for o in llm.generate_stream(prompts, params)]
+        assert not llm.engine.has_unfinished()
+        return final, streamed
+
+    before = llm.engine.stats.num_steps_ahead
+    assert go(True) == go(False)
+    assert llm.engine.stats.num_steps_ahead > before

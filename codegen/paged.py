@@ -7,6 +7,9 @@ prefill kernel otherwise (templates/paged_prefill.py.j2). Nothing here reads dev
 grids come from the host-side bounds max_query_len and max_context_len, which must bound the batch. Work
 inside a grid is bounded by the context lengths the kernels read on the device (a decode split's length is
 per sequence), so a loose bound (a CUDA graph's max_model_len) adds empty programs, not work.
+Rows of q past query_start_loc[S] belong to no sequence (a routed layer's compact batch pads its routed rows to a
+static count; kiln.ir.ops_mod_step): their output is zeros, as in the reference, written by the merge (decode) or
+by one extra sequence slot of the prefill grid, so the layer body after attention never reads unwritten memory.
 Cache layout: [layers, 2, num_blocks, block_size, kv_heads, head_dim] (kiln.step). An int8 cache comes
 with kv_scales fp32 [layers, 2, num_blocks, block_size, kv_heads]: the write kernel quantizes each token's head
 rows (kiln.ir.ops_paged.quantize_kv), the attention kernels multiply the int8 K/V tiles' scales back in (QK^T
@@ -197,8 +200,8 @@ def paged_attention_decode(
                 GROUP=group)  # fmt: skip
     grid = (num_seqs, k_cache.shape[2], num_splits)
     launch("paged_decode", "paged_attention_decode", grid, args, consts, tile.options())
-    merge_args = dict(**partials, o_ptr=out, stride_ot=out.stride(0), stride_oh=head_dim, num_splits=num_splits,
-                      HEAD_DIM=head_dim)  # fmt: skip
+    merge_args = dict(**partials, o_ptr=out, query_start_loc_ptr=query_start_loc, stride_ot=out.stride(0),
+                      stride_oh=head_dim, num_seqs=num_seqs, num_splits=num_splits, HEAD_DIM=head_dim)  # fmt: skip
     merge_consts = {"BLOCK_S": next_power_of_2(num_splits), "BLOCK_D": block_d}
     launch("paged_merge", "split_kv_merge", (n, num_heads), merge_args, merge_consts, {"num_warps": 4})
     return out
@@ -232,9 +235,10 @@ def paged_attention_prefill(
     args = dict(q_ptr=q, **_cache_args(k_cache, v_cache), **scale_args, o_ptr=out, block_tables_ptr=block_tables,
                 context_lens_ptr=context_lens, query_start_loc_ptr=query_start_loc, stride_qt=q.stride(0),
                 stride_qh=head_dim, stride_ot=out.stride(0), stride_oh=head_dim, stride_bt=block_tables.stride(0),
-                scale=float(scale), window=int(window), block_size=k_cache.shape[1], HEAD_DIM=head_dim,
-                GROUP=group)  # fmt: skip
-    grid = (cdiv(max_query_len, tile.block_m), num_heads, num_seqs)
+                scale=float(scale), window=int(window), block_size=k_cache.shape[1], num_rows=q.shape[0],
+                HEAD_DIM=head_dim, GROUP=group)  # fmt: skip
+    # One sequence slot more: its programs zero the rows past query_start_loc[S] (see the module docstring).
+    grid = (cdiv(max_query_len, tile.block_m), num_heads, num_seqs + 1)
     launch("paged_prefill", "paged_attention_prefill", grid, args, consts, tile.options())
     return out
 

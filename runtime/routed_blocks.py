@@ -17,15 +17,9 @@ BlockManager (the scheduler, engine and runner use it unchanged) that keeps the 
 - free(request): every group's table (preemption by recompute restarts at c_j = 0; chunked prefill carries c_j
   from chunk to chunk because nothing but record changes it).
 
-Prefix caching. A routed layer's state after a prefix of whole dense blocks (c_j and the K/V of its routed
-tokens) is a function of those tokens alone, so when the dense group hashes a committed block, an entry records,
-per routed layer, c_j at that boundary and holds references on the blocks covering those c_j entries (a
-pseudo-request in each routed group, so reference counts and invariants stay the BlockManager's). A later
-request's prefix match stops at the first block without an entry; on a hit it shares the entry's full routed
-blocks and gets a fresh block for each partial tail, copied from the entry's (copy-on-write: take_copies, which
-the model runner applies before the step; entries past c_j in the copy are rewritten before any read, because
-attention reads only up to context_lens). Entries are evicted least recently used when a routed group runs out
-of blocks, and a block whose entry is gone is not shared (the dense cache alone is not enough).
+Prefix caching: the dense group's cache over full blocks, plus an entry per hashed block holding every routed
+layer's c_j and blocks at that boundary (shared on a hit, partial tails copied); runtime/routed_prefix.py has the
+entries, their eviction and the copies, behind a RoutedPrefixCache the manager owns (`prefix`).
 
 Per-step cost. c_j and the routed tables are mirrored in numpy by request slot (runtime/routed_state.py), so
 record_step is numpy over [sequences, layers] plus Python only for a routed table that gives back a block, and the
@@ -49,6 +43,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.kv_pool import routed_pool_blocks
+from kiln.runtime.routed_prefix import RoutedPrefixCache
 from kiln.runtime.routed_state import FlagCopy, LensView, RoutedState, step_counts
 from kiln.step import StepModel, kv_bytes_per_block, kv_bytes_per_layer_block, num_routed_layers
 
@@ -125,11 +120,7 @@ class RoutedBlockManager(BlockManager):
         self._flags = FlagCopy()
         # Tokens (from the start) every routed table has room for: append_slots up to it reserves nothing routed.
         self._limit: dict[str, int] = {}
-        self._boundary: dict[str, dict[int, tuple[int, ...]]] = {}  # dense block i -> c_j after its last token
-        self.entries: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # block hash -> c_j there (LRU order)
-        self._copies: dict[str, list[tuple[int, int, int]]] = {}  # (layer, src, dst) to copy before the step
-        self.routed_evictions = 0  # prefix entries dropped to free routed blocks
-        self.tail_copies = 0  # partial routed blocks copied for prefix hits
+        self.prefix = RoutedPrefixCache(self.routed, block_size)  # routed prefix-cache entries (routed_prefix.py)
 
     @property
     def num_routed_layers(self) -> int:
@@ -146,14 +137,27 @@ class RoutedBlockManager(BlockManager):
         self.settle()
         return self.state
 
-    @staticmethod
-    def _entry_id(block_hash: bytes) -> str:
-        return "\0prefix:" + block_hash.hex()  # a pseudo-request id; NUL-prefixed, unlike the engine's ids
+    # ---- prefix caching (the routed entries: runtime/routed_prefix.py) -------------------------------------
 
-    # ---- prefix caching -----------------------------------------------------------------------------------
+    @property
+    def entries(self) -> OrderedDict[bytes, tuple[int, ...]]:
+        """Block hash -> c_j per routed layer at that boundary, least recently used first."""
+        return self.prefix.entries
+
+    @property
+    def routed_evictions(self) -> int:
+        return self.prefix.evictions  # prefix entries dropped to free routed blocks
+
+    @property
+    def tail_copies(self) -> int:
+        return self.prefix.tail_copies  # partial routed blocks copied for prefix hits
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The (routed layer, source block, destination block) copies prefix hits need before the next step."""
+        return self.prefix.take_copies()
 
     def _shareable(self, block_hash: bytes) -> bool:
-        return block_hash in self.entries
+        return self.prefix.shareable(block_hash)
 
     def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
         self.settle()
@@ -161,85 +165,31 @@ class RoutedBlockManager(BlockManager):
         self._start(request_id)
         if got == 0:
             return 0
-        h = self._chain[request_id][-1]
-        lens = self.entries[h]
-        self.entries.move_to_end(h)
-        entry = self._entry_id(h)
-        copies = []
-        for j, (g, c) in enumerate(zip(self.routed, lens, strict=True)):
-            full = c // self.block_size
-            shared = g.table(entry)[:full]
-            for b in shared:
-                g.ref_counts[b] += 1
-            g.tables[request_id], g._chain[request_id] = list(shared), []
-            if c % self.block_size:  # the partial tail: a private copy
-                if not self._make_room(g, 1, keep=h) or not g.append_slots(request_id, c):
-                    self._unshare(request_id, got)
-                    return 0
-                copies.append((j, g.table(entry)[full], g.table(request_id)[full]))
+        lens = self.prefix.share(request_id, self._chain[request_id][-1])
+        if lens is None:  # a routed tail found no free block: start the request from scratch
+            self.free(request_id)
+            self.stats.prefix_hits -= got // self.block_size
+            self.tables[request_id], self._chain[request_id] = [], []
+            self._start(request_id)
+            return 0
         slot = self.state.slot_of[request_id]
         self.state.lens[slot] = lens
         for j, g in enumerate(self.routed):
             self.state.write(slot, j, g.table(request_id))
         self._known[request_id] = got
         self._limit[request_id] = got + self._room(request_id, lens)
-        self._copies[request_id] = copies
-        self.tail_copies += len(copies)
         return got
-
-    def _unshare(self, request_id: str, got: int) -> None:
-        """A hit whose routed tail could not be copied (no free routed block): start the request from scratch."""
-        self.free(request_id)
-        self.stats.prefix_hits -= got // self.block_size
-        self.tables[request_id], self._chain[request_id] = [], []
-        self._start(request_id)
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         self.settle()
-        chain = self._chain.get(request_id, [])
-        old = len(chain)
+        old = len(self._chain.get(request_id, []))
         super().commit(request_id, token_ids, num_computed)
-        bounds = self._boundary.get(request_id, {})
-        for i in range(old, len(chain)):
-            lens = bounds.pop(i)
-            h = chain[i]
-            if h in self.entries or h not in self.cached:
-                continue
-            entry = self._entry_id(h)
-            for g, c in zip(self.routed, lens, strict=True):
-                blocks = g.table(request_id)[: g.blocks_for(c)]
-                for b in blocks:
-                    g.ref_counts[b] += 1
-                g.tables[entry] = list(blocks)
-            self.entries[h] = lens
-
-    def _evict_entry(self, keep: bytes | None = None) -> bool:
-        victim = next((h for h in self.entries if h != keep), None)
-        if victim is None:
-            return False
-        del self.entries[victim]
-        for g in self.routed:
-            g.free(self._entry_id(victim))
-        self.routed_evictions += 1
-        return True
-
-    def _make_room(self, g: BlockManager, need: int, keep: bytes | None = None) -> bool:
-        while need > g.num_free_blocks:
-            if not self._evict_entry(keep):
-                return False
-        return True
-
-    def take_copies(self) -> list[tuple[int, int, int]]:
-        """The (routed layer, source block, destination block) copies prefix hits need before the next step."""
-        out = [c for copies in self._copies.values() for c in copies]
-        self._copies.clear()
-        return out
+        self.prefix.add(request_id, self._chain.get(request_id, []), old, self.cached)
 
     def reset_prefix_cache(self) -> None:
         self.settle()
         super().reset_prefix_cache()
-        while self._evict_entry():
-            pass
+        self.prefix.clear()
 
     # ---- allocation ---------------------------------------------------------------------------------------
 
@@ -248,7 +198,7 @@ class RoutedBlockManager(BlockManager):
             self.state.add(request_id)
             self._known[request_id] = 0
             self._limit[request_id] = 0
-            self._boundary[request_id] = {}
+            self.prefix.start(request_id)
 
     def _room(self, request_id: str, lens: Sequence[int]) -> int:
         """Tokens every routed table of the request can take before one needs a block."""
@@ -281,7 +231,7 @@ class RoutedBlockManager(BlockManager):
         if self.blocks_for(num_tokens) - len(self.table(request_id)) > self.num_free_blocks:
             return False
         for j, need in grow:
-            if not self._make_room(self.routed[j], need):
+            if not self.prefix.make_room(self.routed[j], need):
                 return False
         ok = super().append_slots(request_id, num_tokens)
         assert ok, "checked above: the dense pool had room"
@@ -338,13 +288,8 @@ class RoutedBlockManager(BlockManager):
         slots = st.slots(request_ids)
         old = st.lens[slots]
         lens = old + counts
-        if self.enable_prefix_caching:  # c_j after each dense block boundary in (start, start + m]
-            for i in np.flatnonzero((a + m) // bs > a // bs).tolist():
-                start, k, o = int(a[i]), int(m[i]), int(offsets[i])
-                sums = routed[:, o : o + k].cumsum(axis=1)
-                bounds = self._boundary[request_ids[i]]
-                for end in range(-(-(start + 1) // bs) * bs, start + k + 1, bs):
-                    bounds[end // bs - 1] = tuple((old[i] + sums[:, end - start - 1]).tolist())
+        if self.enable_prefix_caching:  # c_j after each dense block boundary the step passed
+            self.prefix.note_boundaries(request_ids, a, m, offsets, routed, old)
         st.lens[slots] = lens
         need = -(-lens // bs)
         have = st.blocks[slots]
@@ -373,8 +318,9 @@ class RoutedBlockManager(BlockManager):
         super().free(request_id)  # on_free listeners still see the routed lengths
         for g in self.routed:
             g.free(request_id)
-        for state in (self._known, self._limit, self._boundary, self._copies):
+        for state in (self._known, self._limit):
             state.pop(request_id, None)
+        self.prefix.forget(request_id)
         self.state.remove(request_id)
 
     # ---- accounting ---------------------------------------------------------------------------------------
@@ -386,7 +332,7 @@ class RoutedBlockManager(BlockManager):
     def check_invariants(self) -> None:
         self.settle()
         super().check_invariants()
-        entries = {self._entry_id(h) for h in self.entries}
+        entries = self.prefix.entry_ids()
         for g in self.routed:
             g.check_invariants()
             assert set(g.tables) <= set(self.tables) | entries, "a routed table outlived its request"
@@ -399,6 +345,4 @@ class RoutedBlockManager(BlockManager):
             self.state.check(rid, lens, [g.table(rid) for g in self.routed])
             assert self._limit[rid] == self._known[rid] + self._room(rid, lens), f"{rid}: stale routed room"
         self.state.check_free()
-        for h, lens in self.entries.items():
-            for g, c in zip(self.routed, lens, strict=True):
-                assert len(g.table(self._entry_id(h))) == g.blocks_for(c), "a prefix entry lost blocks"
+        self.prefix.check()

@@ -33,7 +33,8 @@ positions are not touched here: the compact rows keep their original positions (
   true of shapes where: FakeTensor propagation (meta["val"], lowering's kernel_requests) gives every output C =
   N rows, the static bound, as the padded path has; at run time they have C' <= C rows, and everything
   downstream (the body, its paged attention, mod_scatter) takes its row count from its inputs. Rows [count, C')
-  are the padding rows of the padded path (zeros, position 0, index 0, slot -1), so the real rows go through
+  are the padding rows of the padded path (zeros, position 0, index 0, slot -1; past query_start_loc[S], so
+  paged attention gives them zeros too and the body computes on defined values), so the real rows go through
   the same per-row math as there (a GEMM may round differently for another row count). This reference returns
   copies (a custom op may not return its inputs or views of them); the lowered graph's version
   (kiln.compile.lowering) returns views, no copy. It never syncs inside a CUDA graph capture: it keeps C there,

@@ -8,7 +8,8 @@
   is padding and is not written). Then sequence i's new queries attend over its first context_lens[i] cached
   keys (its blocks in block_tables[i] order), queries aligned to the end of the keys: a prefill chunk after a
   cached prefix and a decode (one query) are the same computation. Semantics per sequence are kiln::attention
-  (GQA by head counts, causal, window > 0 keeps the last `window` keys including the query itself).
+  (GQA by head counts, causal, window > 0 keeps the last `window` keys including the query itself). Rows past
+  query_start_loc[S] belong to no sequence (a routed layer's compact padding rows): their output is zeros.
   max_query_len / max_context_len are host-side bounds for kernels (grid sizes); the reference ignores them.
 
 kv_scales is always passed (None for a cache that is not int8) and has no default on purpose: torch 2.11's

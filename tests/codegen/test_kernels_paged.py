@@ -153,6 +153,40 @@ def test_paged_attention_writes_then_attends_like_the_op(q_lens):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)  # 16-bit probabilities
 
 
+# A routed layer's compact batch (kiln.ir.ops_mod_step): `pad` rows after the sequences' rows (query_start_loc[S]
+# < N, slot -1), and sequences with no routed row. (query lengths, context lengths, pad): decode path when every
+# sequence has at most one row; 37 padding rows outrun the prefill grid's one 16-row query block (a strided loop).
+PADDED = {
+    "decode": ([1, 0, 1, 1], [9, 3, 17, 4], 5),
+    "prefill": ([3, 0, 2], [7, 2, 12], 37),
+    "prefill-no-padding": ([2, 5], [5, 6], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDED))
+def test_rows_past_the_last_sequence_are_zeros_as_in_the_reference(case):
+    from kiln.codegen.paged import paged_attention
+    from kiln.codegen.tiles import TileConfig
+    from kiln.ir.ops_paged import paged_attention as reference
+
+    q_lens, ctx, pad = PADDED[case]
+    heads, kv_heads, d, bs = 6, 2, 48, 4  # GQA 3, head_dim 48 (not a power of two)
+    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=len(case))
+    real, g = q.shape[0], torch.Generator().manual_seed(7)
+    q = torch.cat([q, torch.randn(pad, q.shape[1], generator=g)])[None]
+    k, v = (torch.randn(1, real + pad, kv_heads * d, generator=g) for _ in range(2))
+    rows = [(t, p) for t, ql, c in zip(tables, q_lens, ctx, strict=True) for p in range(c - ql, c)]
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in rows] + [-1] * pad)
+    args = (LAYER, slots, bt, cl, qsl, max(q_lens), max(ctx), heads, kv_heads, True, 0, d**-0.5)
+    want_cache = cache.clone()
+    want = reference(q, k, v, want_cache, *args, None)
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention(q, k, v, cache, *args, tile=TileConfig(16, 16, 4, 1), out=out)
+    assert torch.equal(cache, want_cache)  # padding rows wrote nothing
+    assert torch.equal(got[0, real:], torch.zeros(pad, heads * d)) and torch.equal(want[0, real:], got[0, real:])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_paged_kernels_reject_bad_inputs():
     from kiln.codegen.paged import paged_attention_decode, paged_kv_write
 

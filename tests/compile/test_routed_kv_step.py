@@ -25,6 +25,9 @@ from kiln.step import StepBatch, step_input_names
 
 SPECS = ("tiny-llama-mod", "tiny-mistral-mod")
 BS = 4
+# An overflow (a RuntimeWarning of numpy under Triton's interpreter) means some op computed on memory nothing wrote,
+# as the body did on a routed layer's padding rows before the paged kernels zeroed their attention output.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
 
 def _routed(gm: fx.GraphModule, tokens: list[int]) -> torch.Tensor:
@@ -134,16 +137,21 @@ def test_what_is_not_built_is_refused():
 
 
 class _CountRows(fx.Interpreter):
-    """Runs a step graph as CompiledStep does, noting the rows every linear node's input had at run time."""
+    """Runs a step graph as CompiledStep does, noting the rows every linear node's input had at run time, and each
+    paged attention's output rows past its last sequence (a routed layer's compact padding rows)."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         self.rows: dict[str, int] = {}
+        self.padding: dict[str, torch.Tensor] = {}
 
     def run_node(self, n):
         out = super().run_node(n)
-        if n.meta.get("kiln_op", str(n.target)) == "kiln.linear.default":
+        op = n.meta.get("kiln_op", str(n.target))
+        if op == "kiln.linear.default":
             self.rows[n.name] = self.env[n.args[0]].shape[-2]
+        elif op == "kiln.paged_attention.default":
+            self.padding[n.name] = out[0, int(self.env[n.args[8]][-1]):]  # args[8]: query_start_loc
         return out
 
 
@@ -172,17 +180,18 @@ def test_the_narrowed_body_equals_the_padded_one_on_fewer_rows(spec, use_kernels
     caches = [allocate_kv_cache(s, 9, BS, routed_num_blocks=9) for s in (padded, narrowed)]
     tables, routed_tables = [[1, 2, 3], [4, 5, 0]], [[[1, 2, 3], [4, 5, 0]], [[6, 7, 8], [3, 2, 0]]]
     lens = [[0, 0], [0, 0]]
-    saw_fewer = 0
+    saw_fewer = narrowed_pad_rows = 0
     for chunks in ([(seqs[0], 0, 7), (seqs[1], 0, 6)], [(seqs[0], 7, 11), (seqs[1], 6, 7)],
                    [(seqs[0], 11, 12), (seqs[1], 7, 8)]):
         batch = _batch(chunks, tables, lens, routed_tables)
         n = batch.tokens.numel()
-        outs, rows = [], []
+        outs, rows, pads = [], [], []
         for step, cache in zip((padded, narrowed), caches, strict=True):
             run = _CountRows(step.gm)
             with torch.no_grad():
                 outs.append(run.run(*batch.graph_inputs(cache).values()))
             rows.append(run.rows)
+            pads.append(run.padding)
         (logits_p, *routed_p), (logits_n, *routed_n) = outs
         # The same routing; the same values up to fp32 rounding, which a GEMM may round differently for another
         # row count (CPU BLAS picks its kernel by M: F.linear of 5 rows and of their first 2 differ by ~5e-6).
@@ -191,6 +200,11 @@ def test_the_narrowed_body_equals_the_padded_one_on_fewer_rows(spec, use_kernels
         for cache_p, cache_n in (caches[0].data, caches[1].data), (caches[0].routed, caches[1].routed):
             torch.testing.assert_close(cache_n, cache_p, rtol=1e-5, atol=1e-5)
         counts = [int(r.sum()) for r in routed_n]
+        # The padding rows' attention output is zeros on both paths (the reference's; the kernels write it too),
+        # so the body never computes on unwritten memory (the module's RuntimeWarnings are errors).
+        for name, tail in (*pads[0].items(), *pads[1].items()):
+            assert torch.equal(tail, torch.zeros_like(tail)), name
+        narrowed_pad_rows += sum(len(tail) for tail in pads[1].values())
         assert rows[0] == {**rows[1], **{k: n for k in rows[1] if k != "logits"}}  # padded: every body on N rows
         for name, got in rows[1].items():
             layer = name.split("_")[1] if name.startswith("layers_") else None
@@ -201,6 +215,7 @@ def test_the_narrowed_body_equals_the_padded_one_on_fewer_rows(spec, use_kernels
         starts = [0, *torch.tensor([b - a for _, a, b in chunks]).cumsum(0).tolist()]
         lens = [[lens[j][i] + int(routed_n[j][starts[i]:starts[i + 1]].sum()) for i in range(2)] for j in range(2)]
     assert saw_fewer >= 4  # the prefill step's routed linears (4 per layer) really ran on fewer rows
+    assert narrowed_pad_rows > 0  # rows [count, count rounded up to the bucket) were there to check
 
 
 @pytest.mark.parametrize("spec_name", SPECS)

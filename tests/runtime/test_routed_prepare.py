@@ -103,7 +103,7 @@ def test_the_routed_decode_path_builds_the_general_paths_inputs(seed, pad, block
 
 def state(bm: RoutedBlockManager) -> tuple:
     groups = [(dict(g.tables), list(g.free_queue), list(g.ref_counts)) for g in bm.routed]
-    return (dict(bm.routed_lens), dict(bm.known), dict(bm._limit), {r: dict(b) for r, b in bm._boundary.items()},
+    return (dict(bm.routed_lens), dict(bm.known), dict(bm._limit), {r: dict(b) for r, b in bm.prefix.boundary.items()},
             dict(bm.entries), dict(bm.tables), list(bm.free_queue), groups)
 
 

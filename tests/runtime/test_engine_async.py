@@ -259,3 +259,32 @@ def test_llm_generate_and_streams_are_the_same_with_async_scheduling():
     before = llm.engine.stats.num_steps_ahead
     assert go(True) == go(False)
     assert llm.engine.stats.num_steps_ahead > before
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decodes_launched_ahead_give_the_same_tokens():
+    """On CUDA, where it is on by default: tiny-llama's generated kernels, decodes replayed from CUDA graphs with
+    their input tokens copied from the last step's sampled ids on the device; the same outputs as without it."""
+    from kiln.build import load_model
+    from kiln.compile.step import compile_step
+
+    m = load_model("tiny-llama", device="cuda", seed=0)
+    step = compile_step(m.gm, m.model, m.compile, device="cuda", use_kernels=True)
+    engine = Engine(step, m.tokenizer, m.model, max_num_seqs=8, use_cuda_graphs=True)
+    assert engine.async_scheduling and engine.overlap_outputs and engine.runner.graphs
+    prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(3 + 5 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=9 + 3 * i, ignore_eos=True) for i in range(4)]
+    params += [SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=14, ignore_eos=True, logprobs=2),
+               SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=7, ignore_eos=True)]
+
+    def go(ahead: bool) -> dict[str, tuple]:
+        engine.async_scheduling = ahead
+        ids = [engine.add_request(prompt_token_ids=p, params=q) for p, q in zip(prompts, params, strict=True)]
+        done = {o.request_id: (o.outputs[0].token_ids, o.outputs[0].logprobs) for o in engine.run()}
+        return [done[i] for i in ids]
+
+    before = (engine.stats.num_steps_ahead, engine.runner.graph_stats.decode_replays)
+    on = go(True)
+    assert engine.stats.num_steps_ahead > before[0] and engine.runner.graph_stats.decode_replays > before[1]
+    assert go(False) == on
+    assert [len(t) for t, _ in on] == [p.max_tokens for p in params]

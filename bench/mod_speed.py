@@ -26,6 +26,10 @@ workload warmed up first on other random prompts with the same step shapes:
 Per workload and model: tokens/s, the routed/dense ratio, the fraction of rows each routed layer really routed
 (counted from the step's `routed` output, never assumed), KV bytes per token at those fractions, and the KV
 bytes the engine held when decoding started. Issue 13's targets: prefill >= 1.4x, decode at batch 64 >= 1.2x.
+A decode row also has each side's bytes per step (the weights but the embedding table, plus the batch's K/V at
+the mean context and the measured routed fractions) and `routed_over_dense_bytes_bound`, their ratio: what a
+memory-bound decode step can gain at most, since a routed layer still reads all of its weights for the few rows
+it routes.
 Each engine gets an explicit pool: the workload's blocks plus a step of slack, the routed pools as large as the
 dense one, because a routed layer reserves its worst case (every new token of a step routed) before each step.
 Prefix caching is off unless --prefix-caching: random prompts never hit, and without it the KV bytes held count
@@ -252,10 +256,14 @@ def main(argv: list[str] | None = None) -> dict:
             if w.new_tokens > 1:
                 per_step = decode_bytes(m["step"].step, weight_bytes, w.prompts,
                                         w.prompt_len + w.new_tokens / 2, row[side]["kv_bytes_per_token"])
+                row[side]["bytes_per_step"] = round(per_step)
                 row[side]["bandwidth_share"] = float(f"{row[side]['tok_s'] / w.prompts * per_step / copy_bw:.4g}")
         for side in ("routed", "routed_padded"):
             if side in row:
                 row[f"{side}_over_dense"] = round(row[side]["tok_s"] / row["dense"]["tok_s"], 3)
+        if w.new_tokens > 1:  # the most a memory-bound decode can gain: the bytes a step must read, dense / routed
+            row["routed_over_dense_bytes_bound"] = round(row["dense"]["bytes_per_step"]
+                                                         / row["routed"]["bytes_per_step"], 3)
         if load in TARGETS:
             row["target"] = TARGETS[load]
         say(f"{load}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "

@@ -85,6 +85,12 @@ def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
         if row["new_tokens"] > 1:
             assert dense["decode_s"] > 0 and 0 < routed["kv_bytes_at_decode_start"] <= dense["kv_bytes_at_decode_start"]
             assert dense["bandwidth_share"] > 0
+            # the bytes a step must read: weights alike on both sides, the routed side's K/V no more than dense
+            w = result["weight_bytes"]
+            assert w < routed["bytes_per_step"] <= dense["bytes_per_step"]
+            assert dense["bytes_per_step"] == round(w + row["prompts"] * (row["prompt_len"] + row["new_tokens"] / 2)
+                                                    * dense["kv_bytes_per_token"])
+            assert row["routed_over_dense_bytes_bound"] == round(dense["bytes_per_step"] / routed["bytes_per_step"], 3)
     prefill = result["rows"][0]
     assert prefill["routed_padded"]["tok_s"] > 0 and "routed_padded" not in result["rows"][1]
     # the same model and prompts with narrowing off: the same routing decisions

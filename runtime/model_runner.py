@@ -36,12 +36,11 @@ view) instead of allocating its own.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import torch
 
 from kiln.errors import KilnError
+from kiln.runtime import warmup as kernel_warmup
 from kiln.runtime.block_manager import NULL_BLOCK, BlockManager
 from kiln.runtime.cuda_graphs import Graph, GraphStats, StepGraphs, graph_batch_sizes
 from kiln.runtime.input_batch import (
@@ -326,45 +325,13 @@ class ModelRunner:
         for layer, src, dst in self.bm.take_copies():
             routed[layer, :, dst].copy_(routed[layer, :, src])
 
-    # ---- warm-up: compile the kernels while the model loads, not on the first request ------------------------
+    # ---- warm-up: compile the kernels while the model loads, not on the first request (runtime/warmup.py) -----
 
     def warmup_shapes(self) -> list[tuple[int, int, int]]:
-        """(sequences, new tokens each, context) of the warm-up steps: prefill and decode, token and sample counts
-        of 1, odd and a multiple of 16, short and long contexts (one and several decode splits), verification
-        chunks when speculating, so each kernel is compiled for the integer specializations a real step hits."""
-        long_ctx = min(self.max_model_len, 1024)
-        shapes = [(1, 7, 7), (1, 16, 16), (2, 9, 40), (1, 1, 1), (3, 1, long_ctx), (16, 1, 17)]
-        if self.verify_len:  # a verification batch's chunks of k + 1 query rows
-            shapes.append((3, self.verify_len, 40))
-        return [(s, min(q, min(c, self.max_model_len)), min(c, self.max_model_len)) for s, q, c in shapes]
+        """(sequences, new tokens each, context) of the warm-up steps (runtime/warmup.py)."""
+        return kernel_warmup.warmup_shapes(self.max_model_len, self.verify_len)
 
     def warmup(self, progress: bool = True) -> None:
-        """Run one step per warm-up shape on dummy batches that only touch the null block (the blocks padding
-        rows use), so Triton compiles (or loads from its disk cache) every kernel variant now."""
-        from tqdm import tqdm
-
-        shapes = self.warmup_shapes()
-        with torch.inference_mode():
-            for shape in tqdm(shapes, desc="kiln: compiling kernels", unit="step", file=sys.stderr,
-                              disable=not progress):
-                self.model(self._null_batch(*shape), self.kv_cache)
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-
-    def _null_batch(self, num_seqs: int, q_len: int, ctx: int) -> StepBatch:
-        dev, bs = self.model.device, self.block_size
-        n = num_seqs * q_len
-        positions = torch.arange(ctx - q_len, ctx, device=dev).repeat(num_seqs)
-        qsl = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
-        routed = {}
-        if self.num_routed:  # every routed layer starts empty and writes (at most q_len entries) to its null block
-            routed = dict(routed_lens=torch.zeros(self.num_routed, num_seqs, dtype=torch.int32, device=dev),
-                          routed_block_tables=torch.full((self.num_routed, num_seqs, -(-q_len // bs)), NULL_BLOCK,
-                                                         dtype=torch.int32, device=dev))
-        return StepBatch(
-            tokens=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
-            slot_mapping=NULL_BLOCK * bs + positions % bs,
-            block_tables=torch.full((num_seqs, -(-ctx // bs)), NULL_BLOCK, dtype=torch.int32, device=dev),
-            context_lens=torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev), query_start_loc=qsl,
-            sample_indices=(qsl[1:] - 1).long(), max_query_len=q_len, max_context_len=ctx, **routed,
-        )  # fmt: skip
+        """One step per warm-up shape on dummy batches that touch only the null block (runtime/warmup.py)."""
+        kernel_warmup.warmup(self.model, self.kv_cache, self.warmup_shapes(), self.block_size, self.num_routed,
+                             progress)

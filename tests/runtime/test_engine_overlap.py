@@ -236,7 +236,8 @@ test_no_leak_under_random_add_step_abort_with_overlap = OverlapMachine.TestCase
 
 
 def test_llm_generate_and_streams_are_the_same_with_overlap():
-    """LLM.generate and interleaved generate_stream generators on tiny-llama (reference ops), overlap off and on."""
+    """LLM.generate and interleaved generate_stream generators on tiny-llama (reference ops), overlap off and on,
+    and with async scheduling (tests/runtime/test_engine_async.py)."""
     from kiln import LLM
 
     llm = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
@@ -245,8 +246,9 @@ def test_llm_generate_and_streams_are_the_same_with_overlap():
               SamplingParams(temperature=0.9, max_tokens=9, seed=5, logprobs=1),
               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
 
-    def run(overlap: bool) -> tuple[list[tuple], list[list[tuple]]]:
+    def run(overlap: bool, ahead: bool = False) -> tuple[list[tuple], list[list[tuple]]]:
         llm.engine.overlap_outputs = overlap
+        llm.engine.async_scheduling = ahead
         final = [view(o) for o in llm.generate(prompts, params)]
         a, b = llm.generate_stream(prompts[:2], params[:2]), llm.generate_stream(prompts[2:], params[2:])
         streamed: list[list[tuple]] = [[], []]
@@ -264,7 +266,8 @@ def test_llm_generate_and_streams_are_the_same_with_overlap():
         runs = [[v[1:] for v in r] for _, r in sorted(by_request.items(), key=lambda kv: int(kv[0]))]
         return [v[1:] for v in final], runs
 
-    assert run(True) == run(False)
+    assert run(True) == run(False) == run(True, ahead=True)
+    assert llm.engine.stats.num_steps_ahead > 0
 
 
 def test_a_model_call_that_raises_keeps_the_last_steps_outputs(monkeypatch):

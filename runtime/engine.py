@@ -14,9 +14,9 @@ A step is: schedule (runtime/scheduler.py), fill the draft slots (spec_step.py),
 (model_runner.py), the sampler's device work for the plain rows (plain_rows.py), the last step's deferred output
 work (overlap_outputs), then the sampled ids read back and taken into the requests (plain_rows.py, and the
 verification of drafts in spec_step.py); tokens, stops, failures and RequestOutputs are outputs.py's, the
-counters engine_stats.py's. With async_scheduling a pure-decode step is left in flight: the next step() call
-schedules and launches the step after it first, its input tokens copied from the sampled ids on the device
-(Scheduler.schedule_ahead), and only then takes the one in flight in (step()).
+counters engine_stats.py's. With async_scheduling a step whose chunks are all sampled is left in flight: the next
+step() call schedules and launches the decode step after it first, its input tokens copied from the sampled ids
+on the device (Scheduler.schedule_ahead, async_steps.py), and only then takes the one in flight in (step()).
 
 With a drafter (runtime/speculative.py) decodes speculate: the scheduler reserves draft slots, the drafter fills
 them, the target scores [last token, drafts] in the same step as everything else, the model's verifier accepts
@@ -266,17 +266,18 @@ class Engine:
         ends with finish_reason "error", as without the overlap, and the row the step in flight computed for
         it is dropped.
 
-        With async_scheduling (which implies the overlap) a step of plain decodes is not taken in where it was
-        launched: the next call first schedules the step after it as if no request stopped on a token not yet
-        seen (Scheduler.schedule_ahead; max_tokens is known), launches it with the sampled ids as input tokens,
-        copied on the device, and then reads the ids back and makes the outputs while the device computes. The
-        host's scheduling and step preparation then hide behind the device too. A request that did stop on its
-        token in flight (eos, a stop id or string, an error) had one more row computed, which is dropped; where
-        the next step cannot be known without the ids (a waiting request may be admitted, a block is missing, a
-        prefill chunk, a repetition penalty), the call takes the step in flight in first and schedules as
-        without it. The outputs are the same as with overlap_outputs alone, one call after their step; they
-        come in the same calls unless a request stopped on a token the host had not seen (then a waiting request
-        may be admitted a step later). abort() takes the step in flight in first.
+        With async_scheduling (which implies the overlap) a step whose every chunk is sampled (decodes, and prefill
+        chunks that end their prompts; no drafts) is not taken in where it was launched: the next call first
+        schedules the decode step after it as if no request stopped on a token not yet seen
+        (Scheduler.schedule_ahead; max_tokens is known), launches it with the sampled ids as input tokens, copied
+        on the device, and then reads the ids back and makes the outputs while the device computes. The host's
+        scheduling and step preparation then hide behind the device too. A request that did stop on its token in
+        flight (eos, a stop id or string, an error) had one more row computed, which is dropped; where the next
+        step cannot be known without the ids (a waiting request may be admitted, a block is missing, a repetition
+        penalty), the call takes the step in flight in first and schedules as without it. The outputs are the
+        same as with overlap_outputs alone, one call after their step; they come in the same calls unless a
+        request stopped on a token the host had not seen (then a waiting request may be admitted a step later).
+        abort() takes the step in flight in first.
         """
         output = self.output
         outputs = output.take_pending()
@@ -306,10 +307,13 @@ class Engine:
         # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
         outputs += output.emit_deferred()  # host work while the device runs this step (on CUDA)
         made: Made = []
+        # Every chunk sampled, none speculative: nothing to do before sampling but advancing each chunk, which
+        # take_plain does (a partial prefill chunk would need its blocks committed first).
+        every_chunk_sampled = sched.plain_decodes or (not spec and len(plain) == len(sched.seqs))
+        if self._async and every_chunk_sampled and launched is not None:
+            self.ahead.flight = InFlight(plain, launched)  # taken in by the next call, after it launches the next
+            return outputs
         if sched.plain_decodes:  # one plain row per chunk: no commit before sampling, no drafts, no reservations
-            if self._async:  # taken in by the next step() call, after it launches the step after this one
-                self.ahead.flight = InFlight(plain, launched)
-                return outputs
             take_plain(output, plain, launched, time.perf_counter(), made, advance=True)
             return outputs + output.end_step(made)
         for s in sched.seqs:

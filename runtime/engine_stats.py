@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kiln.runtime.block_manager import BlockManager
@@ -70,15 +70,16 @@ class EngineStats:
                 "mean_accepted_length": self.mean_accepted_length, "kv_bytes_saved": self.kv_bytes_saved}
 
 
-def kv_waste(bm: BlockManager, sch: Scheduler, writing: Collection[str] = ()) -> list[int]:
-    """Allocated minus used (K/V written) slots of each running request; `writing`: requests a step in flight is
-    writing one more token of (async scheduling), counted as used."""
-    return [bm.num_slots(r.request_id) - r.num_computed_tokens - (r.request_id in writing) for r in sch.running]
+def kv_waste(bm: BlockManager, sch: Scheduler, writing: Mapping[str, int] | None = None) -> list[int]:
+    """Allocated minus used (K/V written) slots of each running request; `writing`: the tokens a step in flight
+    (async scheduling) writes for each request, counted as used."""
+    writing = writing or {}
+    return [bm.num_slots(r.request_id) - r.num_computed_tokens - writing.get(r.request_id, 0) for r in sch.running]
 
 
 def collect_stats(bm: BlockManager, sch: Scheduler, spec: SpecCounters, *, num_steps: int, num_batched_tokens: int,
                   num_generated_tokens: int, kv_bytes: int, kv_bytes_dense: int, num_steps_ahead: int = 0,
-                  writing: Collection[str] = ()) -> EngineStats:
+                  writing: Mapping[str, int] | None = None) -> EngineStats:
     """A snapshot of the engine's counters and of its block manager and scheduler right now (writing: as for
     kv_waste)."""
     routed = isinstance(bm, RoutedBlockManager)

@@ -184,30 +184,41 @@ class Scheduler:
         return Schedule(seqs, plain_decodes=True)
 
     def schedule_ahead(self, in_flight: list[ScheduledSeq]) -> tuple[Schedule, list[int]] | None:
-        """The step after a plain-decode step whose sampled tokens are not on the host yet (the engine's async
-        scheduling), and the indices into `in_flight` of the chunks it continues; None when that step cannot be
-        known without them, and the engine takes them in and calls schedule().
+        """The step after one whose sampled tokens are not on the host yet (the engine's async scheduling), and the
+        indices into `in_flight` of the chunks it continues; None when that step cannot be known without them,
+        and the engine takes them in and calls schedule().
 
-        It is what _schedule_decodes would give once the tokens are in, on the assumption that no request stops on
-        its token in flight unless max_tokens says it must: every request of the step in flight (which was every
-        running request, in priority order, and still is) decodes its next token. A request whose token in flight
-        is a stop token, eos or completes a stop string is found when the tokens come in; the row computed for it
-        here is then dropped. None when anyone could be admitted (or a request ending on max_tokens frees a seat
-        for a waiting one), a block is missing (preemption), speculation is on, the block manager reserves per
-        token (a routed model), or a request's sampler needs its token history (a repetition penalty). The blocks
-        grown before a None are the first ones schedule() grows, as in _schedule_decodes.
+        `in_flight` is every chunk of that step, each sampled (the last of its known tokens), and every running
+        request has one there. The step after it is what _schedule_decodes gives once the tokens are in, on the
+        assumption that no request stops on its token in flight unless max_tokens says it must: every running
+        request, in priority order, decodes that token. A request whose token in flight is a stop token, eos or
+        completes a stop string is found when the tokens come in; the row computed for it here is then dropped.
+        None when anyone could be admitted (or a request ending on max_tokens frees a seat for a waiting one), a
+        block is missing (preemption), speculation is on, the block manager reserves per token (a routed model),
+        or a request's sampler needs its token history (a repetition penalty). The blocks grown before a None are
+        the first ones schedule() grows, as in _schedule_decodes.
         """
         running = self.running
         if self.spec_k or len(in_flight) != len(running) or self.bm.reserves_every_token:
             return None
-        keep = []
-        for i, (s, req) in enumerate(zip(in_flight, running, strict=True)):
-            if s.request is not req or req.num_computed_tokens != s.start or req.num_tokens != s.start + 1:
+        if all(s.request is r for s, r in zip(in_flight, running, strict=True)):
+            order = range(len(running))  # a step of decodes: already in priority order
+        else:  # a step with prefill chunks lists them after the decodes
+            row = {id(s.request): i for i, s in enumerate(in_flight)}
+            if len(row) != len(running) or any(id(r) not in row for r in running):
+                return None
+            order = [row[id(r)] for r in running]
+        keep, starts = [], []
+        for i in order:
+            s = in_flight[i]
+            req, end = s.request, s.start + s.num_new
+            if req.num_computed_tokens != s.start or req.num_tokens != end or s.num_drafts:
                 return None
             if req.params.repetition_penalty != 1.0:
                 return None
             if len(req.output_token_ids) + 1 < req.params.max_tokens:  # the token in flight does not end it
                 keep.append(i)
+                starts.append(end)
         n = len(keep)
         if not n or n > self.max_num_batched_tokens:
             return None
@@ -216,9 +227,9 @@ class Scheduler:
         bm = self.bm
         tables, bs = bm.tables, bm.block_size
         seqs = []
-        for i in keep:
+        for i, start in zip(keep, starts, strict=True):
             req = in_flight[i].request
-            start, rid = in_flight[i].start + 1, req.request_id
+            rid = req.request_id
             if start >= len(tables.get(rid, ())) * bs and not bm.append_slots(rid, start + 1):
                 return None
             seqs.append(ScheduledSeq(req, start, 1, True))

@@ -63,8 +63,9 @@ def test_without_early_stops_every_call_and_model_call_is_the_same():
     on, e_on = run(True, add)
     assert on == off
     assert (e_on.model.calls, e_on.model.batch_sizes) == (e_off.model.calls, e_off.model.batch_sizes)
-    # Every pure-decode step after the first was launched ahead (a prefill step is scheduled from host tokens).
-    assert e_on.stats.num_steps_ahead >= e_on.num_steps - 4 and e_off.stats.num_steps_ahead == 0
+    # Every step but the first (the prompts' prefill, scheduled from host tokens) was launched ahead: the prefill's
+    # chunks are all sampled, so its successor is known without its tokens.
+    assert e_on.stats.num_steps_ahead == e_on.num_steps - 1 and e_off.stats.num_steps_ahead == 0
     assert e_on.num_generated_tokens == e_off.num_generated_tokens == sum(p.max_tokens for p in no_early_stops())
 
 
@@ -142,6 +143,35 @@ def test_aborts_and_late_arrivals_give_the_same_outputs():
     runs = per_request(on)
     assert runs["r0"][-1][6] == "abort" and runs["r1"][-1][6] == "abort" and runs["late"][-1][6] == "abort"
     assert not any(v[1] for v in runs["r5"])
+
+
+def test_a_step_that_admits_a_request_is_left_in_flight_too():
+    """A late request's prefill runs beside the decodes; every chunk of that step is sampled, so the step after it
+    is launched ahead of its tokens as well, with the same outputs call for call."""
+    froms: list[int] = []
+
+    def late(eng: Engine) -> None:
+        eng.add_request(prompt_token_ids=prompt(9), params=SamplingParams(temperature=0, max_tokens=7,
+                                                                          ignore_eos=True), request_id="late")
+        launch = eng.ahead.launch_ahead
+
+        def spy():
+            longest = max(s.num_new for s in eng.ahead.flight.seqs)
+            got = launch()
+            if got is not None:
+                froms.append(longest)
+            return got
+
+        eng.ahead.launch_ahead = spy
+
+    add = add_all(no_early_stops()[:3])
+    off, _ = run(False, add, {3: late})
+    on, e_on = run(True, add, {3: late})
+    assert on == off and per_request(on)["late"][-1][2] == fake_generate(prompt(9), 7, V)
+    assert max(froms) == len(prompt(9))  # launched ahead of the step that prefilled "late"
+    # every step but two: the first prefill, and the step that admits "late" (a waiting request can be admitted:
+    # that step is scheduled once the tokens in flight are in)
+    assert e_on.stats.num_steps_ahead == e_on.num_steps - 2
 
 
 def test_a_failing_detokenizer_ends_only_its_request():

@@ -67,7 +67,7 @@ class AsyncSteps:
             return None
         sched, keep = got
         tokens = launched.tokens
-        if len(keep) < tokens.shape[0]:  # some requests end with their token in flight (max_tokens)
+        if keep != list(range(tokens.shape[0])):  # some end with their token in flight, or the order changes
             tokens = tokens.index_select(0, to_device(torch.tensor(keep), tokens.device))
         logits, _ = self.runner.execute(sched, tokens)
         self.num_steps_ahead += 1

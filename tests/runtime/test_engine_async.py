@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from hypothesis import settings
 
 from kiln.errors import KilnError
@@ -289,3 +290,51 @@ def test_cuda_graph_decodes_launched_ahead_give_the_same_tokens():
     assert engine.stats.num_steps_ahead > before[0] and engine.runner.graph_stats.decode_replays > before[1]
     assert go(False) == on
     assert [len(t) for t, _ in on] == [p.max_tokens for p in params]
+
+
+def test_the_next_step_takes_its_tokens_in_its_own_order():
+    """schedule_ahead lists the running requests in priority order, which a step with prefill chunks (listed after
+    its decodes) may not follow: the tokens in flight are gathered by the indices it gives, drops and order."""
+    from kiln.runtime.async_steps import AsyncSteps, InFlight
+    from kiln.runtime.batch_sampler import LaunchedSample
+    from kiln.runtime.scheduler import Schedule, ScheduledSeq
+
+    seen = []
+
+    class Runner:
+        def execute(self, sched, tokens):
+            seen.append(tokens.tolist())
+            return torch.zeros(len(sched.seqs), 5), sched.seqs
+
+    class Sched:
+        def __init__(self, keep):
+            self.keep = keep
+
+        def schedule_ahead(self, in_flight):
+            seqs = [ScheduledSeq(in_flight[i].request, in_flight[i].start + 1, 1, True) for i in self.keep]
+            return Schedule(seqs, plain_decodes=True), self.keep
+
+    eng = engine(True)
+    reqs = [eng.requests[eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(max_tokens=4))]
+            for _ in range(3)]
+    flight = [ScheduledSeq(r, 1, 1, True) for r in reqs]
+    for keep in ([0, 1, 2], [2, 0, 1], [1, 2], [2]):
+        ahead = AsyncSteps(Sched(keep), Runner(), eng.output)
+        ahead.flight = InFlight(flight, LaunchedSample(None, [None] * 3, None, torch.tensor([10, 11, 12])))
+        sched, last = ahead.launch_ahead()
+        assert seen[-1] == [10 + i for i in keep] and last.seqs is flight
+        assert [s.request for s in sched.seqs] == [reqs[i] for i in keep]
+
+
+def test_schedule_ahead_follows_priority_order_whatever_the_steps_order():
+    eng = engine(True, max_num_seqs=4)
+    rids = [eng.add_request(prompt_token_ids=prompt(i), params=SamplingParams(max_tokens=5)) for i in range(3)]
+    eng.step()  # the prefills, left in flight
+    flight = eng.ahead.flight
+    assert [s.request.request_id for s in flight.seqs] == rids
+    reordered = [flight.seqs[i] for i in (2, 0, 1)]
+    sched, keep = eng.scheduler.schedule_ahead(reordered)
+    assert keep == [1, 2, 0] and [s.request.request_id for s in sched.seqs] == rids
+    assert [s.start for s in sched.seqs] == [len(prompt(i)) for i in range(3)]
+    eng.add_request(prompt_token_ids=[5, 6], params=SamplingParams(max_tokens=3))  # a free seat: an admission
+    assert eng.scheduler.schedule_ahead(flight.seqs) is None

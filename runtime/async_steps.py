@@ -4,18 +4,20 @@ Without it the host reads step N's ids, appends them, then schedules and prepare
 waits. With it (Engine(async_scheduling=True)) a step whose every chunk is sampled (decodes, and prefill chunks
 that finish their prompts; no drafts) stays in flight after its launch; the next step() call schedules the step
 after it (Scheduler.schedule_ahead: every running request decodes on, except those whose token in flight reaches
-max_tokens), launches it with N's sampled ids copied into its input tokens on the device
-(ModelRunner.prepare(tokens=...)), and only then reads N's ids back and makes N's outputs, while the device
-computes N + 1. A request that stopped on its token in flight (eos, a stop id or string, a failure) is found
-then; the row N + 1 computed for it is dropped (take_rows skips finished requests) and its blocks, the one grown
-for that row included, are freed with it. In stream order nothing reuses them before N + 1 has run.
+max_tokens, and waiting requests whose whole prompts fit are admitted after them), launches it with N's sampled
+ids copied into its decodes' input tokens on the device (ModelRunner.prepare(tokens=...)), and only then reads
+N's ids back and makes N's outputs, while the device computes N + 1. A request that stopped on its token in
+flight (eos, a stop id or string, a failure) is found then; the row N + 1 computed for it is dropped (take_rows
+skips finished requests) and its blocks, the one grown for that row included, are freed with it. In stream order
+nothing reuses them before N + 1 has run.
 
-Where the next step needs the ids on the host (schedule_ahead says None: an admission, a preemption, a repetition
-penalty), the step in flight is landed first: taken in with its outputs deferred, exactly the state
-overlap_outputs alone leaves, and scheduling goes on from there. A step with a partial prefill chunk (its blocks
-are committed before sampling) or speculative rows is taken in where it is launched, as without async scheduling.
-Not built for speculative decoding (the drafter reads the last token on the host) or a Mixture-of-Depths model
-(its routed reservations are settled from the last step's routed flags before the next is scheduled).
+Where the next step needs the ids on the host (schedule_ahead says None: a prompt that must be cut into chunks,
+a preemption, a repetition penalty), the step in flight is landed first: taken in with its outputs deferred,
+exactly the state overlap_outputs alone leaves, and scheduling goes on from there. A step with a partial prefill
+chunk (its blocks are committed before sampling) or speculative rows is taken in where it is launched, as without
+async scheduling. Not built for speculative decoding (the drafter reads the last token on the host) or a
+Mixture-of-Depths model (its routed reservations are settled from the last step's routed flags before the next
+is scheduled).
 """
 
 from __future__ import annotations

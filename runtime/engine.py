@@ -268,16 +268,17 @@ class Engine:
 
         With async_scheduling (which implies the overlap) a step whose every chunk is sampled (decodes, and prefill
         chunks that end their prompts; no drafts) is not taken in where it was launched: the next call first
-        schedules the decode step after it as if no request stopped on a token not yet seen
-        (Scheduler.schedule_ahead; max_tokens is known), launches it with the sampled ids as input tokens, copied
-        on the device, and then reads the ids back and makes the outputs while the device computes. The host's
-        scheduling and step preparation then hide behind the device too. A request that did stop on its token in
-        flight (eos, a stop id or string, an error) had one more row computed, which is dropped; where the next
-        step cannot be known without the ids (a waiting request may be admitted, a block is missing, a repetition
-        penalty), the call takes the step in flight in first and schedules as without it. The outputs are the
-        same as with overlap_outputs alone, one call after their step; they come in the same calls unless a
-        request stopped on a token the host had not seen (then a waiting request may be admitted a step later).
-        abort() takes the step in flight in first.
+        schedules the step after it as if no request stopped on a token not yet seen (Scheduler.schedule_ahead;
+        max_tokens is known; waiting requests whose whole prompts fit are admitted after the decodes), launches
+        it with the sampled ids as the decodes' input tokens, copied on the device, and then reads the ids back
+        and makes the outputs while the device computes. The host's scheduling and step preparation then hide
+        behind the device too. A request that did stop on its token in flight (eos, a stop id or string, an
+        error) had one more row computed, which is dropped; where the next step cannot be known without the ids
+        (a prompt that needs a partial chunk, a block is missing, a repetition penalty), the call takes the step
+        in flight in first and schedules as without it. The outputs are the same as with overlap_outputs alone,
+        one call after their step, request for request; an admission may come a step later (the seats and
+        blocks of requests that stop on a token in flight are freed only when it comes in). abort() takes the
+        step in flight in first.
         """
         output = self.output
         outputs = output.take_pending()

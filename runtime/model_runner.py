@@ -130,20 +130,27 @@ class ModelRunner:
         gains blocks), everything is staged in one buffer and copied to the device once. The batch's tensors
         are views of the runner's buffers, valid until the next prepare().
 
-        tokens: plain decodes whose input tokens are still on the device (int64 [sequences], the last step's
-        sampled ids; the engine's async scheduling): copied into the batch there, after its upload, in stream
-        order, so the host never reads them.
+        tokens: the input tokens of the schedule's first len(tokens) chunks, decodes whose tokens are still on the
+        device (int64, the last step's sampled ids; the engine's async scheduling): copied into the batch there,
+        after its upload, in stream order, so the host never reads them.
         """
+        if tokens is None:
+            return self._stage(sched)
+        k = tokens.shape[0]
+        if tokens.dim() != 1 or any(s.num_new != 1 for s in sched.seqs[:k]) or k > len(sched.seqs):
+            raise AssertionError(f"device tokens {tuple(tokens.shape)} for a schedule whose first chunks are not "
+                                 "as many decodes")
+        batch, padded = self._stage(sched, k)
+        batch.tokens[:k].copy_(tokens, non_blocking=True)
+        return batch, padded
+
+    def _stage(self, sched: Schedule, on_device: int = 0) -> tuple[StepBatch, int]:
+        """prepare() but the device tokens: the first on_device chunks' tokens are left for the caller to write."""
         bs, seqs = self.block_size, sched.seqs
-        if tokens is not None:
-            if not sched.plain_decodes or tokens.shape != (len(seqs),):
-                raise AssertionError(f"device tokens {tuple(tokens.shape)} for a schedule that is not "
-                                     f"{len(seqs)} plain decodes")
+        if on_device and sched.plain_decodes and on_device == len(seqs):
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, True, with_tokens=False)
-            batch, padded = self._prepare_decodes(dec)
-            batch.tokens[: len(seqs)].copy_(tokens, non_blocking=True)
-            return batch, padded
-        if len(seqs) >= self.decode_numpy_min_seqs:
+            return self._prepare_decodes(dec)
+        if len(seqs) >= self.decode_numpy_min_seqs and not on_device:
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
             if dec is not None:
                 return self._prepare_decodes(dec)
@@ -168,7 +175,7 @@ class ModelRunner:
             end = a + m
             assert len(tables[i]) * bs >= end, f"{s.request.request_id}: {end} tokens but {len(tables[i])} blocks"
             if m == 1:  # decode: scalar writes, no temporaries
-                tok[q] = s.request.token_slice(a, end)[0]
+                tok[q] = s.request.token_slice(a, end)[0] if i >= on_device else 0
                 pos[q] = a
                 slot[q] = tables[i][a // bs] * bs + a % bs
             else:

@@ -191,12 +191,16 @@ class Scheduler:
         `in_flight` is every chunk of that step, each sampled (the last of its known tokens), and every running
         request has one there. The step after it is what _schedule_decodes gives once the tokens are in, on the
         assumption that no request stops on its token in flight unless max_tokens says it must: every running
-        request, in priority order, decodes that token. A request whose token in flight is a stop token, eos or
-        completes a stop string is found when the tokens come in; the row computed for it here is then dropped.
-        None when anyone could be admitted (or a request ending on max_tokens frees a seat for a waiting one), a
-        block is missing (preemption), speculation is on, the block manager reserves per token (a routed model),
-        or a request's sampler needs its token history (a repetition penalty). The blocks grown before a None are
-        the first ones schedule() grows, as in _schedule_decodes.
+        request, in priority order, decodes that token, and waiting requests are admitted after them, in arrival
+        order, while seats (those of requests ending on max_tokens counted free), budget and blocks last, each
+        with its whole prompt (a chunk that is cut would leave blocks to commit before sampling: a prompt that
+        does not fit waits for a step scheduled from host tokens). A request whose token in flight is a stop
+        token, eos or completes a stop string is found when the tokens come in; the row computed for it here is
+        then dropped (and a seat it frees is used one step later than without async scheduling). None when the
+        first waiting request's prompt exceeds the budget left (chunked prefill), a block is missing for a decode
+        (preemption), speculation is on, the block manager reserves per token (a routed model), or a request's
+        sampler needs its token history (a repetition penalty). The blocks grown before a None are the first ones
+        schedule() grows, as in _schedule_decodes. The indices cover the decodes, which come first.
         """
         running = self.running
         if self.spec_k or len(in_flight) != len(running) or self.bm.reserves_every_token:
@@ -222,8 +226,10 @@ class Scheduler:
         n = len(keep)
         if not n or n > self.max_num_batched_tokens:
             return None
-        if self.policy == "continuous" and self.waiting and n < self.max_num_seqs and n < self.max_num_batched_tokens:
-            return None  # an admission
+        budget, seats = self.max_num_batched_tokens - n, self.max_num_seqs - n
+        admit = self.policy == "continuous" and self.waiting and seats > 0 and budget > 0
+        if admit and self.waiting[0].num_tokens > budget:
+            return None  # its prompt needs a partial chunk, whose blocks are committed before sampling
         bm = self.bm
         tables, bs = bm.tables, bm.block_size
         seqs = []
@@ -233,7 +239,19 @@ class Scheduler:
             if start >= len(tables.get(rid, ())) * bs and not bm.append_slots(rid, start + 1):
                 return None
             seqs.append(ScheduledSeq(req, start, 1, True))
-        return Schedule(seqs, plain_decodes=True), keep
+        while admit and self.waiting and seats > 0:
+            # Admissions as _admit makes them, of whole prompts only (every chunk of a step in flight is sampled):
+            # the first that does not fit waits for a step scheduled from host tokens, which may cut it.
+            req = self.waiting[0]
+            self._match_prefix(req)
+            need = req.num_tokens - req.num_computed_tokens
+            if need > budget or not bm.append_slots(req.request_id, req.num_tokens):
+                self._unmatch(req)
+                break
+            self._start(req)
+            seqs.append(ScheduledSeq(req, req.num_computed_tokens, need, True))
+            budget, seats = budget - need, seats - 1
+        return Schedule(seqs, plain_decodes=len(seqs) == n), keep
 
     def _grow(self, req: Request, n: int, index: int, done: set[str], sched: Schedule,
               may_preempt_self: bool) -> bool:

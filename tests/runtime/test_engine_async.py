@@ -270,7 +270,8 @@ def test_cuda_graph_decodes_launched_ahead_give_the_same_tokens():
 
     m = load_model("tiny-llama", device="cuda", seed=0)
     step = compile_step(m.gm, m.model, m.compile, device="cuda", use_kernels=True)
-    engine = Engine(step, m.tokenizer, m.model, max_num_seqs=8, use_cuda_graphs=True)
+    # No prefix cache: the second run must compute its prompts as the first did, not reuse their blocks.
+    engine = Engine(step, m.tokenizer, m.model, max_num_seqs=8, use_cuda_graphs=True, enable_prefix_caching=False)
     assert engine.async_scheduling and engine.overlap_outputs and engine.runner.graphs
     prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(3 + 5 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=9 + 3 * i, ignore_eos=True) for i in range(4)]

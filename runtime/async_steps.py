@@ -78,18 +78,19 @@ class AsyncSteps:
 
     def take(self, flight: InFlight) -> list[RequestOutput]:
         """Take a step in: its sampled ids read back and appended, stops decided, its outputs made now."""
-        made: Made = []
-        take_plain(self.output, flight.seqs, flight.launched, time.perf_counter(), made, advance=True)
-        return self.output.emit(made)
+        return self.output.emit(self._take_in(flight))
 
     def land(self) -> None:
         """Take the step in flight in now; its outputs become deferred work, as with overlap_outputs alone, so
         they come with the next step() call."""
         flight, self.flight = self.flight, None
         if flight is not None:
-            made: Made = []
-            take_plain(self.output, flight.seqs, flight.launched, time.perf_counter(), made, advance=True)
-            self.output.deferred += made
+            self.output.deferred += self._take_in(flight)
+
+    def _take_in(self, flight: InFlight) -> Made:
+        made: Made = []
+        take_plain(self.output, flight.seqs, flight.launched, time.perf_counter(), made, advance=True)
+        return made
 
     def writing(self) -> dict[str, int]:
         """The tokens the step in flight writes, by request."""

@@ -140,18 +140,16 @@ class Engine:
             self.scheduler.spec_max_batch = spec_batch
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         overlap = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
-        if async_scheduling:
-            why = ("speculative decoding" if drafter is not None else "a Mixture-of-Depths model" if
-                   num_routed_layers(step_model) else "overlap_outputs off" if overlap_outputs is False else None)
-            if why is not None:
-                raise KilnError(f"async_scheduling is not built for {why}; leave async_scheduling unset (or False)")
-            overlap = True
-        elif async_scheduling is None:
+        if async_scheduling and overlap_outputs is False:
+            raise KilnError("async_scheduling makes every output one step() call later, as overlap_outputs does: "
+                            "it is not built with overlap_outputs off; leave one of them unset")
+        if async_scheduling is None:
             async_scheduling = (overlap and step_model.device.type == "cuda" and drafter is None
                                 and not num_routed_layers(step_model))
         self.output = OutputMaker(self.scheduler, self.block_manager, self.requests, self.eos_token_ids, overlap)
-        self._async = bool(async_scheduling)
         self.ahead = AsyncSteps(self.scheduler, self.runner, self.output)  # the step in flight (async scheduling)
+        self._async = False
+        self.async_scheduling = bool(async_scheduling)  # refused with a drafter or routed layers; turns the overlap on
         self.spec_counters = SpecCounters()
         self.spec = None if drafter is None else SpecStep(drafter, self.verify, self.output, self.spec_counters)
         self._ids = itertools.count()
@@ -181,7 +179,9 @@ class Engine:
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
         if on and (self.drafter is not None or isinstance(self.block_manager, RoutedBlockManager)):
-            raise KilnError("async_scheduling is not built for speculative decoding or a Mixture-of-Depths model")
+            raise KilnError("async_scheduling is not built for speculative decoding or a Mixture-of-Depths model "
+                            "(the drafter and the routed reservations need the last step's tokens on the host); "
+                            "leave async_scheduling unset (or False)")
         if not on:
             self.ahead.land()
         else:

@@ -239,19 +239,11 @@ class Scheduler:
             if start >= len(tables.get(rid, ())) * bs and not bm.append_slots(rid, start + 1):
                 return None
             seqs.append(ScheduledSeq(req, start, 1, True))
-        while admit and self.waiting and seats > 0:
-            # Admissions as _admit makes them, of whole prompts only (every chunk of a step in flight is sampled):
-            # the first that does not fit waits for a step scheduled from host tokens, which may cut it.
-            req = self.waiting[0]
-            self._match_prefix(req)
-            need = req.num_tokens - req.num_computed_tokens
-            if need > budget or not bm.append_slots(req.request_id, req.num_tokens):
-                self._unmatch(req)
-                break
-            self._start(req)
-            seqs.append(ScheduledSeq(req, req.num_computed_tokens, need, True))
-            budget, seats = budget - need, seats - 1
-        return Schedule(seqs, plain_decodes=len(seqs) == n), keep
+        sched = Schedule(seqs)
+        if admit:  # whole prompts only: every chunk of a step in flight is sampled
+            self._admit(sched, budget, set(), seats, whole=True)
+        sched.plain_decodes = len(seqs) == n
+        return sched, keep
 
     def _grow(self, req: Request, n: int, index: int, done: set[str], sched: Schedule,
               may_preempt_self: bool) -> bool:
@@ -296,17 +288,23 @@ class Scheduler:
             return 0
         return extra
 
-    def _admit(self, sched: Schedule, budget: int, done: set[str]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit(self, sched: Schedule, budget: int, done: set[str], seats: int | None = None,
+               whole: bool = False) -> None:
+        """Waiting requests into the step in arrival order while budget, seats (None: those running requests
+        leave) and blocks last; whole: only with their whole prompts (no chunk cut at the budget)."""
+        seats = self.max_num_seqs - len(self.running) if seats is None else seats
+        while self.waiting and budget > 0 and seats > 0:
             req = self.waiting[0]
             self._match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.bm.append_slots(req.request_id, req.num_computed_tokens + n):
+            need = req.num_tokens - req.num_computed_tokens
+            n = min(need, budget)
+            if (whole and n < need) or not self.bm.append_slots(req.request_id, req.num_computed_tokens + n):
                 self._unmatch(req)
                 break  # first come, first served: nobody overtakes the head of the queue
             self._start(req)
             self._add(sched, req, n, done)
             budget -= n
+            seats -= 1
 
     def _admit_static(self, sched: Schedule, budget: int, done: set[str]) -> None:
         while self.waiting and len(self.running) < self.max_num_seqs:

@@ -38,7 +38,7 @@ from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.scheduler import Schedule
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch
-from tests.support.speculative import other_draft, self_draft, spec_models
+from tests.support.speculative import other_draft, run_requests, self_draft, spec_models
 
 NAN = float("nan")
 SEATS = 6  # max_num_seqs: decode and verification graphs of 1, 2, 4, 6 sequences
@@ -173,12 +173,7 @@ def make(sm, **kw) -> Engine:
 
 def run(engine: Engine, trace, **params) -> list[list[int]]:
     p = {"temperature": 0, "ignore_eos": True, **params}
-    ids = [engine.add_request(prompt_token_ids=t, params=SamplingParams(max_tokens=n, **p)) for t, n in trace]
-    done = {o.request_id: o.outputs[0].token_ids for o in engine.run()}
-    bm = engine.block_manager
-    bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_usable_blocks and not any(bm.ref_counts)
-    return [done[i] for i in ids]
+    return run_requests(engine, [(t, SamplingParams(max_tokens=n, **p)) for t, n in trace])
 
 
 @pytest.fixture(scope="module")

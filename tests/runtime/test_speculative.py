@@ -13,7 +13,7 @@ from kiln.errors import KilnError
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter, ngram_lookup
-from tests.support.speculative import other_draft, self_draft, spec_models
+from tests.support.speculative import other_draft, run_requests, self_draft, spec_models
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +43,11 @@ def greedy(n: int, stop: tuple[int, ...] = (), **kw) -> SamplingParams:
 
 def run(engine: Engine, trace, stops=None, **kw) -> list[list[int]]:
     stops = stops or {}
-    ids = [engine.add_request(prompt_token_ids=p, params=greedy(n, stops.get(i, ()), **kw))
-           for i, (p, n) in enumerate(trace)]
-    done = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        assert all(0 <= w < engine.block_manager.block_size for w in engine.kv_waste())
-    bm = engine.block_manager
-    bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_usable_blocks and not any(bm.ref_counts)
-    return [done[i] for i in ids]
+
+    def waste(e: Engine) -> None:
+        assert all(0 <= w < e.block_manager.block_size for w in e.kv_waste())
+
+    return run_requests(engine, [(p, greedy(n, stops.get(i, ()), **kw)) for i, (p, n) in enumerate(trace)], waste)
 
 
 @pytest.fixture(scope="module")

@@ -54,3 +54,20 @@ def other_draft(sm: SpecModels, seed: int, **overrides) -> CompiledStep:
     """A separate draft model: the target's config (same vocab) with overrides and other random weights."""
     cfg = dataclasses.replace(sm.loaded.model, **overrides)
     return compile_step(build_graph(cfg, seed=seed), cfg, sm.loaded.compile, device="cpu", use_kernels=False)
+
+
+def run_requests(engine, requests: list, each_step=None) -> list[list[int]]:
+    """Add (prompt ids, SamplingParams) requests, step until all finish (calling each_step(engine) after every
+    step), check that every block came back, and return each request's final token ids in order."""
+    ids = [engine.add_request(prompt_token_ids=p, params=params) for p, params in requests]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if each_step is not None:
+            each_step(engine)
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_usable_blocks and not any(bm.ref_counts)
+    return [done[i] for i in ids]

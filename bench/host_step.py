@@ -3,7 +3,7 @@ sampling, detokenization and output objects (issue 9: less than the GPU step at 
 
     python bench/host_step.py [--seqs 1 32 256] [--steps 200] [--prompt-len 512] [--vocab 32000] [--detokenize]
                               [--spec NAME [--capacity C --every E]] [--repeat N] [--tag TAG] [--profile FILE]
-                              [--out-dir DIR]
+                              [--output-kind cumulative|delta|final_only] [--out-dir DIR]
 
 The engine runs over a model that does no compute: it returns fixed fp32 logits [R, vocab] (a different argmax per
 row, so every request keeps decoding) and writes no K/V. Everything else is kiln's own runtime on the CPU: the
@@ -51,7 +51,7 @@ from bench_meta import result_path, run_metadata, write_json
 
 from kiln.model_config import ModConfig
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampler import OUTPUT_KINDS, SamplingParams
 from kiln.spec.loader import load_spec
 from kiln.step import KVCache, StepBatch
 from kiln.tokenizer import ByteTokenizer
@@ -150,7 +150,7 @@ def spec_shape(spec: str, capacity: float | None, every: int | None) -> Shape:
 
 
 def run(num_seqs: int, steps: int, prompt_len: int, vocab: int, detokenize: bool, profile: bool,
-        overlap: bool = False, shape: Shape = Shape()) -> dict:
+        overlap: bool = False, shape: Shape = Shape(), output_kind: str = "cumulative") -> dict:
     model = NullModel(vocab, num_layers=shape.num_layers, num_routed_layers=shape.num_routed_layers,
                       routed_capacity=shape.capacity)
     tok = ByteTokenizer(vocab) if detokenize else None
@@ -161,7 +161,7 @@ def run(num_seqs: int, steps: int, prompt_len: int, vocab: int, detokenize: bool
     engine = TimedEngine(model, tok, Limits(), max_num_seqs=num_seqs, num_blocks=blocks,
                          max_num_batched_tokens=max(2048, prompt_len * num_seqs), overlap_outputs=overlap,
                          routed_num_blocks=blocks if shape.num_routed_layers else None)
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True, output_kind=output_kind)
     g = torch.Generator().manual_seed(1)
     for _ in range(num_seqs):
         engine.add_request(prompt_token_ids=torch.randint(vocab, (prompt_len,), generator=g).tolist(), params=params)
@@ -176,13 +176,18 @@ def run(num_seqs: int, steps: int, prompt_len: int, vocab: int, detokenize: bool
         outs = engine.step()
         times.append(time.perf_counter() - t)
         output.append(engine.output_s - before)
-        assert len(outs) == num_seqs, "every request decodes one token per step"
+        # every request decodes one token per step (and ends after the timed steps)
+        assert len(outs) == (0 if output_kind == "final_only" else num_seqs)
     if prof is not None:
         prof.disable()
-    while engine.has_unfinished():
+    t = time.perf_counter()
+    while engine.has_unfinished():  # the last two tokens, the final outputs (with final_only, all the text)
         engine.step()
+    drain = time.perf_counter() - t
     critical = [t - o for t, o in zip(times, output, strict=True)]
     row = {"step_ms_median": ms(statistics.median(times)), "step_ms_p90": ms(p90(times)),
+           # every step of the run and the drain, per timed step: what final_only moves to the end is counted
+           "all_ms_per_step": ms((sum(times) + drain) / steps),
            "output_ms_median": ms(statistics.median(output)), "critical_ms_median": ms(statistics.median(critical)),
            "us_per_seq_per_step": round(statistics.median(times) / num_seqs * 1e6, 2)}
     if prof is not None:
@@ -222,6 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tag", help="a word for the result file's name (host_step-routed-TAG-...), e.g. before")
     ap.add_argument("--profile", help="write a cProfile summary (top 30 by own time) of the largest --seqs run here "
                                       "(the routed model's, for a routed spec)")
+    ap.add_argument("--output-kind", default="cumulative", choices=OUTPUT_KINDS,
+                    help="the requests' SamplingParams.output_kind (LLM.generate asks for final_only, the server "
+                         "for delta)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     if args.spec is None and (args.capacity is not None or args.every is not None):
@@ -235,21 +243,23 @@ def main(argv: list[str] | None = None) -> dict:
         runs: dict[str, list[tuple[dict, dict]]] = {kind: [] for kind, _ in models}
         for _ in range(args.repeat):  # the models alternate, so a change in the machine's load hits them alike
             for kind, sh in models:
+                common = dict(shape=sh, output_kind=args.output_kind)
                 runs[kind].append((run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False,
-                                       shape=sh),
+                                       **common),
                                    run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=False,
-                                       overlap=True, shape=sh)))
+                                       overlap=True, **common)))
         for kind, sh in models:
             profile = bool(args.profile) and n == max(args.seqs) and sh is models[-1][1]
             off, on = (_median(r[i] for r in runs[kind]) for i in (0, 1))
             if profile:  # a run of its own: cProfile's overhead would inflate the timed ones
                 prof = run(n, args.steps, args.prompt_len, args.vocab, args.detokenize, profile=True,
-                           shape=sh)["profile"]
+                           shape=sh, output_kind=args.output_kind)["profile"]
                 Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.profile).write_text(prof)
             row = {"seqs": n, "steps": args.steps, "prompt_len": args.prompt_len, "vocab": args.vocab,
-                   "detokenize": args.detokenize, "step_ms_median": off["step_ms_median"],
-                   "step_ms_p90": off["step_ms_p90"], "output_ms_median": off["output_ms_median"],
+                   "detokenize": args.detokenize, "output_kind": args.output_kind,
+                   "step_ms_median": off["step_ms_median"], "step_ms_p90": off["step_ms_p90"],
+                   "output_ms_median": off["output_ms_median"], "all_ms_per_step": off["all_ms_per_step"],
                    "us_per_seq_per_step": off["us_per_seq_per_step"],
                    **{f"overlap_{k}": v for k, v in on.items() if k != "us_per_seq_per_step"},
                    "model": kind, "layers": sh.num_layers, "routed_layers": sh.num_routed_layers}

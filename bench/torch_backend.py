@@ -30,10 +30,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from kiln.dynamo.timing import times_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_meta import result_path, run_metadata, write_json  # noqa: E402  (the bench/ folder is not a package)
@@ -80,26 +81,7 @@ def compiled_forward(model, variant: str, kiln_options: dict | None = None):
 
 def time_ms(fn, setup, iters: int, warmup: int, cuda: bool) -> list[float]:
     """Milliseconds per call of fn() after `warmup` untimed calls; setup() runs before each, untimed."""
-    for _ in range(warmup):
-        setup()
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        setup()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return times
+    return times_ms(fn, iters, cuda, warmup, setup)
 
 
 def workloads(model, prefill: int, device: str):

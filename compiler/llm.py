@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 import threading
@@ -94,7 +95,8 @@ class LLM:
         A request that fails alone ends with finish_reason "error" (the message in RequestOutput.error). If
         generate itself raises (or is interrupted), every request it added is aborted, so the LLM stays usable.
         """
-        ids = self._add(prompts, sampling_params, prompt_token_ids)
+        # Only the final outputs are returned: the engine makes no others (no per-step copy of every output).
+        ids = self._add(prompts, sampling_params, prompt_token_ids, output_kind="final_only")
         try:
             final = {out.request_id: out for out in self._drain(ids) if out.finished}
         finally:
@@ -108,7 +110,8 @@ class LLM:
         *,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield each request's output every step it grows (outputs[0].delta_text / delta_token_ids are new).
+        """Yield each request's output every step it grows (outputs[0].delta_text / delta_token_ids are new; with
+        SamplingParams(output_kind="delta") the outputs carry only what is new, "final_only" yields one each).
 
         Streams and generate calls may interleave freely. Closing the generator early aborts the requests still
         running.
@@ -150,7 +153,7 @@ class LLM:
                 self.engine.abort(rid, notify=False)  # no-op for the finished ones
                 self._queues.pop(rid, None)
 
-    def _add(self, prompts, sampling_params, prompt_token_ids) -> list[str]:
+    def _add(self, prompts, sampling_params, prompt_token_ids, output_kind: str | None = None) -> list[str]:
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts (text) and prompt_token_ids")
         if prompts is not None:
@@ -174,6 +177,8 @@ class LLM:
         with self._lock:
             try:
                 for item, p in zip(items, params, strict=True):
+                    if output_kind is not None and p.output_kind != output_kind:
+                        p = dataclasses.replace(p, output_kind=output_kind)
                     rid = self.engine.add_request(item, p)
                     self._queues[rid] = deque()
                     ids.append(rid)

@@ -132,7 +132,9 @@ class OutputMaker:
 
     @staticmethod
     def flush(req: Request) -> None:
+        """At the request's end: its text made up to its last token, and the held-back tail emitted."""
         try:
+            OutputMaker.catch_up(req)  # a final_only request's tokens are detokenized only now
             req.detokenizer.flush()
         except Exception as e:  # the held-back tail is lost, the request still ends as asked
             req.error = f"request {req.request_id!r}: flushing its text failed ({type(e).__name__}: {e})"
@@ -140,7 +142,9 @@ class OutputMaker:
     # ---- output objects -----------------------------------------------------------------------------------
 
     def output(self, req: Request) -> RequestOutput:
+        """The output of a request that ends outside a step's output work (failed or aborted)."""
         try:
+            self.catch_up(req)  # a final_only request's text is made only now
             return req.make_output()
         except Exception as e:  # a broken detokenizer: report the text already sent
             req.error = req.error or f"request {req.request_id!r}: emitting its output failed ({type(e).__name__}: {e})"
@@ -148,17 +152,31 @@ class OutputMaker:
             return req.make_output(text_failed=True)
 
     def emit(self, made: Made) -> list[RequestOutput]:
-        return [e if isinstance(e, RequestOutput) else self.emit_one(e) for e in made]
+        outs = []
+        for e in made:
+            if isinstance(e, RequestOutput):
+                outs.append(e)
+            elif e.status in DONE or e.params.output_kind != "final_only":
+                outs.append(self.emit_one(e))
+            else:  # final_only and running: no output, no text yet (made once, when it ends)
+                e.skip_output()
+        return outs
+
+    @staticmethod
+    def catch_up(req: Request) -> None:
+        """Detokenize the output tokens the detokenizer has not seen (those of requests with stop strings were
+        detokenized when sampled)."""
+        det = req.detokenizer
+        for tok in req.output_token_ids[len(det.tokens) :]:
+            det.add(tok)
 
     def emit_one(self, req: Request) -> RequestOutput:
         """The output of a request that got tokens: the text of those not detokenized yet, the held-back tail if
         it finished, the RequestOutput. A failure here ends this request only, with the tokens no output carried
         rolled back."""
         try:
-            det = req.detokenizer
-            for tok in req.output_token_ids[len(det.tokens) :]:
-                det.add(tok)  # no stop strings here (those requests were detokenized when sampled)
-            if req.status.done:
+            self.catch_up(req)
+            if req.status in DONE:
                 self.flush(req)
             return req.make_output()
         except Exception as e:  # a detokenizer failure ends this request only
@@ -188,7 +206,7 @@ class OutputMaker:
         if not any(e is req for e in self.deferred):
             return True
         self.deferred = [e for e in self.deferred if e is not req]
-        self.pending.append(self.emit_one(req))
+        self.pending += self.emit([req])
         return not req.status.done
 
     def has_work(self) -> bool:

@@ -78,7 +78,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why it failed (finish_reason "error"), or a problem met while finishing it
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
-    _sent_tokens: int = 0  # how much the last RequestOutput already carried (for deltas)
+    # How much the last RequestOutput already carried (for deltas; with final_only, the tokens made before the
+    # last step, see skip_output).
+    _sent_tokens: int = 0
     _sent_text: int = 0
     _text: str = ""  # the text the last RequestOutput carried
 
@@ -115,31 +117,45 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
     def make_output(self, text_failed: bool = False) -> RequestOutput:
-        """The cumulative output so far plus what is new since the previous call.
+        """The request's output now, shaped by params.output_kind: everything so far plus what is new since the
+        previous output (cumulative), only what is new (delta), or everything, all of it new (final_only, made
+        once, when the request ends).
 
         A request that failed keeps the text already sent (its detokenizer may be what failed), so the deltas a
-        stream received still add up to the final text.
+        stream received still add up to the final text; with final_only nothing was sent, and it keeps the text
+        its detokenizer made.
         """
+        kind = self.params.output_kind
+        final_only = kind == "final_only"
         failed = text_failed or self.finish_reason == "error"
-        text = self._text if failed else self.detokenizer.visible_text(final=self.status.done)
+        det = self.detokenizer
+        if failed:
+            text = det.visible_text(final=True) if final_only else self._text
+        else:
+            text = det.visible_text(final=self.status in DONE)
+        sent_tokens, sent_text = (0, 0) if final_only else (self._sent_tokens, self._sent_text)
+        ids = self.output_token_ids
+        new_ids, new_text = ids[sent_tokens:], text[sent_text:]
         asked = self.params.logprobs is not None
-        out = CompletionOutput(
-            index=0,
-            token_ids=list(self.output_token_ids),
-            text=text,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-            delta_token_ids=self.output_token_ids[self._sent_tokens :],
-            delta_text=text[self._sent_text :],
-            logprobs=list(self.output_logprobs) if asked else None,
-            delta_logprobs=self.output_logprobs[self._sent_tokens :] if asked else None,
-        )
-        self._sent_tokens, self._sent_text, self._text = len(self.output_token_ids), len(text), text
+        new_lps = self.output_logprobs[sent_tokens:] if asked else None
+        if kind == "delta":  # only what is new: no copy of the whole output per step
+            all_ids, all_text, all_lps = new_ids, new_text, new_lps
+        else:
+            all_ids, all_text, all_lps = list(ids), text, list(self.output_logprobs) if asked else None
+        out = CompletionOutput(index=0, token_ids=all_ids, text=all_text, finish_reason=self.finish_reason,
+                               stop_reason=self.stop_reason, delta_token_ids=new_ids, delta_text=new_text,
+                               logprobs=all_lps, delta_logprobs=new_lps)
+        self._sent_tokens, self._sent_text, self._text = len(ids), len(text), text
         # The prompt's list is shared, not copied (it never changes; a copy cost O(prompt) per request per step).
         metrics = object.__new__(RequestMetrics)  # a field-for-field snapshot, without __init__'s argument binding
         metrics.__dict__.update(self.metrics.__dict__)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.status.done, metrics,
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.status in DONE, metrics,
                              self.error)
+
+    def skip_output(self) -> None:
+        """A final_only request that is still running makes no output this step. Its tokens so far count as
+        carried: a later failure rolls back only the tokens that come after them (OutputMaker.fail)."""
+        self._sent_tokens = len(self.output_token_ids)
 
 
 @dataclass

@@ -24,6 +24,12 @@ TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy (as in vLLM): the
 SEED_MAX = 2**64 - 1  # torch generators take 64-bit seeds
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (as vLLM's default max_logprobs)
 _LOGIT_LIMIT = 1e30  # penalised logits are clamped to +-this: finite, and far beyond any real logit gap
+# What each RequestOutput of a request carries (vLLM's RequestOutputKind): "cumulative", everything so far every
+# step (with what is new in the delta_* fields); "delta", only what is new (token_ids, text and logprobs equal the
+# delta_* fields); "final_only", one output when the request ends, with everything. The last two spare the host
+# copying every request's growing output each step: LLM.generate and the throughput benchmark ask for final_only,
+# the HTTP server for delta.
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class SamplingParams:
     # Speculative decoding (an engine with a drafter): False opts this request out. It is also off for requests
     # with a repetition penalty or logprobs (see Request.can_speculate).
     speculate: bool = True
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
     def __post_init__(self) -> None:
         # Accept a single stop string / token id, lists, arrays and numpy scalars for convenience; keep the stored
@@ -128,6 +135,8 @@ class SamplingParams:
             ),
             ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
             ("speculate", self.speculate, isinstance(self.speculate, bool), "True or False"),
+            ("output_kind", self.output_kind, self.output_kind in OUTPUT_KINDS,
+             " or ".join(repr(k) for k in OUTPUT_KINDS)),
             (
                 "logprobs",
                 self.logprobs,

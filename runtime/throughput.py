@@ -65,7 +65,7 @@ def run_trace(engine: Engine, trace: list[TraceRequest], *, label: str = "",
     """Run every request to completion; throughput, TTFT and TPOT (seconds) over the whole trace."""
     start = time.perf_counter()
     for i, r in enumerate(trace):
-        params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True, output_kind="final_only")
         engine.add_request(prompt_token_ids=r.prompt_token_ids, params=params, request_id=f"{label}{i}")
     finished = []
     last = start

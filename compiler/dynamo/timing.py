@@ -45,11 +45,20 @@ class Timing:
         return self.kiln / base if base and self.kiln else None
 
 
-def median_ms(fn: Callable[[], Any], iters: int, cuda: bool, warmup: int = 2) -> float:
+def times_ms(fn: Callable[[], Any], iters: int, cuda: bool, warmup: int = 2,
+             setup: Callable[[], Any] | None = None) -> list[float]:
+    """Milliseconds of each of `iters` calls of fn() (CUDA events on a GPU) after `warmup` untimed calls; setup(),
+    when given, runs before every call, untimed."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if setup is not None:
+            setup()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -61,7 +70,11 @@ def median_ms(fn: Callable[[], Any], iters: int, cuda: bool, warmup: int = 2) ->
             t = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def median_ms(fn: Callable[[], Any], iters: int, cuda: bool, warmup: int = 2) -> float:
+    return statistics.median(times_ms(fn, iters, cuda, warmup))
 
 
 def _inductor(gm: fx.GraphModule, args: Sequence[Any]) -> Callable[..., Any]:

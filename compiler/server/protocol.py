@@ -78,7 +78,7 @@ class _Sampling(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
                               seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
-                              logprobs=self.engine_logprobs())
+                              logprobs=self.engine_logprobs(), output_kind="delta")  # see streaming.Choices
 
     def engine_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None (off) or how many top alternatives each token reports."""

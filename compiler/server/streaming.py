@@ -43,9 +43,10 @@ class Choices:
             raise APIError(500, str(item), code="engine_failure")
         i = self.index[item.request_id]
         comp = item.outputs[0]
+        # The server asks for output_kind "delta": each output carries only what is new, added up here.
         self.text[i] += comp.delta_text
-        self.token_ids[i] = comp.token_ids
-        self.num_tokens[i] = len(comp.token_ids)
+        self.token_ids[i] += comp.delta_token_ids
+        self.num_tokens[i] = len(self.token_ids[i])
         if item.finished:
             self.finish[i] = "length" if comp.finish_reason == "length" else "stop"
         new = None

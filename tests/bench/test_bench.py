@@ -108,6 +108,11 @@ def test_host_step_bench_times_the_runtime_without_a_model(tmp_path, monkeypatch
     assert "synchronous" in result["note"]
     assert "engine.py" in prof.read_text()  # the profile covers the engine's step
     assert json.loads(next(tmp_path.glob("host_step-*.json")).read_text())["rows"] == result["rows"]
+    final = mod.main(["--seqs", "3", "--steps", "4", "--prompt-len", "5", "--vocab", "300", "--detokenize",
+                      "--output-kind", "final_only", "--tag", "final", "--out-dir", str(tmp_path)])
+    assert [r["output_kind"] for r in final["rows"]] == ["final_only"]
+    assert all(r["all_ms_per_step"] > 0 for r in result["rows"] + final["rows"])
+    assert result["rows"][0]["output_kind"] == "cumulative"
 
 
 def test_host_step_bench_runs_a_routed_spec_beside_its_dense_twin(tmp_path, monkeypatch):

@@ -67,6 +67,26 @@ def test_generate_stream_yields_deltas_that_add_up(llm):
     assert sorted(again) == sorted(finals.values())
 
 
+def test_generate_makes_only_final_outputs_and_streams_keep_their_kind(llm, monkeypatch):
+    from kiln import SamplingParams
+    from kiln.runtime.request import Request
+
+    made: list[str] = []
+    real = Request.make_output
+    monkeypatch.setattr(Request, "make_output", lambda self, *a, **kw: made.append(self.request_id) or real(self, *a,
+                                                                                                            **kw))
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)  # cumulative, as given
+    outs = llm.generate(["ab", "cd", "e"], params)
+    assert sorted(made) == sorted(o.request_id for o in outs) and all(len(o.outputs[0].token_ids) == 7 for o in outs)
+    assert params.output_kind == "cumulative"  # the caller's params are not changed
+    made.clear()
+    delta = [o.outputs[0] for o in llm.generate_stream("ab", SamplingParams(**{**vars(params),
+                                                                                  "output_kind": "delta"}))]
+    assert len(made) == len(delta) == 7
+    assert all(c.token_ids == c.delta_token_ids and len(c.token_ids) == 1 for c in delta)
+    assert [c.token_ids[0] for c in delta] == outs[0].outputs[0].token_ids
+
+
 def test_closing_a_stream_early_aborts_its_requests(llm):
     from kiln import SamplingParams
 

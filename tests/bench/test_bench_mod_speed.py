@@ -3,6 +3,7 @@ for shape, never speed)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -72,7 +73,12 @@ def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
     assert (result["narrow_min_rows"], result["narrow_bucket"]) == (16, 8)
     assert (kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET) == (256, 64)
     assert list(result["thresholds"]) == ["layers.1.router.threshold"]
-    assert [r["workload"] for r in result["rows"]] == ["prefill", "decode_1", "decode_3"]
+    assert [r["workload"] for r in result["rows"]] == ["prefill", "decode_1", "decode_3", "decode_3_p20"]
+    assert [r["prompt_len"] for r in result["rows"][2:]] == [12, 20] and "target" not in result["rows"][-1]
+    assert bench.batch_prompt("64:2048") == (64, 2048)
+    for bad in ("64", "0:5", "a:b"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BATCH:PROMPT_LEN|>= 1"):
+            bench.batch_prompt(bad)
     for row in result["rows"]:
         dense, routed = row["dense"], row["routed"]
         assert dense["tok_s"] > 0 and routed["tok_s"] > 0 and dense["preemptions"] == routed["preemptions"] == 0

@@ -13,9 +13,11 @@ distribution the ordinary sampler draws from, so temperature, top-k, top-p and m
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.errors import KilnError
@@ -44,12 +46,18 @@ class Draft:
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the request's last n tokens (n, then n - 1, ... 1)
-    in prompt + output and propose the up-to-k tokens that followed it."""
+    in prompt + output and propose the up-to-k tokens that followed it.
+
+    Each request's tokens are kept in a numpy array that grows with them (a request's tokens only grow while it
+    can be proposed for), so a proposal costs a vectorized search, not a Python loop over the whole context per
+    step: at 2048 tokens about 0.2 ms per request before, which at batch 32 was several times the model step."""
 
     def __init__(self, n: int = 3, k: int = 4):
         if not (isinstance(n, int) and n >= 1 and isinstance(k, int) and k >= 1):
             raise KilnError(f"NgramDrafter(n={n!r}, k={k!r}): n and k must be integers >= 1 (e.g. n=3, k=4)")
         self.n, self.k = n, k
+        # per request (dropped with it): a buffer of its tokens and how many of them are written
+        self._tokens: weakref.WeakKeyDictionary[Request, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 0
@@ -61,24 +69,43 @@ class NgramDrafter:
     def propose(self, seqs: Sequence[ScheduledSeq]) -> list[Draft]:
         out = []
         for s in seqs:
-            toks = ngram_lookup(s.request.all_token_ids, self.n, s.num_drafts)
+            toks = ngram_lookup(self.tokens_of(s.request), self.n, s.num_drafts)
             s.request.draft_tokens = toks
             out.append(Draft(toks, None))
         return out
+
+    def tokens_of(self, req: Request) -> np.ndarray:
+        """req's prompt + output tokens as an int64 array, appending only what came since the last call."""
+        total = req.num_tokens
+        buf, n = self._tokens.get(req, (None, 0))
+        if buf is None or n > total:  # new (or, never expected, shorter): start over
+            buf, n = np.empty(max(2 * total, 64), dtype=np.int64), 0
+        if total > buf.shape[0]:
+            grown = np.empty(2 * total, dtype=np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        if total > n:
+            buf[n:total] = req.token_slice(n, total)
+        self._tokens[req] = (buf, total)
+        return buf[:total]
 
     def verified(self, req: Request, start: int, num_drafts: int, num_accepted: int) -> None:
         pass
 
 
-def ngram_lookup(tokens: Sequence[int], n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of tokens' last m tokens, m = n .. 1."""
-    total = len(tokens)
+def ngram_lookup(tokens: np.ndarray, n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of tokens' last m tokens, m = n .. 1 (the
+    occurrence may overlap the tail but must be followed by at least one token)."""
+    total = tokens.shape[0]
     for m in range(min(n, total - 1), 0, -1):
-        tail = list(tokens[total - m :])
-        first = tail[0]
-        for i in range(total - m - 1, -1, -1):  # latest start first; the match must end before the tail starts
-            if tokens[i] == first and list(tokens[i : i + m]) == tail:
-                return list(tokens[i + m : i + m + k])
+        last = total - m - 1  # the latest start whose match leaves a token after it
+        hit = tokens[: last + 1] == tokens[total - m]
+        for j in range(1, m):
+            hit &= tokens[j : last + 1 + j] == tokens[total - m + j]
+        starts = np.flatnonzero(hit)
+        if starts.size:
+            i = int(starts[-1])
+            return tokens[i + m : i + m + k].tolist()
     return []
 
 

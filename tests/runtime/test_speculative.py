@@ -5,8 +5,10 @@ preempt; plus the per-request opt-out and the batch-size switch-off, counted. Re
 
 from __future__ import annotations
 
+import gc
 import random
 
+import numpy as np
 import pytest
 
 from kiln.errors import KilnError
@@ -107,11 +109,47 @@ def test_repetition_penalty_and_logprobs_requests_do_not_speculate(sm, trace):
         assert eng.stats.spec_proposed == 0
 
 
+def slow_ngram_lookup(tokens: list[int], n: int, k: int) -> list[int]:
+    """The lookup written out in Python, position by position: what kiln's vectorized one must give."""
+    total = len(tokens)
+    for m in range(min(n, total - 1), 0, -1):
+        for i in range(total - m - 1, -1, -1):  # latest start first, leaving a token after the match
+            if tokens[i : i + m] == tokens[total - m :]:
+                return tokens[i + m : i + m + k]
+    return []
+
+
 def test_ngram_lookup_takes_the_latest_earlier_match_longest_first():
-    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3], 3, 4) == [8, 5, 2, 3]  # [2, 3] twice; latest wins
-    assert ngram_lookup([1, 2, 3, 4, 1, 2, 3], 3, 2) == [4, 1]
-    assert ngram_lookup([5, 6, 7], 3, 4) == []
-    assert ngram_lookup([7, 7], 2, 4) == [7]
+    def look(tokens: list[int], n: int, k: int) -> list[int]:
+        return ngram_lookup(np.array(tokens, dtype=np.int64), n, k)
+
+    assert look([1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3], 3, 4) == [8, 5, 2, 3]  # [2, 3] twice; latest wins
+    assert look([1, 2, 3, 4, 1, 2, 3], 3, 2) == [4, 1]
+    assert look([5, 6, 7], 3, 4) == []
+    assert look([7, 7], 2, 4) == [7]
+    assert look([4], 3, 4) == [] and look([], 3, 4) == []
+    rng = random.Random(0)
+    for _ in range(3000):  # small vocabularies: matches of every length, overlapping ones, none
+        tokens = [rng.randrange(rng.choice((2, 3, 5, 40))) for _ in range(rng.randrange(0, 40))]
+        n, k = rng.randrange(1, 5), rng.randrange(1, 6)
+        assert look(tokens, n, k) == slow_ngram_lookup(tokens, n, k), (tokens, n, k)
+
+
+def test_the_ngram_drafter_keeps_each_requests_tokens_as_they_grow():
+    from kiln.runtime.detokenizer import Detokenizer
+    from kiln.runtime.request import Request
+
+    drafter = NgramDrafter(n=2, k=3)
+    reqs = [Request(str(i), None, [1, 2, 3, i], SamplingParams(), Detokenizer(None)) for i in range(3)]
+    rng = random.Random(1)
+    for step in range(200):  # long enough to grow each buffer past its first size
+        for req in reqs[: 1 + step % 3]:
+            req.output_token_ids += [rng.randrange(4) for _ in range(rng.randrange(1, 3))]
+            assert drafter.tokens_of(req).tolist() == req.all_token_ids
+    assert len(drafter._tokens) == 3
+    del reqs, req
+    gc.collect()
+    assert len(drafter._tokens) == 0  # dropped with their requests
 
 
 def test_a_drafter_needs_a_verifier_and_a_matching_vocabulary(sm):

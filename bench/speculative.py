@@ -81,7 +81,8 @@ def prompts(tokenizer, n: int, vocab: int) -> list[list[int]]:
 
 
 def run(engine: Engine, reqs: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    # final_only: only the final outputs are read, so neither side pays for per-step output objects
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, output_kind="final_only")
     ids = [engine.add_request(prompt_token_ids=p, params=params) for p in reqs]
     t = time.perf_counter()
     done = {o.request_id: o.outputs[0].token_ids for o in engine.run()}

@@ -30,6 +30,7 @@ import kiln.ir.ops_mod  # noqa: F401  (registers the Mixture-of-Depths ops)
 import kiln.passes
 from kiln import env
 from kiln.errors import InternalError, KilnError, PassError
+from kiln.ir.registry import unbind_references
 from kiln.ir.text import format_graph
 from kiln.model_config import CompileConfig
 from kiln.passes.base import Pass, PassResult
@@ -221,6 +222,7 @@ def run_pipeline(
     debug = env.debug() if debug is None else debug
     dump_dir = dump_dir if dump_dir is not None else env.dump_dir()
     dump_path = Path(dump_dir) if dump_dir is not None else None
+    unbind_references(gm)  # a graph that ran without kernels before: its ops back, with their fake kernels
     if any(n.op != "output" and "val" not in n.meta for n in gm.graph.nodes):
         # Passes read meta["val"], refreshed below only after a pass that changed the graph; fill it for a
         # graph built without it, or the first pass that reads it fails whenever no pass before it changed.

@@ -41,6 +41,7 @@ from kiln.compile.driver import kernels_usable
 from kiln.compile.lowering import k_spec_verify, kernel_requests, lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.errors import KilnError, PassError
+from kiln.ir.registry import bind_references
 from kiln.model_config import CompileConfig, ModelConfig
 from kiln.step import KVCache, StepBatch, Verifier, VerifyBatch
 from kiln.step import allocate_kv_cache as _allocate
@@ -217,6 +218,8 @@ def compile_step(
             for req in kernel_requests(gm):
                 default_cache().load(req.template, req.name, **req.params)
         bound.meta["val"] = example
+    else:  # the reference ops, called directly: no per-op dispatcher work on the CPU decode path
+        gm = bind_references(gm)
     return CompiledStep(gm, num_layers, kv_heads, head_dim, cfg.vocab, dtype, model_device, use_kernels,
                         [p.name for p in passes], kv_dtype, kv_spec.get("block", 16),
                         make_verifier(cfg.vocab, use_kernels), num_routed,

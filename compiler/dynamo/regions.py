@@ -35,7 +35,7 @@ from kiln.compile.driver import compile_model
 from kiln.compile.pipeline import propagate
 from kiln.dynamo.normalize import is_kiln, val
 from kiln.errors import KilnError
-from kiln.ir.registry import REFERENCE
+from kiln.ir.registry import bind_references
 from kiln.passes._graph import set_param
 
 _PREFIX = "kiln_region_"
@@ -211,11 +211,7 @@ def _flat_weights(gm: fx.GraphModule) -> fx.GraphModule:
 def _direct_reference(gm: fx.GraphModule) -> fx.GraphModule:
     """gm (not lowered: use_kernels off) calling each kiln op's reference function directly: the same torch code
     without torch.library's per-call wrappers (about 30 us per op, more than the op itself at small sizes)."""
-    for n in gm.graph.nodes:
-        if is_kiln(n) and n.target._schema.name in REFERENCE:
-            n.target = REFERENCE[n.target._schema.name]
-    gm.recompile()
-    return gm
+    return bind_references(gm)
 
 
 def _build(

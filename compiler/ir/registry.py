@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
+from torch import fx
 from torch.library import custom_op
 
 REFERENCE: dict[str, Callable] = {}  # "kiln::name" -> the reference function
@@ -23,3 +25,40 @@ def kiln_op(name: str, *, mutates_args: Iterable[str] | str = (), schema: str | 
         return custom_op(name, mutates_args=mutates_args, schema=schema)(fn)
 
     return register
+
+
+def bind_references(gm: fx.GraphModule) -> fx.GraphModule:
+    """gm (in place) calling each kiln op's reference function directly, for graphs that run without kernels:
+    the same torch code without torch.library's per-call wrappers (the autograd and in-place layers, default
+    filling: tens of microseconds per op, more than many ops themselves at decode sizes). Each bound node keeps
+    its op's name in meta["kiln_op"], as lowering's kernel calls do (op_name reads either)."""
+    for n in gm.graph.nodes:
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        if schema is not None and schema.name in REFERENCE:
+            n.meta["kiln_op"] = str(n.target)
+            n.target = REFERENCE[schema.name]
+    gm.recompile()
+    return gm
+
+
+def unbind_references(gm: fx.GraphModule) -> fx.GraphModule:
+    """Undo bind_references (in place): the ops back as the dispatcher's, whose fake kernels passes propagate (a
+    step graph compiled twice, e.g. a loaded model served by two engines, runs the passes over the bound one)."""
+    changed = False
+    for n in gm.graph.nodes:
+        name = n.meta.get("kiln_op")
+        if name is None:
+            continue
+        ns, op, overload = name.split(".")
+        if n.target is REFERENCE.get(f"{ns}::{op}"):
+            n.target = getattr(getattr(getattr(torch.ops, ns), op), overload)
+            del n.meta["kiln_op"]
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
+def op_name(n: fx.Node) -> str:
+    """The kiln op a node calls ("kiln.paged_attention.default"), bound (to a kernel or a reference) or not."""
+    return n.meta.get("kiln_op", str(n.target))

@@ -19,6 +19,7 @@ from kiln.build import load_model
 from kiln.compile.step import allocate_kv_cache, compile_step
 from kiln.errors import KilnError, PassError
 from kiln.ir.frontend import build_graph
+from kiln.ir.registry import op_name
 from kiln.model_config import CompileConfig
 from kiln.spec.loader import load_spec
 from kiln.step import StepBatch, step_input_names
@@ -109,8 +110,8 @@ def test_the_step_graph_has_a_routed_cache_and_one_slot_op_per_routed_layer():
     gm = step.gm
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     assert tuple(names) == step_input_names(False, routed=True)
-    slots = [n for n in gm.graph.nodes if n.target is torch.ops.kiln.mod_kv_slots.default]
-    paged = [n for n in gm.graph.nodes if n.target is torch.ops.kiln.paged_attention.default]
+    slots = [n for n in gm.graph.nodes if op_name(n) == "kiln.mod_kv_slots.default"]
+    paged = [n for n in gm.graph.nodes if op_name(n) == "kiln.paged_attention.default"]
     assert [n.args[6] for n in slots] == [0, 1]
     assert [(n.args[3].name, n.args[4]) for n in paged] == [("kv_cache", 0), ("routed_kv_cache", 0),
                                                             ("kv_cache", 1), ("routed_kv_cache", 1)]
@@ -147,7 +148,7 @@ class _CountRows(fx.Interpreter):
 
     def run_node(self, n):
         out = super().run_node(n)
-        op = n.meta.get("kiln_op", str(n.target))
+        op = op_name(n)
         if op == "kiln.linear.default":
             self.rows[n.name] = self.env[n.args[0]].shape[-2]
         elif op == "kiln.paged_attention.default":
@@ -225,21 +226,22 @@ def test_each_routed_layer_narrows_its_compact_tensors_once(spec_name):
     spec = load_spec(spec_name)
     gm = compile_step(build_graph(spec.model, seed=0), spec.model, spec.compile, use_kernels=False).gm
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    kiln_ops = torch.ops.kiln
-    routing = [n for n in gm.graph.nodes if n.target in (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)]
-    narrows = [n for n in gm.graph.nodes if n.target is kiln_ops.mod_narrow.default]
+    def calls(*ops: str) -> list[fx.Node]:
+        return [n for n in gm.graph.nodes if op_name(n) in {f"kiln.{op}.default" for op in ops}]
+
+    routing = calls("mod_route", "mod_gather")
+    narrows = calls("mod_narrow")
     assert len(routing) == len(narrows) == 2
     for route, narrow in zip(routing, narrows, strict=True):
         count, compact = narrow.args[:2]
-        slots = next(n for n in gm.graph.nodes if n.target is kiln_ops.mod_kv_slots.default and n.args[1] is count)
+        slots = next(n for n in calls("mod_kv_slots") if n.args[1] is count)
         assert order[route] < order[slots] < order[narrow]
         assert slots.args[0] is compact[0] and compact[0].args == (route, 1 if route.name.endswith("route") else 0)
         full = set(compact)
         assert all(set(n.users) <= {narrow, slots} for n in full)  # nothing else reads the full rows
         cut = {u.args[1]: u for u in narrow.users}
-        scatter = next(n for n in gm.graph.nodes if n.target is kiln_ops.mod_scatter.default and n.args[4] is count)
-        paged = next(n for n in gm.graph.nodes if n.target is kiln_ops.paged_attention.default and n.args[5] is
-                     cut[len(compact) - 1])
+        scatter = next(n for n in calls("mod_scatter") if n.args[4] is count)
+        paged = next(n for n in calls("paged_attention") if n.args[5] is cut[len(compact) - 1])
         assert scatter.args[3] is cut[0] and order[narrow] < order[paged] < order[scatter]
         body_start = min(order[u] for i in range(1, len(compact) - 1) for u in cut[i].users)
         assert body_start > order[narrow]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 from kiln.gguf.config import ROPE_FREQS, GGUFError, check_rope_freqs
 from kiln.model_config import ModelConfig, param_shapes
+from kiln.progress import PROGRESS_THRESHOLD
 from kiln.quant.formats import QuantizedWeight
 
 BLOCK = 32  # Q4_0, Q4_1 and Q8_0 blocks: 32 weights along K with one f16 scale (and Q4_1 an f16 minimum)
@@ -136,9 +138,11 @@ def load_gguf_weights(
     keep: bool = True,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    progress: bool | None = None,
 ) -> GGUFWeights:
     """Every kiln weight of `cfg` from the GGUF. keep: Q4_0 / Q4_1 / Q8_0 linears stay quantized (int4 / int8,
     group 32); otherwise (and for every other type) tensors are dequantized and cast to `dtype`.
+    progress: a bar on stderr counting the file's bytes read; None shows it for files over 1 GiB of tensors.
 
     A missing, unexpected or wrongly shaped tensor is one GGUFError listing them all; nothing is loaded then.
     """
@@ -163,26 +167,33 @@ def load_gguf_weights(
     if problems:
         raise GGUFError(f"{path}: the tensors do not match model {cfg.name!r} ({len(problems)} problems):\n  "
                         + "\n  ".join(problems[:20]))
+    from tqdm import tqdm
+
     out = GGUFWeights()
     permute = arch in ("llama", "mistral")
-    for name, t in by_name.items():
-        heads = None
-        if permute and name.endswith(".q.weight"):
-            heads = cfg.heads
-        elif permute and name.endswith(".k.weight"):
-            heads = cfg.kv_heads
-        kind = t.tensor_type.name
-        kept, path_label = _path(t, name, keep, dtype)
-        try:
-            if kept:
-                out.quantized[name] = keep_quantized(t, heads)
-            else:
-                out.dense[name] = dequantized(t, heads).to(device=device, dtype=dtype)
-        except (NotImplementedError, ValueError) as e:
-            raise GGUFError(f"{path}: cannot dequantize tensor {t.name} of type {kind} ({e}); upgrade the gguf "
-                            "package (pip install -U gguf) or convert the file to a common type (Q8_0, Q4_K, F16)"
-                            ) from None
-        out.paths.setdefault(path_label, []).append(name)
+    total = sum(int(t.n_bytes) for t in by_name.values())
+    show = progress if progress is not None else total > PROGRESS_THRESHOLD
+    with tqdm(total=total, unit="B", unit_scale=True, desc="kiln: loading weights", file=sys.stderr,
+              disable=not show) as bar:
+        for name, t in by_name.items():
+            heads = None
+            if permute and name.endswith(".q.weight"):
+                heads = cfg.heads
+            elif permute and name.endswith(".k.weight"):
+                heads = cfg.kv_heads
+            kind = t.tensor_type.name
+            kept, path_label = _path(t, name, keep, dtype)
+            try:
+                if kept:
+                    out.quantized[name] = keep_quantized(t, heads)
+                else:
+                    out.dense[name] = dequantized(t, heads).to(device=device, dtype=dtype)
+            except (NotImplementedError, ValueError) as e:
+                raise GGUFError(f"{path}: cannot dequantize tensor {t.name} of type {kind} ({e}); upgrade the gguf "
+                                "package (pip install -U gguf) or convert the file to a common type (Q8_0, Q4_K, F16)"
+                                ) from None
+            out.paths.setdefault(path_label, []).append(name)
+            bar.update(int(t.n_bytes))
     for qw in out.quantized.values():
         for attr in ("qweight", "scales", "zeros"):
             if getattr(qw, attr) is not None:

@@ -34,12 +34,40 @@ def test_config_from_metadata(tiny):
     assert cfg == tiny_config()
 
 
+def test_reader_over_a_plain_mapping_reads_what_gguf_reads(tiny):
+    import gguf.gguf_reader as reader_module
+    from gguf import GGUFReader
+
+    path, _ = tiny
+    ours, theirs = open_gguf(path), GGUFReader(path, "r")
+    assert reader_module.np is np  # the swap is undone
+    assert not isinstance(ours.data, np.memmap) and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, f in theirs.fields.items():
+        assert ours.fields[key].types == f.types and ours.fields[key].contents() == f.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape), b.data_offset)
+        assert not a.data.flags.writeable and np.array_equal(a.data, b.data), a.name
+
+
 def test_dequantized_weights_are_the_stored_ones_in_hf_order(tiny):
     path, stored = tiny
     m = _load(path, "none")
     params = dict(m.gm.named_parameters())
     for name, want in stored.items():
         assert torch.equal(params[name], want), name  # q/k un-permuted, Q4_1 dequantized exactly as gguf does
+
+
+@pytest.mark.parametrize("threshold, shown", [(None, False), (1000, True)])  # bytes; the tiny file is bigger
+def test_progress_bar_for_big_files(tiny, capsys, monkeypatch, threshold, shown):
+    import kiln.gguf.weights as weights_mod
+
+    if threshold is not None:
+        monkeypatch.setattr(weights_mod, "PROGRESS_THRESHOLD", threshold)
+    _load(tiny[0], "none")
+    err = capsys.readouterr().err
+    assert ("kiln: loading weights" in err and "100%" in err) == shown
 
 
 def test_kept_q4_1_gives_the_dequantized_models_logits(tiny):

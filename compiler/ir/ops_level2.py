@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
-from kiln.ir.registry import kiln_op
+from kiln.ir.registry import kiln_op, reference
 from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION
 
 kiln_ops = torch.ops.kiln
@@ -41,7 +41,7 @@ def flash_attention(
     num_stages: int,
 ) -> torch.Tensor:
     """kiln::attention computed tile by tile; the tile config changes the schedule, never the result."""
-    return kiln_ops.attention.default(*ATTENTION.values(locals()))
+    return reference("attention")(*ATTENTION.values(locals()))
 
 
 @flash_attention.register_fake
@@ -54,8 +54,8 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the residual add and the norm after it in one pass over memory."""
-    s = kiln_ops.add.default(x, residual)
-    return kiln_ops.rms_norm.default(s, weight, eps), s
+    s = reference("add")(x, residual)
+    return reference("rms_norm")(s, weight, eps), s
 
 
 @add_rms_norm.register_fake
@@ -68,8 +68,8 @@ def add_layer_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(layer_norm(x + residual), x + residual)."""
-    s = kiln_ops.add.default(x, residual)
-    return kiln_ops.layer_norm.default(s, weight, bias, eps), s
+    s = reference("add")(x, residual)
+    return reference("layer_norm")(s, weight, bias, eps), s
 
 
 @add_layer_norm.register_fake

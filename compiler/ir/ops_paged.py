@@ -32,7 +32,7 @@ import torch
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the reference calls)
 from kiln.errors import KilnError
-from kiln.ir.registry import kiln_op
+from kiln.ir.registry import kiln_op, reference
 from kiln.ir.signatures import ATTENTION_PARAMS, PAGED_ATTENTION, take
 
 kiln_ops = torch.ops.kiln
@@ -125,7 +125,7 @@ def paged_attention(
             continue
         keys, values = gather_kv(kv_cache, layer, block_tables[i], ctx, kv_scales)
         qs = q[:, lo:hi]
-        out[:, lo:hi] = kiln_ops.attention.default(qs, keys.to(q.dtype), values.to(q.dtype), *attn)
+        out[:, lo:hi] = reference("attention")(qs, keys.to(q.dtype), values.to(q.dtype), *attn)
     return out
 
 

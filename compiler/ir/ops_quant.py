@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
-from kiln.ir.registry import kiln_op
+from kiln.ir.registry import kiln_op, reference
 from kiln.quant.formats import dequantize_parts
 
 kiln_ops = torch.ops.kiln
@@ -24,7 +24,7 @@ kiln_ops = torch.ops.kiln
 def linear_w8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """kiln::linear with an int8 per-output-channel weight (W8A16)."""
     w = dequantize_parts(qweight, scales, None, 8, 0).to(x.dtype)
-    return kiln_ops.linear.default(x, w, bias)
+    return reference("linear")(x, w, bias)
 
 
 @linear_w8.register_fake
@@ -43,7 +43,7 @@ def linear_w4(
 ) -> torch.Tensor:
     """kiln::linear with a group-wise int4 weight, two codes per byte (zeros None = symmetric)."""
     w = dequantize_parts(qweight, scales, zeros, 4, group).to(x.dtype)
-    return kiln_ops.linear.default(x, w, bias)
+    return reference("linear")(x, w, bias)
 
 
 @linear_w4.register_fake

@@ -27,6 +27,13 @@ def kiln_op(name: str, *, mutates_args: Iterable[str] | str = (), schema: str | 
     return register
 
 
+def reference(op: str) -> Callable:
+    """The reference function of kiln op `op` ("add" or "kiln::add"). References that build on other kiln ops call
+    them through this, not through torch.ops: the same code without the dispatcher's per-call wrappers (see
+    bind_references), and differentiable (kiln.train) since no custom op sits in between."""
+    return REFERENCE[op if "::" in op else f"kiln::{op}"]
+
+
 def bind_references(gm: fx.GraphModule) -> fx.GraphModule:
     """gm (in place) calling each kiln op's reference function directly, for graphs that run without kernels:
     the same torch code without torch.library's per-call wrappers (the autograd and in-place layers, default

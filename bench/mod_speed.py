@@ -27,6 +27,9 @@ workload warmed up first on other random prompts with the same step shapes:
 - --extra-decode B:P (any number, run last): a decode at batch B with prompts of P tokens (row `decode_B_pP`),
   e.g. 64:2048, where the bytes bound below leaves the decode target room (at batch 64 and a mean context of 640
   tokens the bound itself is below 1.2x for llama-3.2-1b at capacity 0.125, every 2).
+A decode row also runs the dense twin with async scheduling off (`dense_sync`, `routed_over_dense_sync`): the
+routed engine has none (not built for routed models), so `routed_over_dense` counts the host work the dense one
+hides, and the sync ratio the routing's effect apart from it. Each side's row says whether it ran async.
 Per workload and model: tokens/s, the routed/dense ratio, the fraction of rows each routed layer really routed
 (counted from the step's `routed` output, never assumed), KV bytes per token at those fractions, and the KV
 bytes the engine held when decoding started. Issue 13's targets: prefill >= 1.4x, decode at batch 64 >= 1.2x.
@@ -107,6 +110,7 @@ class Workload:
     max_batched: int
     prefix_caching: bool = False
     cuda_graphs: bool | None = None  # None: the engine's default (on for a CUDA model, routed or dense)
+    async_scheduling: bool | None = None  # None: the engine's default (on for a dense CUDA model, off for a routed)
 
 
 def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
@@ -115,7 +119,8 @@ def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
     routed = blocks if getattr(step, "num_routed_layers", 0) else None
     return Engine(step, None, cfg, num_blocks=blocks, max_num_seqs=max(w.prompts, 1),
                   max_num_batched_tokens=w.max_batched, max_model_len=w.prompt_len + w.new_tokens,
-                  routed_num_blocks=routed, enable_prefix_caching=w.prefix_caching, use_cuda_graphs=w.cuda_graphs)
+                  routed_num_blocks=routed, enable_prefix_caching=w.prefix_caching, use_cuda_graphs=w.cuda_graphs,
+                  async_scheduling=w.async_scheduling)
 
 
 def _prompts(gen: torch.Generator, vocab: int, n: int, length: int) -> list[list[int]]:
@@ -169,7 +174,8 @@ def measure(step: CountRouted, cfg: ModelConfig, w: Workload, seed: int, block_s
     st = engine.stats
     row = {"wall_s": round(secs, 4), "steps": st.num_steps - before.num_steps,
            "preemptions": st.num_preemptions - before.num_preemptions,
-           "kv_pool_bytes_allocated": engine.kv_bytes, "routed_fraction": step.fractions(routed_layers)}
+           "kv_pool_bytes_allocated": engine.kv_bytes, "routed_fraction": step.fractions(routed_layers),
+           "async_scheduling": engine.async_scheduling}
     if w.new_tokens == 1:
         row["tok_s"] = round(w.prompts * w.prompt_len / secs, 2)
     else:
@@ -268,10 +274,13 @@ def main(argv: list[str] | None = None) -> dict:
               for b, p in args.extra_decode]
     for load, w in loads:
         row = {"workload": load, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
-        sides = [("dense", dense), ("routed", routed)]
-        sides += [("routed_padded", padded)] if padded is not None and w.new_tokens == 1 else []
-        for side, m in sides:
-            row[side] = measure(m["step"], m["cfg"], w, args.seed + 11 + len(result["rows"]), bs, layers)
+        sides = [("dense", dense, w), ("routed", routed, w)]
+        sides += [("routed_padded", padded, w)] if padded is not None and w.new_tokens == 1 else []
+        # Decode: the dense twin again with async scheduling off, as the routed engine runs (it is not built for
+        # routed models): the routing's effect apart from the host work that async scheduling hides.
+        sides += [("dense_sync", dense, dataclasses.replace(w, async_scheduling=False))] if w.new_tokens > 1 else []
+        for side, m, wl in sides:
+            row[side] = measure(m["step"], m["cfg"], wl, args.seed + 11 + len(result["rows"]), bs, layers)
             _free()  # the engine's pools go before the next one is sized
             if w.new_tokens > 1:
                 per_step = decode_bytes(m["step"].step, weight_bytes, w.prompts,
@@ -281,6 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
         for side in ("routed", "routed_padded"):
             if side in row:
                 row[f"{side}_over_dense"] = round(row[side]["tok_s"] / row["dense"]["tok_s"], 3)
+        if "dense_sync" in row:
+            row["routed_over_dense_sync"] = round(row["routed"]["tok_s"] / row["dense_sync"]["tok_s"], 3)
         if w.new_tokens > 1:  # the most a memory-bound decode can gain: the bytes a step must read, dense / routed
             row["routed_over_dense_bytes_bound"] = round(row["dense"]["bytes_per_step"]
                                                          / row["routed"]["bytes_per_step"], 3)
@@ -290,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
         say(f"{load}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "
             f"{row['routed_over_dense']:.2f}x{f' (target {target}x)' if target is not None else ''}"
             + (f", routed without narrowing {row['routed_padded_over_dense']:.2f}x" if "routed_padded" in row else "")
+            + (f", over dense without async scheduling {row['routed_over_dense_sync']:.2f}x"
+               if "dense_sync" in row else "")
             + f"; routed fraction per layer {row['routed']['routed_fraction']}")
         result["rows"].append(row)
         write_json(path, result)  # after every workload: a run cut short keeps what it measured

@@ -97,6 +97,12 @@ def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
             assert dense["bytes_per_step"] == round(w + row["prompts"] * (row["prompt_len"] + row["new_tokens"] / 2)
                                                     * dense["kv_bytes_per_token"])
             assert row["routed_over_dense_bytes_bound"] == round(dense["bytes_per_step"] / routed["bytes_per_step"], 3)
+            # the dense twin again without async scheduling (on CPU none of them schedules ahead by default)
+            sync = row["dense_sync"]
+            assert sync["tok_s"] > 0 and not sync["async_scheduling"] and not routed["async_scheduling"]
+            assert row["routed_over_dense_sync"] == round(routed["tok_s"] / sync["tok_s"], 3)
+        else:
+            assert "dense_sync" not in row and "routed_over_dense_sync" not in row
     prefill = result["rows"][0]
     assert prefill["routed_padded"]["tok_s"] > 0 and "routed_padded" not in result["rows"][1]
     # the same model and prompts with narrowing off: the same routing decisions

@@ -65,7 +65,11 @@ def sample_batch(
 
 @dataclass
 class LaunchedSample:
-    """sample_batch's device work, queued (asynchronous on CUDA); result() makes the one device -> host copy."""
+    """sample_batch's device work, queued (asynchronous on CUDA), and its one device -> host copy.
+
+    On CUDA the copy is queued at once, into pinned memory, with an event behind it: result() waits for that event
+    only. Reading the device tensor in result() instead (.tolist()) would queue the copy then, behind whatever was
+    launched in between; under async scheduling that is the whole next step, and the host would wait for it."""
 
     packed: torch.Tensor | None  # everything the host needs, in one tensor (None: no rows)
     errors: list[str | None]  # rows whose sampling raised while launching
@@ -73,11 +77,24 @@ class LaunchedSample:
     # The sampled ids on the device (int64 [R]; None: no rows), which a step launched before this one's host copy
     # takes its input tokens from (the engine's async scheduling). A row that cannot be sampled holds a dummy id.
     tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = field(default=None, init=False)  # packed's host copy (the tensor itself off CUDA)
+    copied: torch.cuda.Event | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.packed is None or not self.packed.is_cuda:
+            self.host = self.packed
+            return
+        self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+        self.host.copy_(self.packed, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record(torch.cuda.current_stream(self.packed.device))
 
     def result(self) -> BatchSample:
-        if self.packed is None:
+        if self.host is None:
             return BatchSample([], self.errors, [])
-        tokens, ok_flags, logprobs = self.unpack(self.packed.tolist())  # the step's one device -> host copy
+        if self.copied is not None:
+            self.copied.synchronize()
+        tokens, ok_flags, logprobs = self.unpack(self.host.tolist())  # the step's one device -> host copy
         errors = self.errors
         for i, ok in enumerate(ok_flags):
             if not ok and errors[i] is None:

@@ -12,8 +12,10 @@ All graphs read one set of static input buffers, sized for the most tokens and s
 inputs are views of their first rows (StepGraphs.views). They were captured with full-width block tables and
 max_context_len = max_model_len: a replay copies only the batch's real table columns in (fill), and the kernels
 bound their work by the context lengths they read on the device, so a long max_model_len costs nothing per step.
-The graphs share one memory pool, captured largest first; each keeps its output (the logits of all its rows, and a
-routed model's flags) alive, so a replay never overwrites another graph's output.
+The graphs share one memory pool, captured largest first, so a graph's output (the logits of all its rows, and a
+routed model's flags) may share memory with another graph's and is valid only until the next replay of any graph:
+everything that reads it (the sampler, the verifier, the routed flags' host copy, the routed counts a step
+scheduled ahead adds to its lengths) is queued on the stream before the next replay.
 
 Nothing here runs without a CUDA device except the static buffers, views and fill, which the CPU tests drive to
 run padded steps exactly as a replay reads them.

@@ -63,29 +63,49 @@ class BlockTableRows:
         self.free_rows.extend(range(2 * old - 1, old - 1, -1))
 
 
+def _up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
 @dataclass
 class Layout:
-    """Where each input sits in the staging buffer: int64 offsets, then int32 offsets into the int32 tail."""
+    """Where each input sits in the staging buffer: int64 sections, then int32 sections in the int32 tail. Every
+    section starts 16 bytes aligned (2 int64 / 4 int32 words): Triton specializes a kernel on its pointers'
+    16-byte alignment, so misaligned views would compile other variants than the warm-up's (aligned) tensors."""
 
     n: int  # tokens
     r: int  # sampled rows
     s: int  # sequences (padding included)
     w: int  # block-table width
-    i32_start: int  # int64 index where the int32 part starts
     nr: int = 0  # routed layers (Mixture-of-Depths): their lengths and block tables follow the dense table
     wr: int = 0  # routed block-table width
 
-    @property
-    def i32_words(self) -> int:
-        return 2 * self.s + 1 + self.s * self.w + self.nr * self.s * (1 + self.wr)
+    def __post_init__(self) -> None:
+        n, r, s, w, nr, wr = self.n, self.r, self.s, self.w, self.nr, self.wr
+        # int64 sections (start, length) in words, then int32 ones relative to the int32 tail
+        self.i64 = {}
+        at = 0
+        for name, size in (("tokens", n), ("positions", n), ("slot_mapping", n), ("sample_indices", r)):
+            self.i64[name] = (at, size)
+            at = _up(at + size, 2)
+        self.i32_start = at
+        self.i32 = {}
+        at = 0
+        for name, size in (("context_lens", s), ("query_start_loc", s + 1), ("block_tables", s * w),
+                           ("routed_lens", nr * s), ("routed_block_tables", nr * s * wr)):
+            if name.startswith("routed") and not nr:
+                continue
+            self.i32[name] = (at, size)
+            at = _up(at + size, 4)
+        self.i32_words = at
 
     @property
     def size(self) -> int:  # int64 words used
-        return self.i32_start + -(-self.i32_words // 2)
+        return self.i32_start + self.i32_words // 2
 
 
 def layout(n: int, r: int, s: int, w: int, nr: int = 0, wr: int = 0) -> Layout:
-    return Layout(n, r, s, w, 3 * n + r, nr, wr)
+    return Layout(n, r, s, w, nr, wr)
 
 
 class StepBuffers:
@@ -124,25 +144,21 @@ class StepBuffers:
             return _views(host, lay)
         self.dev[: lay.size].copy_(host[: lay.size], non_blocking=True)
         ev = self.events[self.turn] = torch.cuda.Event()
-        ev.record()
+        ev.record(torch.cuda.current_stream(self.device))
         return _views(self.dev, lay)
 
 
 def _views(buf, lay: Layout) -> dict:
     """The named slices of a flat int64 buffer (numpy array or tensor) for `lay`."""
-    n, r, s, w = lay.n, lay.r, lay.s, lay.w
     i32 = buf[lay.i32_start : lay.size]
     i32 = i32.view(np.int32) if isinstance(buf, np.ndarray) else i32.view(torch.int32)
-    views = {
-        "tokens": buf[:n], "positions": buf[n : 2 * n], "slot_mapping": buf[2 * n : 3 * n],
-        "sample_indices": buf[3 * n : 3 * n + r],
-        "context_lens": i32[:s], "query_start_loc": i32[s : 2 * s + 1],
-        "block_tables": i32[2 * s + 1 : 2 * s + 1 + s * w].reshape(s, w),
-    }  # fmt: skip
-    if lay.nr:
-        o, nr, wr = 2 * s + 1 + s * w, lay.nr, lay.wr
-        views["routed_lens"] = i32[o : o + nr * s].reshape(nr, s)
-        views["routed_block_tables"] = i32[o + nr * s : o + nr * s * (1 + wr)].reshape(nr, s, wr)
+    views = {name: buf[a : a + m] for name, (a, m) in lay.i64.items()}
+    views |= {name: i32[a : a + m] for name, (a, m) in lay.i32.items()}
+    s, w, nr, wr = lay.s, lay.w, lay.nr, lay.wr
+    views["block_tables"] = views["block_tables"].reshape(s, w)
+    if nr:
+        views["routed_lens"] = views["routed_lens"].reshape(nr, s)
+        views["routed_block_tables"] = views["routed_block_tables"].reshape(nr, s, wr)
     return views
 
 

@@ -39,6 +39,7 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
     if num_blocks is not None:
         n, source = int(num_blocks), f"--num-blocks {num_blocks}"
     elif model.device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks the caching allocator holds unused (weight loading's) count as taken
         free, total = torch.cuda.mem_get_info(model.device)
         budget = free - (1 - gpu_memory_utilization) * total
         n = max(int(budget // per_block), 0)

@@ -132,7 +132,7 @@ class FlagCopy:
         host = self.buf[: routed.numel()].view(routed.shape)
         host.copy_(routed, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(routed.device))
         return host, event
 
     @staticmethod

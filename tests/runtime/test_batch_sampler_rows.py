@@ -5,6 +5,7 @@ return) and batches with sampled and logprob rows (the general one)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -63,3 +64,19 @@ def test_mixed_batches_give_each_row_what_it_alone_would_get(rows, kinds):
             assert got.tokens[i] == int(want[0])
         if p.logprobs is not None:
             assert got.tokens[i] in got.logprobs[i]
+
+
+@pytest.mark.gpu
+def test_the_host_copy_is_queued_at_launch_and_waits_for_nothing_after_it():
+    """On CUDA the sampled ids' host copy is queued when the batch is launched: result() must return while work
+    launched after it (the next step, under async scheduling) still runs."""
+    from kiln.runtime.batch_sampler import launch_batch
+
+    logits = torch.randn(8, 50, device="cuda")
+    params = [SamplingParams(temperature=0, max_tokens=4, logprobs=1 if i == 3 else None) for i in range(8)]
+    launched = launch_batch(logits, params, [None] * 8, [()] * 8)
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time queued behind the copy
+    got = launched.result()
+    assert not torch.cuda.current_stream().query(), "result() waited for work launched after the batch"
+    assert got.tokens == logits.argmax(-1).tolist() and got.tokens[3] in got.logprobs[3]
+    torch.cuda.synchronize()

@@ -102,3 +102,26 @@ def test_rows_are_written_only_where_a_request_gained_blocks():
     rows.release("a")
     assert rows.host[r].tolist() == [NULL_BLOCK] * 8
     assert rows.row("c", [4]) == r and rows.host[r, :2].tolist() == [4, NULL_BLOCK]
+
+
+@pytest.mark.parametrize(("n", "r", "s", "w", "nr", "wr"),
+                         [(7, 3, 3, 5, 0, 0), (1, 1, 1, 1, 2, 3), (13, 13, 5, 9, 3, 7)])
+def test_every_step_input_starts_16_bytes_aligned(n, r, s, w, nr, wr):
+    """Triton specializes kernels on 16-byte pointer alignment: the views of the one staging buffer must be aligned
+    as the warm-up's own tensors are, or the first real steps compile other variants."""
+    from kiln.runtime.input_batch import StepBuffers, layout
+
+    lay = layout(n, r, s, w, nr, wr)
+    bufs = StepBuffers(torch.device("cpu"))
+    staged = bufs.stage(lay)
+    views = bufs.upload(lay)
+    assert set(views) == set(staged) and ("routed_lens" in views) == bool(nr)
+    for name, t in views.items():
+        assert t.data_ptr() % 16 == 0, name
+        assert staged[name].ctypes.data % 16 == 0, name
+    sizes = {"tokens": n, "positions": n, "slot_mapping": n, "sample_indices": r, "context_lens": s,
+             "query_start_loc": s + 1, "block_tables": s * w, "routed_lens": nr * s, "routed_block_tables": nr * s * wr}
+    assert {k: v.numel() for k, v in views.items()} == {k: v for k, v in sizes.items() if k in views}
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in views.values() if t.numel())
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False)), "sections overlap"
+    assert max(e for _, e in ends) <= views["tokens"].data_ptr() + lay.size * 8

@@ -27,9 +27,9 @@ workload warmed up first on other random prompts with the same step shapes:
 - --extra-decode B:P (any number, run last): a decode at batch B with prompts of P tokens (row `decode_B_pP`),
   e.g. 64:2048, where the bytes bound below leaves the decode target room (at batch 64 and a mean context of 640
   tokens the bound itself is below 1.2x for llama-3.2-1b at capacity 0.125, every 2).
-A decode row also runs the dense twin with async scheduling off (`dense_sync`, `routed_over_dense_sync`): the
-routed engine has none (not built for routed models), so `routed_over_dense` counts the host work the dense one
-hides, and the sync ratio the routing's effect apart from it. Each side's row says whether it ran async.
+A decode row also runs the dense twin with async scheduling off (`dense_sync`, `routed_over_dense_sync`): how much
+of the dense speed rests on hiding the host work per step, which is larger on the routed side. Each side's row says
+whether it ran async.
 Per workload and model: tokens/s, the routed/dense ratio, the fraction of rows each routed layer really routed
 (counted from the step's `routed` output, never assumed), KV bytes per token at those fractions, and the KV
 bytes the engine held when decoding started. Issue 13's targets: prefill >= 1.4x, decode at batch 64 >= 1.2x.
@@ -110,7 +110,7 @@ class Workload:
     max_batched: int
     prefix_caching: bool = False
     cuda_graphs: bool | None = None  # None: the engine's default (on for a CUDA model, routed or dense)
-    async_scheduling: bool | None = None  # None: the engine's default (on for a dense CUDA model, off for a routed)
+    async_scheduling: bool | None = None  # None: the engine's default (on for a CUDA model, routed or dense)
 
 
 def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
@@ -276,8 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
         row = {"workload": load, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
         sides = [("dense", dense, w), ("routed", routed, w)]
         sides += [("routed_padded", padded, w)] if padded is not None and w.new_tokens == 1 else []
-        # Decode: the dense twin again with async scheduling off, as the routed engine runs (it is not built for
-        # routed models): the routing's effect apart from the host work that async scheduling hides.
+        # Decode: the dense twin again with async scheduling off: how much of its speed rests on hiding host work.
         sides += [("dense_sync", dense, dataclasses.replace(w, async_scheduling=False))] if w.new_tokens > 1 else []
         for side, m, wl in sides:
             row[side] = measure(m["step"], m["cfg"], wl, args.seed + 11 + len(result["rows"]), bs, layers)

@@ -15,9 +15,14 @@ Where the next step needs the ids on the host (schedule_ahead says None: a promp
 a preemption, a repetition penalty), the step in flight is landed first: taken in with its outputs deferred,
 exactly the state overlap_outputs alone leaves, and scheduling goes on from there. A step with a partial prefill
 chunk (its blocks are committed before sampling) or speculative rows is taken in where it is launched, as without
-async scheduling. Not built for speculative decoding (the drafter reads the last token on the host) or a
-Mixture-of-Depths model (its routed reservations are settled from the last step's routed flags before the next
-is scheduled).
+async scheduling. Not built for speculative decoding (the drafter reads the last token on the host).
+
+A Mixture-of-Depths model's step also takes each routed layer's cache length c_j, which depends on the routing of
+the step in flight: its block manager reserves the worst case for that step's tokens without recording it, the
+step is prepared from the recorded c_j plus that step's routed counts added on the device
+(ModelRunner._add_pending_routing), and that step is recorded by the next record_step, when its flags are due
+anyway (runtime/routed_blocks.py). A step ahead of a routed model admits nobody: an admission's prefix match
+records the step in flight first, so it waits for a step scheduled from host state.
 """
 
 from __future__ import annotations

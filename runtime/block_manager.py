@@ -14,6 +14,7 @@ prefix hit until it is handed out for other tokens, which drops its hash.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -59,6 +60,11 @@ class BlockManager:
         self.on_free: list[Callable[[str], None]] = []
         # Called with (request id, blocks kept) when truncate() shortens a table.
         self.on_truncate: list[Callable[[str, int], None]] = []
+
+    def ahead(self) -> contextlib.AbstractContextManager[None]:
+        """Scheduling the step after one in flight (async scheduling, Scheduler.schedule_ahead): nothing changes
+        here; RoutedBlockManager's append_slots then reserves without recording that step's routing."""
+        return contextlib.nullcontext()
 
     # ---- queries ------------------------------------------------------------------------------------------
 

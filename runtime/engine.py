@@ -45,7 +45,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
-from kiln.runtime.routed_blocks import RoutedBlockManager, make_block_manager, pool_bytes
+from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
 from kiln.runtime.sampler import SamplingParams, make_generator
 from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
 from kiln.runtime.spec_step import SpecStep
@@ -86,7 +86,7 @@ class Engine:
         call (see step(); None: on for a CUDA model, whose calls are asynchronous, off elsewhere, where it could
         only delay the outputs). async_scheduling: schedule and launch the next decode step before this one's
         sampled ids reach the host (see step(); implies overlap_outputs; None: on for a CUDA model with
-        overlap_outputs on and neither a drafter nor routed layers, which it is not built for)."""
+        overlap_outputs on and no drafter, which it is not built for)."""
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise KilnError(f"{name} = {value!r} is out of range; allowed: an integer >= 1")
@@ -144,12 +144,11 @@ class Engine:
             raise KilnError("async_scheduling makes every output one step() call later, as overlap_outputs does: "
                             "it is not built with overlap_outputs off; leave one of them unset")
         if async_scheduling is None:
-            async_scheduling = (overlap and step_model.device.type == "cuda" and drafter is None
-                                and not num_routed_layers(step_model))
+            async_scheduling = overlap and step_model.device.type == "cuda" and drafter is None
         self.output = OutputMaker(self.scheduler, self.block_manager, self.requests, self.eos_token_ids, overlap)
         self.ahead = AsyncSteps(self.scheduler, self.runner, self.output)  # the step in flight (async scheduling)
         self._async = False
-        self.async_scheduling = bool(async_scheduling)  # refused with a drafter or routed layers; turns the overlap on
+        self.async_scheduling = bool(async_scheduling)  # refused with a drafter; turns the overlap on
         self.spec_counters = SpecCounters()
         self.spec = None if drafter is None else SpecStep(drafter, self.verify, self.output, self.spec_counters)
         self._ids = itertools.count()
@@ -178,10 +177,9 @@ class Engine:
 
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
-        if on and (self.drafter is not None or isinstance(self.block_manager, RoutedBlockManager)):
-            raise KilnError("async_scheduling is not built for speculative decoding or a Mixture-of-Depths model "
-                            "(the drafter and the routed reservations need the last step's tokens on the host); "
-                            "leave async_scheduling unset (or False)")
+        if on and self.drafter is not None:
+            raise KilnError("async_scheduling is not built for speculative decoding (the drafter reads the last "
+                            "step's tokens on the host); leave async_scheduling unset (or False)")
         if not on:
             self.ahead.land()
         else:

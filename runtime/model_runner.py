@@ -54,6 +54,7 @@ from kiln.runtime.input_batch import (
 )
 from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.routed_state import RoutedState
+from kiln.runtime.sampler import to_device
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepBatch, StepModel, allocate_kv_cache, num_routed_layers
 
@@ -91,6 +92,7 @@ class ModelRunner:
         self.verify_len = spec_k + 1 if verify else 0  # query rows of a padded verification chunk (0: none)
         self.verify_sizes = graph_batch_sizes(spec_batch) if verify else []
         self.graph_stats = GraphStats()
+        self.num_routing_ahead = 0  # steps whose routed lengths took the step in flight's counts on the device
         self.cuda_graphs: StepGraphs | None = None
         self.rows = BlockTableRows(self.max_blocks_per_seq, max_num_seqs)
         block_manager.on_free.append(self.rows.release)
@@ -132,7 +134,8 @@ class ModelRunner:
 
         tokens: the input tokens of the schedule's first len(tokens) chunks, decodes whose tokens are still on the
         device (int64, the last step's sampled ids; the engine's async scheduling): copied into the batch there,
-        after its upload, in stream order, so the host never reads them.
+        after its upload, in stream order, so the host never reads them. A routed model's lengths c_j are then
+        gathered as recorded, before the step in flight, whose routed counts are added on the device too.
         """
         if tokens is None:
             return self._stage(sched)
@@ -141,6 +144,8 @@ class ModelRunner:
             raise AssertionError(f"device tokens {tuple(tokens.shape)} for a schedule of {len(sched.seqs)} chunks")
         batch, padded = self._stage(sched, k)
         batch.tokens[:k].copy_(tokens, non_blocking=True)
+        if self.num_routed:
+            self._add_pending_routing(batch, sched.seqs)
         return batch, padded
 
     def _stage(self, sched: Schedule, on_device: int = 0) -> tuple[StepBatch, int]:
@@ -148,7 +153,7 @@ class ModelRunner:
         bs, seqs = self.block_size, sched.seqs
         if on_device and sched.plain_decodes and on_device == len(seqs):
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, True, with_tokens=False)
-            return self._prepare_decodes(dec)
+            return self._prepare_decodes(dec, settle=False)
         if len(seqs) >= self.decode_numpy_min_seqs and not on_device:
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
             if dec is not None:
@@ -160,7 +165,7 @@ class ModelRunner:
         padded = self._pad_size(sched)
         extra = padded - len(seqs) if padded else 0
         n = sum(s.num_new for s in seqs)
-        routed, routed_slots, routed_width = self._routed_slots([s.request.request_id for s in seqs])
+        routed, routed_slots, routed_width = self._routed_slots([s.request.request_id for s in seqs], not on_device)
         lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width, self.num_routed,
                      routed_width)
         v = self.buffers.stage(lay)
@@ -198,27 +203,62 @@ class ModelRunner:
             self._pad(v, n, len(seqs), padded)
         return self._upload(lay, 1 if padded else max_new, max_ctx), padded
 
+    def _add_pending_routing(self, batch: StepBatch, seqs: list[ScheduledSeq]) -> None:
+        """c_j of a step scheduled ahead: the batch holds them as recorded, before the step in flight (if its
+        routing is still pending: RoutedBlockManager.pending_step); add, on the device, how many of each
+        sequence's tokens in that step each routed layer routed."""
+        p = self.bm.pending_step()
+        if p is None:
+            return
+        cols, src = [], []
+        for i, s in enumerate(seqs):
+            j = p.index(s.request.request_id)
+            if j is not None:
+                cols.append(i)
+                src.append(j)
+        if not cols:
+            return
+        lens = batch.routed_lens
+        flags = torch.as_tensor(p.flags).to(lens.device)
+        if p.num_new is None:  # decodes: sequence j's token is row j
+            counts = flags[:, : len(p.ids)].to(lens.dtype)
+        else:  # per sequence, the sum of its rows' flags: differences of a running sum at the row boundaries
+            ends = np.cumsum(p.num_new)
+            run = torch.zeros((flags.shape[0], int(ends[-1]) + 1), dtype=torch.int64, device=lens.device)
+            run[:, 1:] = flags[:, : int(ends[-1])].to(torch.int64).cumsum(1)
+            bounds = to_device(torch.from_numpy(np.stack([ends - np.asarray(p.num_new), ends])), lens.device)
+            counts = (run[:, bounds[1]] - run[:, bounds[0]]).to(lens.dtype)
+        n = len(cols)
+        if cols == list(range(n)) and src == list(range(n)):  # the same sequences in the same order: no gather
+            lens[:, :n] += counts[:, :n]
+        else:
+            idx = to_device(torch.tensor([cols, src]), lens.device)
+            lens[:, idx[0]] += counts[:, idx[1]]
+        self.num_routing_ahead += 1
+
     def _tables(self, seqs: list[ScheduledSeq]) -> tuple[list[list[int]], list[int], int]:
         """The sequences' block tables, their persistent host rows and the widest table."""
         tables = [self.bm.table(s.request.request_id) for s in seqs]
         rows = [self.rows.row(s.request.request_id, t) for s, t in zip(seqs, tables, strict=True)]
         return tables, rows, max(len(t) for t in tables)
 
-    def _routed_slots(self, request_ids: list[str]) -> tuple[RoutedState | None, np.ndarray | None, int]:
+    def _routed_slots(self, request_ids: list[str], settle: bool = True
+                      ) -> tuple[RoutedState | None, np.ndarray | None, int]:
         """A routed model's state (runtime/routed_state.py), the requests' slots in it and their widest routed
-        table, which the step's routed lengths and tables are gathered from; (None, None, 0) for a dense model."""
+        table, which the step's routed lengths and tables are gathered from; (None, None, 0) for a dense model.
+        settle False: the state as recorded, without the step in flight (see prepare)."""
         if not self.num_routed:
             return None, None, 0
-        routed = self.bm.routed_state()
+        routed = self.bm.routed_state(settle)
         slots = routed.slots(request_ids)
         return routed, slots, routed.width(slots)
 
-    def _prepare_decodes(self, dec: DecodeInputs) -> tuple[StepBatch, int]:
+    def _prepare_decodes(self, dec: DecodeInputs, settle: bool = True) -> tuple[StepBatch, int]:
         """prepare() for plain decodes: the same inputs, written with numpy from the gathered lists."""
         bs, st, rows = self.block_size, dec.starts, dec.rows
         n = len(st)
         padded = self._decode_pad_size(n)
-        routed, routed_slots, routed_width = self._routed_slots(dec.ids)
+        routed, routed_slots, routed_width = self._routed_slots(dec.ids, settle)
         lay = layout(padded or n, padded or n, padded or n, dec.width, self.num_routed, routed_width)
         v = self.buffers.stage(lay)
         host_rows = self.rows.host

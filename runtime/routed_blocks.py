@@ -17,6 +17,14 @@ BlockManager (the scheduler, engine and runner use it unchanged) that keeps the 
 - free(request): every group's table (preemption by recompute restarts at c_j = 0; chunked prefill carries c_j
   from chunk to chunk because nothing but record changes it).
 
+Async scheduling (runtime/async_steps.py): the step after the one in flight is scheduled and prepared before that
+step's flags are on the host. Inside `ahead()` append_slots records nothing (it reserves the worst case for the
+tokens in flight too, since `_known` stops before them), and the model runner gathers c_j from the mirror, which
+stops before the step in flight, and adds that step's routed counts on the device (`pending_step`). The next
+record_step then records the step in flight, whose flags are due at the same time as its sampled ids. free and
+commit record the pending step only when it ran the request's tokens they need (`_settle_for`), so taking in a
+step's outputs does not wait for the next step.
+
 Prefix caching: the dense group's cache over full blocks, plus an entry per hashed block holding every routed
 layer's c_j and blocks at that boundary (shared on a hit, partial tails copied); runtime/routed_prefix.py has the
 entries, their eviction and the copies, behind a RoutedPrefixCache the manager owns (`prefix`).
@@ -35,7 +43,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -104,6 +114,27 @@ def pool_bytes(model: StepModel, bm: BlockManager) -> tuple[int, int]:
     return have, dense
 
 
+@dataclass
+class PendingStep:
+    """A step whose routing is not recorded yet (record_step): its requests, where each started and how many tokens
+    it ran (None: one each), its flags as the step returned them (on the device on CUDA: the next step ahead adds
+    its counts there) and their copy on its way to the host."""
+
+    ids: list[str]
+    starts: list[int]
+    num_new: list[int] | None
+    flags: torch.Tensor | np.ndarray
+    host: torch.Tensor | np.ndarray
+    event: torch.cuda.Event | None
+    _where: dict[str, int] | None = None
+
+    def index(self, request_id: str) -> int | None:
+        """The request's position in the step, or None."""
+        if self._where is None:
+            self._where = {rid: i for i, rid in enumerate(self.ids)}
+        return self._where.get(request_id)
+
+
 class RoutedBlockManager(BlockManager):
     reserves_every_token = True  # every routed table grows by the worst case for each token (append_slots)
 
@@ -115,8 +146,8 @@ class RoutedBlockManager(BlockManager):
         self.state = RoutedState(num_routed_layers)  # c_j and the routed tables by request slot (numpy)
         self.routed_lens = LensView(self.state, self.settle)  # c_j per routed layer: entries written in its cache
         self._known: dict[str, int] = {}  # tokens (from the start) whose routing routed_lens accounts for
-        # A step's routing not recorded yet (record_step): (ids, starts, num_new, flags on the host, copy event).
-        self._pending: tuple | None = None
+        self._pending: PendingStep | None = None  # a step's routing not recorded yet (record_step)
+        self._ahead = False  # inside ahead(): append_slots records nothing
         self._flags = FlagCopy()
         # Tokens (from the start) every routed table has room for: append_slots up to it reserves nothing routed.
         self._limit: dict[str, int] = {}
@@ -132,10 +163,33 @@ class RoutedBlockManager(BlockManager):
         self.settle()
         return self._known
 
-    def routed_state(self) -> RoutedState:
-        """The numpy mirror of c_j and the routed tables (what a step's routed inputs are gathered from)."""
-        self.settle()
+    def routed_state(self, settle: bool = True) -> RoutedState:
+        """The numpy mirror of c_j and the routed tables (what a step's routed inputs are gathered from); settle
+        False: as it is, without the pending step's routing (pending_step), for a step scheduled ahead of it."""
+        if settle:
+            self.settle()
         return self.state
+
+    @contextmanager
+    def ahead(self) -> Iterator[None]:
+        """Scheduling the step after the one in flight: append_slots reserves without recording that step."""
+        self._ahead = True
+        try:
+            yield
+        finally:
+            self._ahead = False
+
+    def pending_step(self) -> PendingStep | None:
+        """The step whose routing is not recorded yet (the one in flight, under async scheduling), or None."""
+        return self._pending
+
+    def _settle_for(self, request_id: str, before: int | None = None) -> None:
+        """Record the pending step if it ran the request's tokens (only those from before `before` on, if given)."""
+        p = self._pending
+        if p is not None:
+            i = p.index(request_id)
+            if i is not None and (before is None or p.starts[i] < before):
+                self.settle()
 
     # ---- prefix caching (the routed entries: runtime/routed_prefix.py) -------------------------------------
 
@@ -181,7 +235,7 @@ class RoutedBlockManager(BlockManager):
         return got
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        self.settle()
+        self._settle_for(request_id, num_computed)  # the boundaries of the blocks it commits are recorded
         old = len(self._chain.get(request_id, []))
         super().commit(request_id, token_ids, num_computed)
         self.prefix.add(request_id, self._chain.get(request_id, []), old, self.cached)
@@ -206,7 +260,7 @@ class RoutedBlockManager(BlockManager):
         return min((len(g.table(request_id)) * bs - c for g, c in zip(self.routed, lens, strict=True)), default=bs)
 
     def append_slots(self, request_id: str, num_tokens: int) -> bool:
-        if self._pending is not None:
+        if self._pending is not None and not self._ahead:
             self.settle()
         if num_tokens <= self._limit.get(request_id, -1):  # every routed table has room: only the dense one grows
             table = self.tables.get(request_id)
@@ -265,14 +319,13 @@ class RoutedBlockManager(BlockManager):
         ids = [s.request.request_id for s in seqs]
         starts = [s.start for s in seqs]
         num_new = None if plain_decodes else [s.num_new for s in seqs]
-        self._pending = (ids, starts, num_new, *self._flags.start(routed))
+        self._pending = PendingStep(ids, starts, num_new, routed, *self._flags.start(routed))
 
     def settle(self) -> None:
         """Record the pending step's routing (record_step), waiting for its flags' copy if it is in flight."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            ids, starts, num_new, host, event = pending
-            self._record(ids, starts, num_new, FlagCopy.wait(host, event))
+        p, self._pending = self._pending, None
+        if p is not None:
+            self._record(p.ids, p.starts, p.num_new, FlagCopy.wait(p.host, p.event))
 
     def _record(self, request_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int] | None,
                 routed: np.ndarray) -> None:
@@ -314,7 +367,7 @@ class RoutedBlockManager(BlockManager):
         self._limit.update(zip(request_ids, (np.asarray(done) + room).tolist(), strict=True))
 
     def free(self, request_id: str) -> None:
-        self.settle()
+        self._settle_for(request_id)
         super().free(request_id)  # on_free listeners still see the routed lengths
         for g in self.routed:
             g.free(request_id)

@@ -198,12 +198,14 @@ class Scheduler:
         token, eos or completes a stop string is found when the tokens come in; the row computed for it here is
         then dropped (and a seat it frees is used one step later than without async scheduling). None when the
         first waiting request's prompt exceeds the budget left (chunked prefill), a block is missing for a decode
-        (preemption), speculation is on, the block manager reserves per token (a routed model), or a request's
-        sampler needs its token history (a repetition penalty). The blocks grown before a None are the first ones
-        schedule() grows, as in _schedule_decodes. The indices cover the decodes, which come first.
+        (preemption), speculation is on, or a request's sampler needs its token history (a repetition penalty);
+        for a block manager that reserves per token (a routed model's: the worst case for the tokens in flight
+        too, inside its ahead()), also when a request would be admitted (its prefix match records the step in
+        flight). The blocks grown before a None are the first ones schedule() grows, as in _schedule_decodes. The
+        indices cover the decodes, which come first.
         """
         running = self.running
-        if self.spec_k or len(in_flight) != len(running) or self.bm.reserves_every_token:
+        if self.spec_k or len(in_flight) != len(running):
             return None
         if all(s.request is r for s, r in zip(in_flight, running, strict=True)):
             order = range(len(running))  # a step of decodes: already in priority order
@@ -231,14 +233,17 @@ class Scheduler:
         if admit and self.waiting[0].num_tokens > budget:
             return None  # its prompt needs a partial chunk, whose blocks are committed before sampling
         bm = self.bm
-        tables, bs = bm.tables, bm.block_size
+        if admit and bm.reserves_every_token:
+            return None
+        tables, bs = (None if bm.reserves_every_token else bm.tables), bm.block_size
         seqs = []
-        for i, start in zip(keep, starts, strict=True):
-            req = in_flight[i].request
-            rid = req.request_id
-            if start >= len(tables.get(rid, ())) * bs and not bm.append_slots(rid, start + 1):
-                return None
-            seqs.append(ScheduledSeq(req, start, 1, True))
+        with bm.ahead():
+            for i, start in zip(keep, starts, strict=True):
+                req = in_flight[i].request
+                rid = req.request_id
+                if (tables is None or start >= len(tables.get(rid, ())) * bs) and not bm.append_slots(rid, start + 1):
+                    return None
+                seqs.append(ScheduledSeq(req, start, 1, True))
         sched = Schedule(seqs)
         if admit:  # whole prompts only: every chunk of a step in flight is sampled
             self._admit(sched, budget, set(), seats, whole=True)

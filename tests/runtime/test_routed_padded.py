@@ -245,22 +245,27 @@ def cuda_routing(gm, tokens: list[int]) -> tuple[list[int], float]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("spec", kv.SPECS)
-def test_cuda_graph_decodes_of_a_routed_model_match_the_reference(spec):
-    """On CUDA: generated kernels, decode steps of a routed model replayed from captured graphs (padded sizes)."""
+def test_cuda_graph_decodes_of_a_routed_model_match_the_reference(spec, ahead):
+    """On CUDA: generated kernels, decode steps of a routed model replayed from captured graphs (padded sizes);
+    async: launched ahead of the step in flight, its routed counts added to their routed lengths on the device
+    (the invariants then checked at the end only: checking records the step in flight)."""
     m = load_model(spec, device="cuda", seed=0)
     ref_gm = copy.deepcopy(m.gm)
     step = compile_step(m.gm, m.model, m.compile, device="cuda", use_kernels=True)
     engine = Engine(step, m.tokenizer, m.model, block_size=kv.BLOCK, max_model_len=kv.CONTEXT, max_num_seqs=8,
-                    max_num_batched_tokens=24, use_cuda_graphs=True)
+                    max_num_batched_tokens=24, use_cuda_graphs=True, async_scheduling=ahead)
     assert sorted(engine.runner.graphs) == [1, 2, 4, 8], "CUDA graph capture failed (see the log)"
     replays = engine.runner.graph_stats.decode_replays
     for trace in (make_trace(n=12), staggered()):  # the second: decode steps of 7, 6, ... 1 sequences
         want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **kv.GREEDY), context=m.model.context).token_ids
                 for p, n in trace]
         assert min(cuda_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > kv.MARGIN
-        got, lens = run(engine, trace)
+        got, lens, _ = run_engine(engine, trace, check=not ahead)
         assert got == want
-        assert lens == [cuda_routing(ref_gm, p + w[:-1])[0] for (p, _), w in zip(trace, want, strict=True)]
+        assert list(lens.values()) == [cuda_routing(ref_gm, p + w[:-1])[0]
+                                       for (p, _), w in zip(trace, want, strict=True)]
     assert engine.runner.graph_stats.decode_replays - replays > 20
+    assert (engine.runner.num_routing_ahead > 10) == ahead
     check_no_leaks(engine.block_manager)

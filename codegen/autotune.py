@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -138,15 +139,21 @@ def _read(path: Path) -> TileConfig | None:
 
 
 def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    """Write atomically, readable as the directory is (a shared cache); a failure only costs later processes a
+    tune, so it is a warning, not an error after all the timing."""
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.fchmod(fd, 0o600 | (path.parent.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH)))  # mkstemp makes 0600
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        log.warning("cannot write autotune cache file %s (%s); later processes will tune again (set KILN_CACHE_DIR "
+                    "to a writable directory)", path, e)
 
 
 def lookup(family: str, device: torch.device, problem: dict[str, Any], candidates: Sequence[TileConfig]

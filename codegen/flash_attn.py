@@ -126,6 +126,9 @@ def flash_attention_varlen(
         # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
         "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else None,
     }
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if max_seqlen_q <= 0 or q.shape[0] == 0:  # no queries (descriptors need positive shapes)
+        return out
     consts["USE_TMA"] = _use_tma(tma, q, k, v, head_dim, block_d)
     descs = _descriptors(q, k, v, tile, block_d) if consts["USE_TMA"] else (None, None, None)
     args = dict(
@@ -135,10 +138,8 @@ def flash_attention_varlen(
         stride_vt=v.stride(0), stride_vh=head_dim, stride_ot=out.stride(0), stride_oh=head_dim,
         scale=float(scale), window=int(window), HEAD_DIM=head_dim, GROUP=num_heads // num_kv_heads,
     )  # fmt: skip
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    if max_seqlen_q > 0 and q.shape[0] > 0:
-        grid = (cdiv(max_seqlen_q, tile.block_m), num_heads, num_seqs)
-        launch("flash_attn", "attention", grid, args, consts, tile.options())
+    grid = (cdiv(max_seqlen_q, tile.block_m), num_heads, num_seqs)
+    launch("flash_attn", "attention", grid, args, consts, tile.options())
     return out
 
 
@@ -164,12 +165,11 @@ def flash_attention(
     if k.shape[:2] != (b, s) or v.shape[:2] != (b, s) or k.shape[0] != b:
         raise CodegenError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, S, Hkv * D] with q's batch B={b}")
     out = check_out(out, q)
+    if b == 0 or t == 0:  # no queries: nothing to compute (and no zero-step arange below)
+        return out
     # A dense batch is a packed batch of equal lengths; reshape is a view for contiguous (or row-sliced) inputs.
     cu_q = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)[: b + 1]
     cu_k = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)[: b + 1]
-    if t == 0 or s == 0:
-        cu_q = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
-        cu_k = cu_q
     flash_attention_varlen(
         q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s, num_heads=num_heads,
         num_kv_heads=num_kv_heads, causal=causal, window=window, scale=scale, tile=tile, out=out.view(b * t, -1),

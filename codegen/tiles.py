@@ -82,7 +82,7 @@ _INTERPRETER_CANDIDATES = ((32, 32, 4, 1), (16, 16, 4, 1), (64, 64, 4, 1), (64, 
 
 def shared_memory_limit(capability: tuple[int, int]) -> int:
     """Bytes of shared memory one program may use (the opt-in maximum per block)."""
-    if capability >= (9, 0):
+    if (9, 0) <= capability < (12, 0):
         return 232448  # sm90 / sm100: 227 KiB
     if capability in ((8, 0), (8, 7)):
         return 166912  # A100 / Orin: 163 KiB

@@ -21,6 +21,7 @@ from torch import fx
 
 from kiln.codegen import autotune
 from kiln.codegen.flash_attn import flash_attention
+from kiln.codegen.paged_tiles import prefill_tile
 from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile
 from kiln.passes._graph import rename
 from kiln.passes.base import Pass, PassResult
@@ -67,7 +68,9 @@ def tuned_tile(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
     def make_call(tile: TileConfig):
         return lambda: flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile, out=out)
 
-    return autotune.tune("flash_attn", device, problem, candidates, make_call)
+    best = autotune.tune("flash_attn", device, problem, candidates, make_call)
+    prefill_tile.cache_clear()  # the paged prefill reads flash's tuned tile: a later one in this process sees it
+    return best
 
 
 def choose_tile(q: torch.Tensor, k: torch.Tensor, args: tuple, head_dim: int) -> TileConfig:

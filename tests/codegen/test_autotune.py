@@ -62,6 +62,22 @@ def test_tune_times_every_candidate_once_and_caches_the_fastest(tuner, monkeypat
     assert "1 tuned (3 configs timed), 1 loaded from the cache" in autotune.stats().summary()
 
 
+def test_a_tuning_file_is_readable_as_its_directory_and_an_unwritable_one_only_warns(tuner, monkeypatch, caplog):
+    _, calls, root = tuner
+    (root / "autotune").mkdir(mode=0o755)
+    os.chmod(root / "autotune", 0o755)
+    autotune.tune("flash_attn", CPU, PROBLEM, TILES, _make_call)
+    [path] = (root / "autotune").glob("flash_attn_*.json")
+    assert path.stat().st_mode & 0o777 == 0o644  # a shared cache: other users read it instead of tuning again
+    blocked = root / "blocked"
+    blocked.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(autotune, "_memo", {})
+    with caplog.at_level("WARNING", logger="kiln"):
+        assert autotune.tune("flash_attn", CPU, PROBLEM, TILES, _make_call) == TILES[1]  # tuned, not cached
+    assert "cannot write autotune cache file" in caplog.text and len(calls) == 6
+
+
 def test_key_changes_with_problem_candidates_template_and_triton(tuner, monkeypatch):
     key = autotune.problem_key("flash_attn", CPU, PROBLEM, TILES)
     assert key == autotune.problem_key("flash_attn", CPU, dict(PROBLEM), list(TILES))

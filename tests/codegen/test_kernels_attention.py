@@ -135,3 +135,23 @@ def test_flash_attention_rejects_bad_inputs():
     cu = torch.tensor([0, 5], dtype=torch.int64)
     with pytest.raises(CodegenError, match="cu_seqlens_q has dtype"):
         flash_attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5, 4, 2, True, 0, 0.125)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 5), (2, 0, 0), (2, 0, 3)], ids=["no-batch", "no-tokens", "no-queries"])
+def test_flash_attention_on_empty_inputs_returns_an_empty_result(shape):
+    from kiln.codegen.flash_attn import flash_attention, flash_attention_varlen
+
+    b, t, s = shape
+    q, k, v = torch.randn(b, t, 4 * 64), torch.randn(b, s, 2 * 64), torch.randn(b, s, 2 * 64)
+    out = flash_attention(q, k, v, 4, 2, True, 0, 0.125)
+    assert out.shape == q.shape and out.numel() == 0
+    cu = torch.zeros(2, dtype=torch.int32)
+    assert flash_attention_varlen(q.reshape(-1, 256), k.reshape(-1, 128), v.reshape(-1, 128), cu, cu, 0, 0, 4, 2,
+                                  True, 0, 0.125, tma=False).numel() == 0
+
+
+def test_shared_memory_limits_by_capability():
+    from kiln.codegen.tiles import shared_memory_limit
+
+    assert [shared_memory_limit(c) for c in ((9, 0), (10, 0), (8, 0), (8, 6), (8, 9), (12, 0), (7, 5))] == [
+        232448, 232448, 166912, 101376, 101376, 101376, 65536]

@@ -67,7 +67,13 @@ def default_tile(head_dim: int, dtype: torch.dtype, capability: tuple[int, int] 
         # 4-byte tiles take twice the shared memory and registers.
         block_n = max(16, block_n // 2)
         stages = min(stages, 2)
-    return TileConfig(block_m, block_n, warps, stages)
+    tile = TileConfig(block_m, block_n, warps, stages)
+    # Parts with 99 KiB per block (sm86 / sm89 / sm120) cannot hold the large fp32 tiles (compiled for sm86: 115 KB
+    # at head_dim 128): fewer query rows, until sm90's measured bound fits. The 16-bit rows fit as they are.
+    while (dtype == torch.float32 and tile.block_m > 16
+           and shared_memory_estimate(tile, head_dim, dtype) > shared_memory_limit(capability)):
+        tile = TileConfig(tile.block_m // 2, tile.block_n, tile.num_warps, tile.num_stages)
+    return tile
 
 
 # The autotuner's candidates for sm80+ (BLOCK_M 64/128, BLOCK_N 32/64/128, warps 4/8, stages 2-4), first the

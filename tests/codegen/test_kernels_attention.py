@@ -155,3 +155,15 @@ def test_shared_memory_limits_by_capability():
 
     assert [shared_memory_limit(c) for c in ((9, 0), (10, 0), (8, 0), (8, 6), (8, 9), (12, 0), (7, 5))] == [
         232448, 232448, 166912, 101376, 101376, 101376, 65536]
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (12, 0)])
+def test_default_fp32_tiles_fit_the_shared_memory_of_every_part(capability):
+    from kiln.codegen.tiles import default_tile, shared_memory_estimate, shared_memory_limit
+
+    """fp32 tiles within sm90's measured bound (an upper bound elsewhere); the 16-bit rows are the table's."""
+    for head_dim in (32, 64, 80, 96, 128, 160, 256):
+        tile = default_tile(head_dim, torch.float32, capability)
+        assert shared_memory_estimate(tile, head_dim, torch.float32) <= shared_memory_limit(capability), head_dim
+    assert default_tile(128, torch.bfloat16, (9, 0)) == default_tile(128, torch.bfloat16, (8, 6))
+    assert default_tile(128, torch.float32, (9, 0)).block_m == 2 * default_tile(128, torch.float32, (8, 6)).block_m

@@ -44,7 +44,16 @@ def resolve_device(device: str = "auto") -> torch.device:
         raise KilnError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or auto")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise KilnError(f"unknown device {device!r}; expected auto, cpu or cuda[:N]")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise KilnError(f"unknown device {device!r}; expected auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and dev.index is not None:
+        if dev.index >= torch.cuda.device_count():
+            raise KilnError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from "
+                            "0; pick one of them")
+        torch.cuda.set_device(dev)  # Triton launches on the current device (per thread), not the tensors'
+    return dev
 
 
 def _model_from_checkpoint(weights: Path) -> tuple[ModelConfig, str]:

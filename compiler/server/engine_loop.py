@@ -17,6 +17,8 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine, EngineStats
 from kiln.runtime.request import RequestOutput
@@ -91,6 +93,9 @@ class EngineLoop:
     # ---- engine thread ------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        dev = self.engine.model.device
+        if dev.type == "cuda" and dev.index is not None:
+            torch.cuda.set_device(dev)  # CUDA's current device is per thread, and Triton launches on it
         while not self._stop.is_set():
             # Block for work only when the engine is idle; otherwise just drain what has arrived.
             self._apply(block=not self.engine.has_unfinished())

@@ -24,6 +24,7 @@ from kiln.codegen._host import cdiv, next_power_of_2
 GEMV_MAX_M = 4
 MIN_SPLIT_K = 512  # no split covers fewer k than this: below it the partials' traffic outweighs the gain
 MAX_SPLIT_K = 16
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's y (and z) axis
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,9 @@ def _clamp(t: QuantTile, bits: int, group: int, m: int, n: int, k: int) -> Quant
     if t.kernel == "quant_gemm":
         block_m = max(16, min(t.block_m, next_power_of_2(m)))
         return replace(t, block_m=block_m, block_n=max(16, min(t.block_n, next_power_of_2(n))), block_k=block_k)
-    return replace(t, block_m=1, block_n=max(1, min(t.block_n, next_power_of_2(n))), block_k=block_k)
+    # The GEMV's grid holds the N blocks on axis 1, which CUDA caps at 65535 (a 262k-vocabulary lm_head at 4 rows)
+    block_n = max(1, min(t.block_n, next_power_of_2(n)), next_power_of_2(cdiv(n, MAX_GRID_Y)))
+    return replace(t, block_m=1, block_n=block_n, block_k=block_k)
 
 
 def with_split(t: QuantTile, m: int, n: int, k: int, sm_count: int, min_k: int = 32) -> QuantTile:

@@ -58,3 +58,13 @@ def test_a_forced_kernel_gets_that_familys_tile():
     assert choose_tile(8, 0, 17, 40, 100, sm_count=1, kernel="quant_gemv").kernel == "quant_gemv"
     t = choose_tile(8, 0, 1, 40, 100, sm_count=1, kernel="quant_gemm")
     assert (t.kernel, t.block_m, t.block_n, t.block_k) == ("quant_gemm", 16, 64, 128)
+
+
+@pytest.mark.parametrize("n", [262144, 1_000_003])
+def test_a_huge_n_keeps_the_gemv_grid_within_cudas_y_limit(n):
+    """A 262k-vocabulary quantized lm_head at decode: 4-row blocks would need 65536 programs on grid axis 1."""
+    for bits, group in ((4, 128), (8, 0)):
+        for m in (1, 4):
+            t = choose_tile(bits, group, m, n, 2048, sm_count=132, capability=(9, 0))
+            assert t.kernel == "quant_gemv" and -(-n // t.block_n) <= 65535
+    assert choose_tile(4, 128, 1, 4096, 2048, sm_count=132).block_n == 4  # ordinary shapes keep the base tile

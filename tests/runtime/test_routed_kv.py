@@ -21,6 +21,9 @@ import random
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from torch import fx
 
 from kiln.build import load_model
@@ -270,3 +273,54 @@ def test_a_model_whose_every_layer_is_routed_has_an_empty_dense_pool():
     assert got == want and engine.runner.kv_cache.data.numel() == 0
     assert engine.stats.kv_bytes < engine.stats.kv_bytes_dense
     check_no_leaks(engine.block_manager)
+
+
+class RoutedAsyncMachine(RuleBasedStateMachine):
+    """Random adds, steps and aborts on tiny-llama-mod with async scheduling and a pool small enough to preempt:
+    every request gets its final output, the invariants hold between rules (several steps run ahead inside one
+    rule, so the device-side lengths are exercised), and every block of every pool comes back."""
+
+    step_model = None
+
+    def __init__(self):
+        super().__init__()
+        if RoutedAsyncMachine.step_model is None:
+            m = load_model("tiny-llama-mod", device="cpu", seed=0)
+            RoutedAsyncMachine.step_model = (m, compile_step(m.gm, m.model, m.compile, device="cpu",
+                                                             use_kernels=False))
+        m, step = RoutedAsyncMachine.step_model
+        self.engine = Engine(step, m.tokenizer, m.model, num_blocks=10, block_size=BLOCK, max_model_len=CONTEXT,
+                             max_num_seqs=6, max_num_batched_tokens=24, async_scheduling=True)
+        self.live: set[str] = set()
+
+    @rule(prompt=st.lists(st.integers(0, 511), min_size=1, max_size=30), n=st.integers(1, 12))
+    def add(self, prompt, n):
+        self.live.add(self.engine.add_request(prompt_token_ids=prompt, params=SamplingParams(max_tokens=n, **GREEDY)))
+
+    @rule(k=st.integers(1, 6))
+    def step(self, k):
+        for _ in range(k):
+            for out in self.engine.step():
+                if out.finished:
+                    self.live.discard(out.request_id)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        if self.engine.abort(rid):
+            self.live.discard(rid)
+
+    @invariant()
+    def blocks_are_accounted(self):
+        self.engine.block_manager.check_invariants()
+
+    def teardown(self):
+        while self.engine.has_unfinished():
+            self.step(1)
+        assert not self.live, f"{sorted(self.live)} never got a final output"
+        check_no_leaks(self.engine.block_manager)
+
+
+RoutedAsyncMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+test_no_leak_under_random_add_step_abort_with_async_routed = RoutedAsyncMachine.TestCase

@@ -11,6 +11,7 @@ block table.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,7 +105,9 @@ class Layout:
         return self.i32_start + self.i32_words // 2
 
 
+@functools.lru_cache(maxsize=256)
 def layout(n: int, r: int, s: int, w: int, nr: int = 0, wr: int = 0) -> Layout:
+    """The layout for these sizes; shared (never mutated), since a decode batch's sizes repeat step after step."""
     return Layout(n, r, s, w, nr, wr)
 
 

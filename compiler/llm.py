@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 from kiln.build import load_model
+from kiln.chat_template import ChatTemplateError, chat_template_of
 from kiln.compile.step import compile_step
 from kiln.errors import KilnError, RequestError
 from kiln.model_config import SpeculationConfig
@@ -102,6 +103,33 @@ class LLM:
         finally:
             self._release(ids)
         return [final[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation ([{"role": ..., "content": ...}, ...]) or to each of
+        a list of them, through the model's chat template (the checkpoint's or the GGUF's; kiln's default for a
+        model without one), in one continuous batch. The final outputs, in order."""
+        return self.generate(self.chat_prompts(messages), sampling_params)
+
+    def chat_prompts(self, messages: Sequence[dict] | Sequence[Sequence[dict]]) -> list[str]:
+        """The prompt text `chat` sends for each conversation."""
+        if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence) or not messages:
+            raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (one "
+                               "conversation) or a list of such lists")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = chat_template_of(self.tokenizer)
+        prompts = []
+        for i, conv in enumerate(convs):
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise RequestError(f"conversation {i} must be a non-empty list of dicts with 'role' and 'content'")
+            try:
+                prompts.append(template.render(list(conv)))
+            except ChatTemplateError as e:
+                raise RequestError(f"conversation {i}: {e}") from None
+        return prompts
 
     def generate_stream(
         self,

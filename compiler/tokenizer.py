@@ -7,10 +7,13 @@ and give text out: UTF-8 bytes are the ids 0-255.
 from __future__ import annotations
 
 import json
+import re
 import sys
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from kiln.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from kiln.errors import KilnError
 from kiln.step import TokenizerLike
 
@@ -25,7 +28,10 @@ class Tokenizer(TokenizerLike, Protocol):
 
 
 class HFTokenizer:
-    """A tokenizer.json loaded with the `tokenizers` library. Special tokens are not added on encode."""
+    """A tokenizer.json loaded with the `tokenizers` library, and the checkpoint's chat template (None without
+    one). encode adds the special tokens the file's post-processor adds (Llama's BOS; none for GPT-2 or Qwen2), as
+    transformers' `tokenizer(text)` and vLLM do, except a leading one the text already starts with (a chat
+    template that writes bos_token itself), which is not doubled."""
 
     def __init__(self, path: str | Path, eos_token_ids: tuple[int, ...] = ()):
         from tokenizers import Tokenizer as _Tok
@@ -36,9 +42,27 @@ class HFTokenizer:
             raise KilnError(f"{path}: cannot load tokenizer ({e})") from None
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._dir = Path(path).parent
+        self._prefix, self._suffix = _added_around(self._tok)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """tokenizer_config.json's chat template, read on first use (a broken one matters only to chat)."""
+        return load_chat_template(self._dir)
+
+    def encode(self, text: str, *, special: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if not special:
+            return ids
+        head = [] if ids[: len(self._prefix)] == self._prefix else self._prefix
+        return [*head, *ids, *self._suffix]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, rendered from the checkpoint's chat template."""
+        if self.chat_template is None:
+            raise ChatTemplateError("this checkpoint's tokenizer_config.json has no chat_template; write the prompt "
+                                    "in the model's own format instead")
+        return self.chat_template.render(messages, add_generation_prompt)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
@@ -46,6 +70,53 @@ class HFTokenizer:
     def token_strings(self) -> list[str | None]:
         """Every id's token string, in id order (None for an id the vocabulary skips)."""
         return token_table(self._tok)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return token_bytes(self._tok, token_id)
+
+
+def _added_around(tok) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer's post-processor puts before and after a single sequence, read off a probe text (a
+    post-processor is a fixed template, so one probe tells)."""
+    probe = "a b"
+    plain = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start: start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []  # a post-processor that rewrites the text's own ids: add nothing rather than guess
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the alphabet byte-level BPE vocabularies are written in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_FROM_ALPHABET = {c: b for b, c in byte_alphabet().items()}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tok, token_id: int) -> bytes:
+    """The bytes one token adds to decoded text (OpenAI's logprobs `bytes`): its decoded text when that is whole
+    UTF-8, else, for a token that holds part of a character, its raw bytes: a byte-level BPE token spelled in
+    GPT-2's alphabet, or a sentencepiece byte-fallback token <0xNN>."""
+    text = tok.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    raw = tok.id_to_token(token_id) or ""
+    if m := _BYTE_TOKEN.fullmatch(raw):
+        return bytes([int(m.group(1), 16)])
+    if raw and all(c in _FROM_ALPHABET for c in raw):
+        return bytes(_FROM_ALPHABET[c] for c in raw)
+    return text.encode("utf-8")  # a token that really decodes to U+FFFD
 
 
 def token_table(tok) -> list[str | None]:
@@ -83,6 +154,9 @@ class ByteTokenizer:
         except ValueError:
             data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b""
 
     def token_strings(self) -> list[str | None]:
         """Every id's token string, in id order: `<0xNN>` for the bytes, None for the ids above them."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import socket
 
 from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, seed_arg, serving_engine, step_model
 from kiln.errors import KilnError
@@ -24,13 +25,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
+    from kiln.chat_template import chat_template_of
     from kiln.server import ServerConfig, build_app
-    from kiln.server.chat import load_chat_template
 
     if not 0 <= args.port <= 65535:
         raise KilnError(f"--port {args.port}: give a TCP port from 0 to 65535")
     if not _is_loopback(args.host) and not args.api_key:
         say(f"warning: serving on {args.host} (reachable from other machines) without --api-key")
+    sock = _bind(args.host, args.port)  # before the model loads: a port in use fails in a second, not a minute
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
                    quantize=args.quantize)
     engine = serving_engine(args, m, step_model(args, m), max_num_seqs=args.max_num_seqs,
@@ -38,12 +40,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or m.model.name
     cfg = ServerConfig(model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                        max_prompt_tokens=args.max_prompt_tokens, max_waiting=args.max_waiting,
-                       chat_template=load_chat_template(args.weights))
+                       chat_template=chat_template_of(m.tokenizer))
     app = build_app(engine, cfg)
-    say(f"serving {name} on http://{args.host}:{args.port}/v1 ({m.device}, "
+    say(f"serving {name} on http://{args.host}:{sock.getsockname()[1]}/v1 ({m.device}, "
         f"{engine.block_manager.num_usable_blocks} KV blocks, chat template: {cfg.chat_template.origin})")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), or a KilnError naming the address and the fix."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise KilnError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host, or "
+                        "stop what holds it") from None
+    return sock
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -67,7 +86,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base = args.base_url.rstrip("/")
     try:
-        card = httpx.get(f"{base}/v1/models", headers=headers, timeout=30).json()["data"][0]
+        models = httpx.get(f"{base}/v1/models", headers=headers, timeout=30)
+        if models.status_code == 401:
+            raise KilnError(f"the server at {base} wants an API key: pass the one it was started with as --api-key")
+        card = models.json()["data"][0]
         health = httpx.get(f"{base}/health", timeout=30).json()
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
         raise KilnError(f"cannot reach a kiln server at {base} ({e}); start one with `kiln serve SPEC` "

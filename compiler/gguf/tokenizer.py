@@ -6,17 +6,19 @@ it), the file's merges, GPT-2's byte-level pre-tokenizer (or the split regex the
 decoder. Sentencepiece vocabularies (tokenizer.ggml.model = llama: Llama 2, Mistral 7B v0.1) are rebuilt by
 kiln.gguf.spm. Either way control tokens (type 3) are special tokens and user-defined ones (type 4) added tokens;
 decoding skips special tokens and encoding adds BOS / EOS where the file asks for them. The chat template
-(tokenizer.chat_template) is rendered with jinja2 in a sandbox.
+(tokenizer.chat_template) is rendered by kiln.chat_template, as a checkpoint's is.
 """
 
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from typing import Any
 
+from kiln.chat_template import ChatTemplate
 from kiln.gguf.config import GGUFError, field
 from kiln.gguf.spm import spm_tokenizer
-from kiln.tokenizer import token_table
+from kiln.tokenizer import byte_alphabet, token_bytes, token_table
 
 CONTROL, USER_DEFINED = 3, 4
 # tokenizer.ggml.model -> what kiln rebuilds it as (others, like bert or rwkv, are refused by name).
@@ -30,19 +32,6 @@ SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAM
           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the alphabet byte-level BPE vocabularies are written in)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 class GGUFTokenizer:
     """A GGUF's tokenizer: encode adding BOS / EOS as the file says (tokenizer.ggml.add_bos_token / add_eos_token,
     as llama.cpp and transformers do), decode skipping special tokens, and the chat template."""
@@ -54,7 +43,7 @@ class GGUFTokenizer:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_token, self.eos_token = bos_token, eos_token
-        self.chat_template = chat_template
+        self._chat_source = chat_template
         self.path = path
         self.kind = kind
         self.bos_id = bos_id
@@ -78,26 +67,23 @@ class GGUFTokenizer:
         """Every id's token string, in id order (what a draft model must share with its target)."""
         return token_table(self._tok)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def token_bytes(self, token_id: int) -> bytes:
+        return token_bytes(self._tok, token_id)
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The file's chat template, parsed on first use (a broken one matters only to chat)."""
+        if not self._chat_source:
+            return None
+        return ChatTemplate(self._chat_source, bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                            origin=f"{self.path} (tokenizer.chat_template)")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered from the file's chat template."""
-        if not self.chat_template:
-            raise GGUFError(f"{self.path}: the file has no tokenizer.chat_template; drop --chat and write the "
-                            "prompt in the model's own format")
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise GGUFError(f"{self.path}: the chat template refused the conversation: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = raise_exception
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
-            raise GGUFError(f"{self.path}: cannot render the chat template ({e}); drop --chat") from None
+        if self.chat_template is None:
+            raise GGUFError(f"{self.path}: the file has no tokenizer.chat_template; write the prompt in the model's "
+                            "own format instead")
+        return self.chat_template.render(messages, add_generation_prompt)
 
 
 def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:
@@ -155,7 +141,7 @@ def _byte_level(reader: Any, tokens: list[str], path: str | os.PathLike) -> tupl
     merges = field(reader, "tokenizer.ggml.merges")
     if not merges:
         raise GGUFError(f"{path}: the byte-level tokenizer has no tokenizer.ggml.merges; re-convert the file")
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     letters = set(alphabet.values())
     vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}

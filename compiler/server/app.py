@@ -18,13 +18,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from kiln.chat_template import ChatTemplate, ChatTemplateError, chat_template_of
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
-from kiln.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from kiln.server.engine_loop import EngineLoop
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kiln.server.streaming import Choices, completion_body, sse_stream
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request looks for its client having gone
 
 
 @dataclass
@@ -41,7 +43,7 @@ class ServerConfig:
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name)
     loop = EngineLoop(engine, metrics)
-    chat = config.chat_template or ChatTemplate(DEFAULT_CHAT_TEMPLATE)
+    chat = config.chat_template or chat_template_of(engine.tokenizer)
     max_prompt = config.max_prompt_tokens or engine.max_model_len
 
     @asynccontextmanager
@@ -94,31 +96,41 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kiln",
+            "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kiln", "max_model_len": engine.max_model_len,
-                                            "vocab_size": engine.model.vocab}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != config.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {config.model_name!r}",
+                           param="model", code="model_not_found")
+        return card
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = CompletionRequest.model_validate(await _json(request, config.max_body_bytes))
         req.check()
-        prompts = [_tokens(engine, p, max_prompt) for p in req.prompts()]
+        # Off the event loop: a long prompt's tokenization would stall every stream being served.
+        prompts = await asyncio.to_thread(lambda: [_tokens(engine, p, max_prompt) for p in req.prompts()])
         return await _generate(request, req, prompts, "text_completion", config.default_max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = ChatCompletionRequest.model_validate(await _json(request, config.max_body_bytes))
         req.check()
-        msgs = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+        msgs = [m.template_message() for m in req.messages]
         try:
             text = chat.render(msgs)
-        except Exception as e:  # the template's raise_exception, or a message it cannot take
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        except ChatTemplateError as e:  # the template's raise_exception, or a message it cannot take
+            raise APIError(400, str(e), param="messages") from None
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        return await _generate(request, req, [_tokens(engine, text, max_prompt)], "chat.completion", None)
+        prompts = await asyncio.to_thread(_tokens, engine, text, max_prompt)
+        return await _generate(request, req, [prompts], "chat.completion", None)
 
     async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None):
         if req.model is not None and req.model != config.model_name:
@@ -137,9 +149,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if len(jobs) > config.max_waiting:
             raise APIError(400, f"{len(jobs)} completions (prompts x n) in one request, over the queue's "
                            f"{config.max_waiting} (--max-waiting); send fewer prompts or a smaller n", param="n")
-        st = loop.snapshot
-        if st.num_waiting + loop.pending_adds + len(jobs) > config.max_waiting:
-            raise APIError(503, f"server busy: {st.num_waiting + loop.pending_adds} requests waiting, the queue "
+        waiting = loop.num_waiting
+        if waiting + len(jobs) > config.max_waiting:
+            raise APIError(503, f"server busy: {waiting} requests waiting, the queue "
                            f"holds {config.max_waiting} (--max-waiting); retry after a second",
                            code="queue_full", headers={"Retry-After": "1"})
         sink: asyncio.Queue = asyncio.Queue()
@@ -171,14 +183,19 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 async def _collect(request: Request, sink: asyncio.Queue, choices: Choices) -> None:
+    """Fill `choices` from the sink until every one finished, or the client went away (checked at least every
+    DISCONNECT_POLL_S, also while outputs keep coming: a decoding request outputs every step)."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     while not choices.done:
         try:
-            item = await asyncio.wait_for(sink.get(), timeout=0.5)
+            choices.update(await asyncio.wait_for(sink.get(), timeout=DISCONNECT_POLL_S))
         except asyncio.TimeoutError:
+            pass
+        if loop.time() - checked >= DISCONNECT_POLL_S:
             if await request.is_disconnected():
                 return
-            continue
-        choices.update(item)
+            checked = loop.time()
 
 
 class _AbortingStream(StreamingResponse):

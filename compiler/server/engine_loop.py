@@ -54,8 +54,11 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._last_token: dict[str, float] = {}
-        self.pending_adds = 0  # event-loop side: adds posted but not yet applied
-        self.snapshot: EngineStats = engine.stats
+        self._posted = 0  # event-loop side: adds posted so far
+        # The engine thread publishes its stats and how many adds it had applied by then as one tuple, so the
+        # two always agree: a request is counted either as applied (in the stats) or as pending, never both.
+        self._published: tuple[EngineStats, int] = (engine.stats, 0)
+        self._applied = 0  # engine-thread side
         self.num_steps = 0
 
     # ---- event-loop side ----------------------------------------------------------------------------------
@@ -72,6 +75,17 @@ class EngineLoop:
             self._thread.join(timeout=30)
 
     @property
+    def snapshot(self) -> EngineStats:
+        """The engine's stats after its last batch of commands or step (read without touching the engine)."""
+        return self._published[0]
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to run: the engine's waiting queue, plus adds posted that it has not applied yet."""
+        st, applied = self._published
+        return st.num_waiting + self._posted - applied
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -79,12 +93,9 @@ class EngineLoop:
                   sink: asyncio.Queue) -> None:
         """Queue one request; raises the engine's RequestError (a bad prompt) once the thread has tried it."""
         fut = asyncio.get_running_loop().create_future()
-        self.pending_adds += 1
-        try:
-            self._commands.put(_Add(request_id, prompt, params, fut, sink))
-            await fut
-        finally:
-            self.pending_adds -= 1
+        self._posted += 1
+        self._commands.put(_Add(request_id, prompt, params, fut, sink))
+        await fut
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -125,6 +136,7 @@ class EngineLoop:
         done = []
         for cmd in cmds:
             if isinstance(cmd, _Add):
+                self._applied += 1  # refused or not, it is no longer pending
                 try:
                     self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id)
                 except Exception as e:  # a bad request is refused alone
@@ -143,7 +155,8 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(_resolve, done)
 
     def _publish(self) -> None:
-        self.snapshot = st = self.engine.stats
+        st = self.engine.stats
+        self._published = (st, self._applied)
         self.metrics.engine_stats(st)
 
     def _route(self, outs: list[RequestOutput]) -> None:

@@ -58,7 +58,10 @@ class TokenLogprobs:
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         text = self.token(token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+        # A token that holds part of a UTF-8 character decodes to U+FFFD; its raw bytes let a client rejoin it.
+        raw = getattr(self.tokenizer, "token_bytes", None)
+        data = raw(token_id) if raw is not None else text.encode("utf-8")
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(data)}
 
 
 def _finite(value: float) -> float:

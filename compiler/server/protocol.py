@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.errors import KilnError
 from kiln.runtime.sampler import MAX_LOGPROBS, SamplingParams
@@ -37,15 +37,24 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Strict: a JSON true is not max_tokens 1, nor "3" the number 3 (ints still pass where floats are expected).
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. An explicit null means the default, as in OpenAI's API."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
@@ -119,10 +128,22 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    # A tool-calling conversation's history, handed to the chat template as they come (kiln makes no tool calls
+    # itself: a request's `tools` field is refused, but a template that renders past calls gets them).
+    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
+        return msg
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -47,6 +47,9 @@ class Choices:
         self.text[i] += comp.delta_text
         self.token_ids[i] += comp.delta_token_ids
         self.num_tokens[i] = len(self.token_ids[i])
+        if item.finished and comp.finish_reason == "error":  # not a normal end: the client must not take it as one
+            raise APIError(500, f"the request failed while generating: {item.error or 'no reason given'}",
+                           code="generation_failed")
         if item.finished:
             self.finish[i] = "length" if comp.finish_reason == "length" else "stop"
         new = None

@@ -142,7 +142,7 @@ def test_tokenizer_and_chat_template(tiny):
     assert tok.eos_token_ids == (2,)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.chat_template == TEMPLATE
+    assert tok.chat_template.source == TEMPLATE
 
 
 def test_kiln_import_writes_a_spec_that_loads(tiny, tmp_path, capsys):

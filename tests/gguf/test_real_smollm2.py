@@ -79,10 +79,15 @@ def test_tokenizer_matches_transformers(llm, hf):
 
 
 def test_chat_template_matches_transformers(llm, hf):
+    """The file's template, as `kiln run --chat`, LLM.chat and `kiln serve` (chat_template_of) render it."""
+    from kiln.chat_template import chat_template_of
+
     _, hf_tok = hf
-    messages = [{"role": "user", "content": "What is 2 + 2?"}]
-    assert llm.tokenizer.apply_chat_template(messages) == hf_tok.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is 2 + 2?"}]
+    want = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert llm.tokenizer.apply_chat_template(messages) == want
+    assert chat_template_of(llm.tokenizer).render(messages) == want
+    assert llm.chat_prompts(messages) == [want]
 
 
 def test_greedy_ids_equal_transformers(llm, hf):

@@ -92,3 +92,28 @@ def test_byte_tokenizer_with_a_small_vocab_refuses_only_text_it_cannot_encode():
     assert tok.decode([104, 105]) == "hi"
     with pytest.raises(KilnError, match="needs ids up to 122 .* vocab is 100.*--prompt-ids"):
         tok.encode("z")
+
+
+def test_special_tokens_as_the_post_processor_adds_them(tmp_path):
+    """Llama-style tokenizer.json (a BOS template): ids as transformers' tokenizer(text) gives them; a prompt that
+    already starts with BOS (a chat template that writes it) gets no second one; no post-processor adds nothing."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import processors
+
+    raw = write_bpe(tmp_path)
+    bos = raw.token_to_id("<s>")
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path, vocab=300)
+    for text in ("the lazy fox", "hello world", " a"):
+        assert tok.encode(text) == hf(text).input_ids and tok.encode(text)[0] == bos
+        assert tok.encode(text, special=False) == hf(text, add_special_tokens=False).input_ids
+    assert tok.encode("<s>hello world") == hf("<s>hello world", add_special_tokens=False).input_ids
+    assert tok.encode("<s>hello world").count(bos) == 1
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_bpe(plain)
+    assert load_tokenizer(plain, vocab=300).encode("hello world") == RawTokenizer.from_file(
+        str(plain / "tokenizer.json")).encode("hello world").ids

@@ -53,7 +53,7 @@ def test_completion_from_token_ids(client):
 
 
 def test_chat_uses_the_template_and_answers_as_assistant(client, llm):
-    from kiln.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+    from kiln.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
     r = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=5, temperature=0)
@@ -146,7 +146,7 @@ def test_completion_logprobs_equal_the_engine_streamed_or_not(client, llm):
 
 
 def test_chat_logprobs_equal_the_engine_streamed_or_not(client, llm):
-    from kiln.server.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+    from kiln.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 
     msgs = [{"role": "user", "content": "Hi!"}]
     ids, want = _engine_logprobs(llm, ChatTemplate(DEFAULT_CHAT_TEMPLATE).render(msgs), 4, 2)
@@ -156,7 +156,7 @@ def test_chat_logprobs_equal_the_engine_streamed_or_not(client, llm):
     assert len(content) == 4
     for entry, t, d in zip(content, ids, want, strict=True):
         text = llm.tokenizer.decode([t])
-        assert (entry.token, entry.bytes) == (text, list(text.encode()))
+        assert (entry.token, entry.bytes) == (text, list(llm.tokenizer.token_bytes(t)))
         assert entry.logprob == pytest.approx(d[t], abs=1e-5)
         assert [(e.token, e.bytes) for e in entry.top_logprobs] == [
             (llm.tokenizer.decode([k]), list(llm.tokenizer.decode([k]).encode())) for k in list(d)[:2]]

@@ -18,9 +18,9 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 
 def byte_tokens() -> list[str]:
-    from kiln.gguf.tokenizer import _byte_alphabet
+    from kiln.tokenizer import byte_alphabet
 
-    return list(_byte_alphabet().values())
+    return list(byte_alphabet().values())
 
 
 def tokens() -> list[str]:

@@ -1,0 +1,115 @@
+"""Chat templates: one Jinja2 renderer for every tokenizer kiln loads (a checkpoint's tokenizer_config.json, a
+GGUF's tokenizer.chat_template), set up as transformers sets up its own (a sandbox, trim_blocks, lstrip_blocks,
+loop controls, `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML), and kiln's documented
+default for a model without one:
+
+    <|system|>
+    You are helpful.
+    <|user|>
+    Hi!
+    <|assistant|>
+
+one `<|role|>` line before each message's text, ending with `<|assistant|>` and a newline for the reply.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kiln.errors import KilnError
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class ChatTemplateError(KilnError):
+    """A chat template that does not parse, or that refused (raise_exception) or failed on a conversation."""
+
+
+class ChatTemplate:
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", origin: str = "default"):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = _tojson
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat template from {origin} does not parse ({e}); fix it or remove "
+                                    "chat_template") from None
+        self.source = source
+        self.bos_token, self.eos_token, self.origin = bos_token, eos_token, origin
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation; a template's raise_exception or a render failure is a
+        ChatTemplateError naming the template's origin."""
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
+        except _Refused as e:
+            raise ChatTemplateError(f"the chat template ({self.origin}) refused the conversation: {e}") from None
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise ChatTemplateError(f"the chat template ({self.origin}) cannot render the conversation "
+                                    f"({type(e).__name__}: {e})") from None
+
+
+class _Refused(Exception):
+    pass
+
+
+def _raise(message: str) -> None:
+    raise _Refused(message)
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def default_chat_template() -> ChatTemplate:
+    return ChatTemplate(DEFAULT_CHAT_TEMPLATE)
+
+
+def _token_text(value: object) -> str:
+    if isinstance(value, dict):  # {"content": "<s>", ...} in older tokenizer_config.json files
+        return str(value.get("content", ""))
+    return str(value) if value else ""
+
+
+def load_chat_template(checkpoint_dir: str | Path) -> ChatTemplate | None:
+    """A Hugging Face checkpoint's chat template, or None when it has none: chat_template.jinja (where
+    transformers 4.43+ saves it; it wins, as in transformers), else tokenizer_config.json's chat_template (of a
+    named list, the "default" one). BOS / EOS text from tokenizer_config.json either way."""
+    d = Path(checkpoint_dir)
+    path = d / "tokenizer_config.json"
+    cfg = {}
+    if path.is_file():
+        try:
+            cfg = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise KilnError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
+        cfg = cfg if isinstance(cfg, dict) else {}
+    tpl = cfg.get("chat_template")
+    if isinstance(tpl, list):  # named templates: take "default"
+        tpl = next((t.get("template") for t in tpl if isinstance(t, dict) and t.get("name") == "default"), None)
+    origin = str(path)
+    if (d / "chat_template.jinja").is_file():
+        origin = str(d / "chat_template.jinja")
+        tpl = (d / "chat_template.jinja").read_text()
+    if not tpl or not isinstance(tpl, str):
+        return None
+    return ChatTemplate(tpl, bos_token=_token_text(cfg.get("bos_token")), eos_token=_token_text(cfg.get("eos_token")),
+                        origin=origin)
+
+
+def chat_template_of(tokenizer: object) -> ChatTemplate:
+    """The tokenizer's own chat template (a checkpoint's, a GGUF's), else kiln's default."""
+    return getattr(tokenizer, "chat_template", None) or default_chat_template()

@@ -7,6 +7,7 @@ is not among them. Values are the model's raw log_softmax (before temperature), 
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 
 from kiln.step import TokenizerLike
@@ -22,6 +23,7 @@ class TokenLogprobs:
     top_n: int  # how many top alternatives to show per token (chat's top_logprobs; completions' logprobs)
     entries: list[tuple[int, dict[int, float]]] = field(default_factory=list)
     text_offset: int = 0  # completions: where the next token's text starts in the choice's text
+    _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def token(self, token_id: int) -> str:
         if self.tokenizer is None:  # served from token ids only: name the id, as vLLM's return_tokens_as_token_ids
@@ -44,8 +46,13 @@ class TokenLogprobs:
             for t, v in lp.items():  # keyed by text: of tokens that decode alike, the most likely one's value
                 top.setdefault(self.token(t), _finite(v))
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self.text_offset)
-            self.text_offset += len(text)
+            # Offsets count the characters the bytes so far make: a token holding part of a character adds none
+            # until the one that ends it (counting its "\ufffd" text would push every later offset along), and a
+            # whole token's text ends what its bytes emit (an unfinished character before it comes out as U+FFFD).
+            emitted = self._utf8.decode(self.token_bytes(tok))
+            whole = text != "\ufffd" and emitted.endswith(text)
+            out["text_offset"].append(self.text_offset + (len(emitted) - len(text) if whole else 0))
+            self.text_offset += len(emitted)
         return out
 
     def chat(self, entries: list[tuple[int, dict[int, float]]]) -> dict:
@@ -56,12 +63,14 @@ class TokenLogprobs:
             content.append({**self._chat_entry(tok, lp[tok]), "top_logprobs": top})
         return {"content": content}
 
-    def _chat_entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token(token_id)
-        # A token that holds part of a UTF-8 character decodes to U+FFFD; its raw bytes let a client rejoin it.
+    def token_bytes(self, token_id: int) -> bytes:
+        """What the token adds to the text as bytes; a token that holds part of a UTF-8 character decodes to
+        U+FFFD, and its raw bytes let a client rejoin it."""
         raw = getattr(self.tokenizer, "token_bytes", None)
-        data = raw(token_id) if raw is not None else text.encode("utf-8")
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(data)}
+        return raw(token_id) if raw is not None else self.token(token_id).encode("utf-8")
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        return {"token": self.token(token_id), "logprob": _finite(logprob), "bytes": list(self.token_bytes(token_id))}
 
 
 def _finite(value: float) -> float:

@@ -213,3 +213,15 @@ def test_bench_serve_against_a_keyed_server_asks_for_the_key(llm):
         res = subprocess.run([sys.executable, "-m", "kiln", "bench", "serve", "--base-url", u, "--num-requests",
                               "1"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "wants an API key" in res.stderr and "--api-key" in res.stderr
+
+
+def test_completion_text_offsets_stay_on_the_text_past_partial_characters(url):
+    body = {"prompt": "é", "max_tokens": 24, "temperature": 1, "seed": 7, "logprobs": 1, "ignore_eos": True}
+    choice = _post(url, "/v1/completions", body).json()["choices"][0]
+    lp, text = choice["logprobs"], choice["text"]
+    assert "\ufffd" in lp["tokens"], "no partial-character token sampled: pick another seed"
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for tok, off in zip(lp["tokens"], offsets, strict=True):
+        if tok != "\ufffd":
+            assert text[off: off + len(tok)] == tok, (tok, off, text)

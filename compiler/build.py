@@ -21,7 +21,8 @@ from kiln.hf.config import config_from_hf, load_hf_config
 from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import TORCH_DTYPES, build_graph
 from kiln.model_config import DTYPES, CompileConfig, ModelConfig
-from kiln.quant.formats import dequantize, parse_scheme
+from kiln.quant.formats import as_scheme, dequantize, parse_scheme
+from kiln.quant.sizing import resolve_group
 from kiln.spec.loader import DEFAULT_SPEC, load_spec
 from kiln.tokenizer import load_tokenizer
 
@@ -54,6 +55,24 @@ def resolve_device(device: str = "auto") -> torch.device:
                             "0; pick one of them")
         torch.cuda.set_device(dev)  # Triton launches on the current device (per thread), not the tensors'
     return dev
+
+
+_WEIGHTS_KINDS = "a Hugging Face checkpoint dir (config.json + *.safetensors), a .gguf file or a `kiln quantize` output"
+
+
+def check_weights_dir(path: Path) -> None:
+    """KilnError saying what --weights names instead of a checkpoint directory: nothing, a spec file, another file,
+    or a directory without config.json."""
+    if not path.exists():
+        raise KilnError(f"--weights {path}: does not exist; check the path (give {_WEIGHTS_KINDS})")
+    if path.is_file() and path.suffix == ".kiln":
+        raise KilnError(f"--weights {path}: is a spec file, not weights; pass it as SPEC (e.g. `kiln run {path}`), "
+                        "with --weights only for its checkpoint")
+    if not path.is_dir():
+        raise KilnError(f"--weights {path}: is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
+    if not (path / "config.json").is_file():
+        raise KilnError(f"--weights {path}: no config.json there; point it at a Hugging Face checkpoint dir "
+                        "or a directory written by `kiln quantize`")
 
 
 def _model_from_checkpoint(weights: Path) -> tuple[ModelConfig, str]:
@@ -92,9 +111,8 @@ def load_model(
 
         if is_quantized_checkpoint(weights_dir):
             return _load_quantized(weights_dir, spec, dev, dtype=dtype, quantize=quantize)
-    if weights_dir is not None and not (weights_dir / "config.json").is_file():
-        raise KilnError(f"--weights {weights_dir}: no config.json there; point it at a Hugging Face checkpoint dir "
-                        "or a directory written by `kiln quantize`")
+    if weights_dir is not None:
+        check_weights_dir(weights_dir)
 
     model_type = ""
     if spec is None and weights_dir is not None:
@@ -113,6 +131,7 @@ def load_model(
     if quantize is not None:
 
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
+    comp = fit_quantize(comp, cfg)
     tdtype = TORCH_DTYPES[comp.dtype]
 
     params = None
@@ -133,9 +152,10 @@ def _load_quantized(
     others refused (the weights cannot be re-quantized or re-cast here), never silently ignored.
     """
 
+    loaded = load_spec(spec if spec is not None else weights_dir / SPEC)
     if quantize is not None:
 
-        want, have = parse_scheme(quantize), stored_scheme(weights_dir)
+        want, have = resolve_group(parse_scheme(quantize), loaded.model)[0], stored_scheme(weights_dir)
         if want.label != have.label:  # calibration options do not matter once the weights are stored
             raise KilnError(
                 f"--quantize {quantize}: {weights_dir} was quantized by `kiln quantize` with {have.label} and "
@@ -144,7 +164,6 @@ def _load_quantized(
             )
     if dtype is not None and dtype not in DTYPES:
         raise KilnError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
-    loaded = load_spec(spec if spec is not None else weights_dir / SPEC)
     gm = load_quantized(weights_dir, loaded.model, device=dev)
     stored = next((k for k, v in TORCH_DTYPES.items() if v == gm.get_parameter("embed.weight").dtype), "fp32")
     if dtype is not None and dtype != stored:
@@ -156,6 +175,39 @@ def _load_quantized(
     comp = dataclasses.replace(loaded.compile, dtype=stored)
     tokenizer = load_tokenizer(weights_dir, vocab=loaded.model.vocab)
     return LoadedModel(loaded.model, comp, gm, tokenizer, dev, source=str(weights_dir))
+
+
+def describe_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None) -> ModelConfig:
+    """The ModelConfig load_model would build, read without any weights (a spec, config.json or GGUF metadata), so
+    that what depends on the shapes (e.g. which quantization groups fit) is checked before slow work."""
+    weights = weights if weights is not None else bundled_weights(spec)
+    if spec is not None:
+        return load_spec(spec).model
+    if weights is None:
+        return load_spec(DEFAULT_SPEC).model
+    if is_gguf(weights):
+        return config_from_gguf(open_gguf(Path(weights)), Path(weights))
+    path = Path(weights)
+    if is_quantized_checkpoint(path):
+        return load_spec(path / SPEC).model
+    check_weights_dir(path)
+    return config_from_hf(load_hf_config(path), name=path.name, source=str(path / "config.json"), notes=[])
+
+
+def fit_quantize(comp: CompileConfig, cfg: ModelConfig) -> CompileConfig:
+    """The compile config with its quantize scheme (if any) as a QuantScheme whose int4 group fits this model: a
+    scheme named without a group takes 128, else the largest group dividing every K, and says so."""
+    if not comp.extra.get("quantize"):
+        return comp
+    scheme, note = resolve_group(as_scheme(comp.extra["quantize"]), cfg)
+    if note:
+        say(f"note: {note}")
+    return dataclasses.replace(comp, extra={**comp.extra, "quantize": scheme})
+
+
+def quantize_label(comp: CompileConfig) -> str | None:
+    """The short name of the compile config's quantize scheme (int8, int4-rtn-g64, ...), None when there is none."""
+    return as_scheme(comp.extra["quantize"]).label if comp.extra.get("quantize") else None
 
 
 def say(msg: str) -> None:
@@ -186,6 +238,7 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
     keep = quantize == "gguf" or (quantize is None and "quantize" not in comp.extra and dev.type == "cuda")
     if quantize not in (None, "none", "gguf"):
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
+    comp = fit_quantize(comp, cfg)
     tdtype = TORCH_DTYPES[comp.dtype]
     tokenizer = load_gguf_tokenizer(reader, path)  # before the weights: a bad tokenizer fails fast, nothing loaded
     w = load_gguf_weights(reader, path, cfg, arch=arch, keep=keep, dtype=tdtype, device=dev)

@@ -219,6 +219,11 @@ class Engine:
         limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
         ids = check_prompt(prompt_token_ids, params.max_tokens, vocab=self.model.vocab, limit=self.max_model_len,
                            limit_name=limit)
+        vocab = self.model.vocab
+        bad = [t for t in params.stop_token_ids if t >= vocab]  # never sampled, so the stop could never fire
+        if bad:
+            raise RequestError(f"stop_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
+                               f"token ids 0 .. {vocab - 1}")
         total = len(ids) + params.max_tokens
         bm = self.block_manager
         if bm.blocks_for(total) > bm.num_usable_blocks:

@@ -146,8 +146,15 @@ class SamplingParams:
             ),
         )
         for name, value, ok, allowed in checks:
-            if not ok:
-                raise RequestError(f"sampling parameter {name} = {value!r} is out of range; allowed: {allowed}")
+            if ok:
+                continue
+            wrong = _wrong_type(name, value)
+            if wrong:  # a wrong type is not a value out of range: say which type is wanted and which came
+                kind, bad = wrong
+                got = type(bad).__name__ if bad is value else f"{type(bad).__name__} {bad!r}"
+                raise RequestError(f"sampling parameter {name} = {value!r} must be {kind}, not {got}; "
+                                   f"allowed: {allowed}")
+            raise RequestError(f"sampling parameter {name} = {value!r} is out of range; allowed: {allowed}")
         return self
 
     @property
@@ -167,6 +174,35 @@ def check_stop(
         return "stop", token
     if num_output >= params.max_tokens:
         return "length", None
+    return None
+
+
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_INTS = ("top_k", "max_tokens")
+_OPTIONAL_INTS = ("seed", "logprobs")
+_BOOLS = ("ignore_eos", "speculate")
+
+
+def _wrong_type(name: str, value: object) -> tuple[str, object] | None:
+    """(the type `name` must have, the offending value or item) when `value` has another type; None when its type
+    is right (then only its range is wrong)."""
+    if name in _NUMBERS:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if ok else ("a number", value)
+    if name in _INTS:
+        return None if _is_int(value) else ("an integer", value)
+    if name in _OPTIONAL_INTS:
+        return None if value is None or _is_int(value) else ("an integer or None", value)
+    if name in _BOOLS:
+        return None if isinstance(value, bool) else ("a bool (True or False)", value)
+    if name == "output_kind":
+        return None if isinstance(value, str) else ("a string", value)
+    if name in ("stop_token_ids", "stop"):
+        kind = "token ids (integers)" if name == "stop_token_ids" else "strings"
+        if not isinstance(value, tuple):
+            return kind, value
+        bad = [t for t in value if not (_is_int(t) if name == "stop_token_ids" else isinstance(t, str))]
+        return (kind, bad[0]) if bad else None
     return None
 
 

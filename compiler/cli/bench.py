@@ -30,7 +30,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kiln.run_info import run_metadata
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.runtime.throughput import format_report, make_trace, parse_range, run_trace
+    from kiln.runtime.throughput import format_report, make_trace, parse_range, run_trace, warm_up
 
     try:
         input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
@@ -55,16 +55,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     step = step_model(args, m)  # compiled once; each policy gets its own engine and KV pool over it
     plan = getattr(args, "draft_plan", None)
     result["config"]["speculation"] = describe(plan.config) if plan is not None else "off"
-    for policy in ("continuous", "static"):
+    for policy in ("warm-up", "continuous", "static"):
         engine = serving_engine(args, m, step, max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=policy)
-        say(f"bench {policy}: {len(trace)} requests on {m.device}, {engine.block_manager.num_usable_blocks} KV blocks")
-        prof = _start_profile() if args.profile and policy == "continuous" else None
-        result[policy] = run_trace(engine, trace, label=f"{policy}-", progress=say)
-        if prof is not None:
-            result["profile"] = _write_profile(prof, args.profile)
-            say(f"cProfile summary of the continuous run written to {args.profile}")
-        result[policy]["num_blocks"] = engine.block_manager.num_usable_blocks
+                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                scheduling_policy="continuous" if policy == "warm-up" else policy)
+        if policy == "warm-up":  # its own engine: the timed runs start with equal, warm process state
+            result["warmup"] = warm_up(engine, vocab=m.model.vocab, context=m.model.context)
+            say(f"warm-up: {result['warmup']['requests']} requests, untimed, {result['warmup']['elapsed_s']:.2f} s")
+        else:
+            say(f"bench {policy}: {len(trace)} requests on {m.device}, {engine.block_manager.num_usable_blocks} KV "
+                "blocks")
+            prof = _start_profile() if args.profile and policy == "continuous" else None
+            result[policy] = run_trace(engine, trace, label=f"{policy}-", progress=say)
+            if prof is not None:
+                result["profile"] = _write_profile(prof, args.profile)
+                say(f"cProfile summary of the continuous run written to {args.profile}")
+            result[policy]["num_blocks"] = engine.block_manager.num_usable_blocks
         del engine  # free this pool before the next one is allocated
         gc.collect()
         if m.device.type == "cuda":

@@ -84,17 +84,19 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
 
 # ---- flag values and output paths ------------------------------------------------------------------------
 
-SEED_MAX = 2**63 - 1  # torch seeds are 64-bit; a larger one overflows deep inside torch.manual_seed
+# SamplingParams' seed range (kiln.runtime.sampler.SEED_MAX, not imported here: it loads torch). --seed also seeds
+# random weights through a torch.Generator, which takes any unsigned 64-bit seed too.
+SEED_MAX = 2**64 - 1
 
 
 def seed_arg(text: str) -> int:
-    """argparse type of --seed: an integer in 0..SEED_MAX."""
+    """argparse type of --seed: an integer in 0 .. 2**64 - 1 (it seeds sampling and random weights)."""
     try:
         seed = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if not 0 <= seed <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {SEED_MAX}, got {text}")
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to 2**64 - 1 ({SEED_MAX}), got {text}")
     return seed
 
 

@@ -61,11 +61,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
     loaded = load_spec(args.spec)
     dtype_name = args.dtype or loaded.compile.dtype
     comp = loaded.compile
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.build import fit_quantize, quantize_label
+
     if args.quantize:
         # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
         from kiln.quant.formats import parse_scheme
 
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(args.quantize)})
+    comp = fit_quantize(comp, loaded.model)  # a scheme without a group gets the one that fits (kiln.quant.sizing)
 
     # Meta tensors: the graph and every shape are real, the weights cost no memory (an 8B spec builds instantly).
     def graph():
@@ -103,10 +107,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
               "predictor logit > 0; the training form, top capacity per sequence, is for training and perplexity)",
               file=sys.stderr)
     print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
-          f"passes: {', '.join(compiled.passes) or 'none'}; {len(compiled.kernels)} kernels "
+          f"passes: {', '.join(_pass_names(compiled.passes, quantize_label(comp))) or 'none'}; "
+          f"{len(compiled.kernels)} kernels "
           f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled); "
           f"{autotune.stats().since(tuned_before).summary()}", file=sys.stderr)
     return 0
+
+
+def _pass_names(passes: list[str], quant: str | None) -> list[str]:
+    """The passes that ran, the quantize pass with its scheme (e.g. `quantize (int4-rtn-g64)`)."""
+    return [f"{p} ({quant})" if p == "quantize" and quant else p for p in passes]
 
 
 def add_compile_parser(sub: argparse._SubParsersAction) -> None:

@@ -80,11 +80,63 @@ def step_window_nll(step, ids: list[int], window: int, chunk: int = KV_CHUNK) ->
     return total, count
 
 
+def plan_variants(variants: list[str] | None, cfg, weights=None) -> tuple[list[str], list[str]]:
+    """(the variants to run, notes) checked against the model's shapes before anything slow runs.
+
+    variants=None means DEFAULT_VARIANTS: one that cannot apply to this model (an int4 group that does not divide
+    every K) runs with the largest group that does instead, or is skipped when that one is already listed or none
+    fits; either way a note says so. A variant named explicitly that cannot apply is a KilnError.
+    """
+    # lazy: kiln.quant.formats loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.quant.formats import parse_scheme
+    from kiln.quant.sizing import fitting_group, quantized_weights, resolve_group
+
+    explicit = variants is not None
+    gguf = weights is not None and str(weights).endswith(".gguf")
+    names = list(variants if explicit else DEFAULT_VARIANTS)
+    out: list[str] = []
+    notes: list[str] = []
+    for v in names:
+        if v in _DTYPES or v in _KV_VARIANTS:
+            out.append(v)
+            continue
+        if v == "gguf":
+            if not gguf:
+                raise KilnError(f"variant gguf keeps a GGUF's own quantized tensors; --weights {weights} is not a "
+                                ".gguf")
+            out.append(v)
+            continue
+        try:
+            scheme, note = resolve_group(parse_scheme(v), cfg)
+        except KilnError as e:
+            raise KilnError(f"--variants: {v!r} is not a variant ({e}); give fp32, bf16, fp16, gguf, kv-int8, "
+                            "kv-auto or a quantization scheme such as int8 or int4-gptq-g64") from None
+        quantized = quantized_weights(cfg, lm_head=scheme.lm_head, embeddings=scheme.embeddings)
+        bad = next(((n, s[1]) for n, s in quantized.items() if scheme.bits == 4 and s[1] % scheme.group), None)
+        if bad is None:
+            notes += [f"{v}: {note}"] if note else []
+            out.append(v)
+            continue
+        fits = fitting_group([s[1] for s in quantized.values()])
+        why = f"{bad[0]} has K = {bad[1]}, not a multiple of {scheme.group}"
+        if explicit:
+            hint = f"use group {fits} (e.g. {v.replace(f'-g{scheme.group}', f'-g{fits}')})" if fits else "use int8"
+            raise KilnError(f"--variants {v}: cannot apply to {cfg.name}: {why}; {hint}")
+        instead = v.replace(f"-g{scheme.group}", f"-g{fits}") if fits else None
+        if instead is None or instead in names or instead in out:
+            notes.append(f"skipping {v}: {why}" + (f" ({instead} runs anyway)" if instead else ""))
+        else:
+            notes.append(f"{v} cannot apply ({why}); running {instead} instead")
+            out.append(instead)
+    return out, notes
+
+
 def _variant_model(spec, weights, variant: str, device: str, calibration: str | None = None):
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model
     from kiln.compile.pipeline import quantize_graph
     from kiln.quant.formats import parse_scheme
+    from kiln.quant.sizing import resolve_group
 
     gguf = weights is not None and str(weights).endswith(".gguf")
     if variant in _DTYPES or variant in _KV_VARIANTS:
@@ -96,14 +148,20 @@ def _variant_model(spec, weights, variant: str, device: str, calibration: str | 
         return load_model(spec, weights, dtype="fp32", device=device, quantize="gguf")
     scheme = parse_scheme(variant, **({"calibration": str(calibration)} if calibration else {}))
     m = load_model(spec, weights, dtype="fp32", device=device, quantize="none" if gguf else None)
-    m.gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
+    m.gm = quantize_graph(m.gm, resolve_group(scheme, m.model)[0], tokenizer=m.tokenizer)
     return m
 
 
-def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str], window: int = 512,
+def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str] | None = None, window: int = 512,
                    max_tokens: int | None = None, device: str = "auto", calibration: str | None = None,
-                   progress=None) -> dict:
-    """Perplexity of every variant on the text; the result dict that `kiln bench perplexity` prints / writes."""
+                   progress=None, result: dict | None = None) -> dict:
+    """Perplexity of every variant on the text; the result dict that `kiln bench perplexity` prints / writes.
+
+    variants: None for DEFAULT_VARIANTS (see plan_variants: those that cannot apply are adapted or skipped, with a
+    note in result["notes"]). result: a dict to fill in place, so that a caller keeps the finished variants when a
+    later one fails."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.build import describe_model
 
     weights = weights if weights is not None else bundled_weights(spec)
     path = Path(text_path)
@@ -111,12 +169,18 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str],
         raise KilnError(f"--text {path}: no such file; give a UTF-8 text file (e.g. bench/data/*.txt)")
     if window < 2:
         raise KilnError(f"--window {window}: give at least 2 tokens")
+    variants, notes = plan_variants(variants, describe_model(spec, weights), weights)  # before any slow work
+    for note in notes:
+        if progress:
+            progress(f"note: {note}")
     text = path.read_text(encoding="utf-8")
-    result: dict = {"spec": str(spec), "weights": str(weights), "text": str(path), "text_bytes": len(text.encode()),
-                    "window": window, "calibration": str(calibration) if calibration else "seeded random tokens",
-                    "variants": {}}
+    result = {} if result is None else result
+    result.update({"spec": str(spec), "weights": str(weights), "text": str(path), "text_bytes": len(text.encode()),
+                   "window": window, "calibration": str(calibration) if calibration else "seeded random tokens",
+                   "variants": {}, **({"notes": notes} if notes else {})})
     ids: list[int] | None = None
     for variant in variants:
+        result["running"] = variant  # named as the failed one if it raises
         t0 = time.perf_counter()
         m = _variant_model(spec, weights, variant, device, calibration)
         if ids is None:
@@ -140,19 +204,28 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str],
         if progress:
             progress(f"{variant}: perplexity {ppl:.4f} over {n} tokens ({time.perf_counter() - t0:.0f}s)")
         del m
-    base = result["variants"].get("fp32")
-    if base:
-        for v in result["variants"].values():
-            v["vs_fp32"] = v["perplexity"] / base["perplexity"] - 1
+        del result["running"]
+    add_vs_fp32(result)
     return result
 
 
+def add_vs_fp32(result: dict) -> None:
+    """Each variant's perplexity relative to fp32's, when fp32 ran."""
+    base = result.get("variants", {}).get("fp32")
+    if base:
+        for v in result["variants"].values():
+            v["vs_fp32"] = v["perplexity"] / base["perplexity"] - 1
+
+
 def format_perplexity(result: dict) -> str:
-    lines = [f"{result['model']} on {result['text']} ({result['tokens']} tokens, windows of {result['window']}, "
-             f"{result['device']})", f"{'variant':<16} {'perplexity':>11} {'vs fp32':>9}"]
+    lines = [f"{result.get('model', result['spec'])} on {result['text']} ({result.get('tokens', 0)} tokens, windows "
+             f"of {result['window']}, {result.get('device', 'no device')})",
+             f"{'variant':<16} {'perplexity':>11} {'vs fp32':>9}"]
     for name, v in result["variants"].items():
         rel = f"{v['vs_fp32'] * 100:+.2f}%" if "vs_fp32" in v else "-"
         lines.append(f"{name:<16} {v['perplexity']:>11.4f} {rel:>9}")
+    if result.get("failed"):
+        lines.append(f"{result['failed']['variant']:<16} failed: {result['failed']['error']}")
     return "\n".join(lines)
 
 
@@ -160,16 +233,31 @@ def bench_perplexity_main(args) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import say
 
-    variants = [v for v in (args.variants or ",".join(DEFAULT_VARIANTS)).split(",") if v]
-    result = run_perplexity(args.spec, args.weights, args.text, variants=variants, window=args.window,
-                            max_tokens=args.max_tokens, device=args.device, calibration=args.calibration,
-                            progress=say)
+    variants = [v for v in args.variants.split(",") if v] if args.variants else None
+    result: dict = {}
+    try:
+        run_perplexity(args.spec, args.weights, args.text, variants=variants, window=args.window,
+                       max_tokens=args.max_tokens, device=args.device, calibration=args.calibration,
+                       progress=say, result=result)
+    except BaseException as e:  # a later variant failed (or ^C): keep what the earlier ones measured, then re-raise
+        if not result.get("variants"):
+            raise
+        add_vs_fp32(result)
+        failed = result.pop("running", "?")
+        result["failed"] = {"variant": failed, "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+        say(f"{failed} failed; the {len(result['variants'])} variant(s) that finished follow")
+        _emit(args, result, say)
+        raise
+    _emit(args, result, say)
+    return 0
+
+
+def _emit(args, result: dict, say) -> None:
     print(json.dumps(result, indent=2) if args.json else format_perplexity(result))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         say(f"wrote {args.output}")
-    return 0
 
 
 def add_parser(bsub) -> None:

@@ -26,6 +26,7 @@ from torch import fx
 
 from kiln.errors import KilnError
 from kiln.quant.formats import QuantScheme, as_scheme
+from kiln.quant.sizing import resolve_group
 
 DEFAULT_SCHEMES = ("int8", "int4-rtn-g128", "int4-gptq-g128")
 EVAL_SEED = 12345  # differs from QuantScheme.seed, so GPTQ never calibrates on the evaluation tokens
@@ -195,7 +196,12 @@ def bench_quality_main(
     seq = seq_len or min(128, loaded.model.context, positions)
     text = Path(eval_text).read_text(encoding="utf-8") if eval_text else None
     ids = eval_ids(loaded.model.vocab, positions, seq, text=text, tokenizer=loaded.tokenizer if text else None)
-    chosen = [as_scheme(s) for s in schemes]
+    chosen = []
+    for s in schemes:  # a scheme without a group gets the one that fits this model
+        scheme, note = resolve_group(as_scheme(s), loaded.model)
+        if note:
+            say(f"note: {note}")
+        chosen.append(scheme)
     if calibration is not None:
         chosen = [replace(s, calibration=calibration) if s.method == "gptq" else s for s in chosen]
     report = quality_report(loaded.gm, chosen, ids=ids, tokenizer=loaded.tokenizer, progress=say)

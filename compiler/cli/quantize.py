@@ -21,6 +21,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.quantized import save_quantized
     from kiln.quant.formats import parse_scheme
+    from kiln.quant.sizing import resolve_group
 
     out = check_output_dir("-o", args.output)
     check_input_file("--calibration", args.calibration)
@@ -29,6 +30,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         scheme = dataclasses.replace(scheme, calibration=args.calibration)
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device)
+    scheme, note = resolve_group(scheme, m.model)  # a scheme without a group gets the one that fits this model
+    if note:
+        say(f"note: {note}")
     say(f"quantizing {m.model.name} to {scheme.label}" + (" (calibrating)" if scheme.method == "gptq" else ""))
     gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
     with staged_dir("-o", out) as stage:

@@ -24,7 +24,7 @@ def _ids(text: str) -> list[int]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import load_model, say
+    from kiln.build import load_model, quantize_label, say
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.sampler import SamplingParams
@@ -44,7 +44,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
     engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
-    say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}) in {time.perf_counter() - t0:.2f}s")
+    quant = quantize_label(m.compile)
+    say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}{', ' + quant if quant else ''}) "
+        f"in {time.perf_counter() - t0:.2f}s")
     st = engine.stats
     if st.routed_blocks:  # Mixture-of-Depths: routed layers cache only their routed tokens
         say(f"routed KV cache: {st.kv_bytes / 2**20:.1f} MiB, {st.kv_bytes_saved / 2**20:.1f} MiB "

@@ -10,6 +10,7 @@ from pathlib import Path
 from kiln.cli.common import EXIT_USER_ERROR, check_output_file, write_file_atomic
 from kiln.errors import KilnError, SpecError, UsageError
 from kiln.hf.config import import_spec
+from kiln.quant.sizing import SchemeView, quantized_bytes, resolve_group
 from kiln.spec.formatter import format_spec
 from kiln.spec.loader import load_spec, read_spec_file
 from kiln.spec.parser import parse_spec
@@ -30,14 +31,25 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
             print(f"kiln: error: {e}", file=sys.stderr)
         else:
-            n, dtype = param_count(loaded.model), loaded.compile.dtype
+            n = param_count(loaded.model)
             route = describe_route(loaded.model)
             spec_cfg = loaded.compile.extra.get("speculation")
             speculation = f", speculation {describe_speculation(spec_cfg)}" if spec_cfg else ""
             print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers, {format_count(n)} "
-                  f"parameters, {format_bytes(n * DTYPE_BYTES[dtype])} of weights in {dtype}{speculation})"
-                  + (f"; {route}" if route else ""))
+                  f"parameters, {_weights_size(loaded, n)}{speculation})" + (f"; {route}" if route else ""))
     return EXIT_USER_ERROR if failed else 0
+
+
+def _weights_size(loaded, n: int) -> str:
+    """The weights' size in the compile dtype, after the spec's `quantize` scheme when it has one."""
+    dtype = loaded.compile.dtype
+    dense = format_bytes(n * DTYPE_BYTES[dtype])
+    quantize = loaded.compile.extra.get("quantize")
+    if not quantize:
+        return f"{dense} of weights in {dtype}"
+    scheme = resolve_group(SchemeView.of(quantize), loaded.model)[0]
+    size = format_bytes(quantized_bytes(loaded.model, DTYPE_BYTES[dtype], scheme))
+    return f"{size} of weights quantized to {scheme.label}, the rest in {dtype} ({dense} unquantized)"
 
 
 def cmd_fmt(args: argparse.Namespace) -> int:

@@ -68,6 +68,11 @@ def load_hf_config(hf_dir: str | Path) -> dict:
     """The parsed config.json of a checkpoint directory (a JSON object, else a KilnError naming the file)."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
+        if not Path(hf_dir).exists():
+            raise KilnError(f"{hf_dir}: does not exist; point at a Hugging Face checkpoint directory")
+        if Path(hf_dir).suffix == ".kiln":
+            raise KilnError(f"{hf_dir}: is a spec file, not a checkpoint; point at a Hugging Face checkpoint "
+                            "directory (a spec is already a spec: `kiln check` / `kiln fmt` read it)")
         raise KilnError(f"{hf_dir}: no config.json; point at a Hugging Face checkpoint directory")
     try:
         hf = json.loads(path.read_bytes().decode("utf-8"))

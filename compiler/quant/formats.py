@@ -26,6 +26,7 @@ import torch
 
 from kiln.errors import KilnError
 from kiln.model_config import INT4_GROUPS
+from kiln.quant.sizing import scheme_label
 
 METHODS = ("rtn", "gptq")
 LAYOUT_VERSION = 2  # the int4 packing above; 1 = neighbouring k paired in a byte (repack_int4_v1 converts)
@@ -46,6 +47,9 @@ class QuantScheme:
     lm_head: bool = False
     embeddings: bool = False
     seed: int = 0
+    # int4 named without a group (`int4`, `int4-gptq`, a spec's `quantize = int4`): group 128 where it divides every
+    # quantized K, else the largest of 64 / 32 that does; kiln.quant.sizing.resolve_group fixes it per model.
+    auto_group: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -62,9 +66,7 @@ class QuantScheme:
     @property
     def label(self) -> str:
         """A short name: int8, int8-gptq, int4-rtn-g128, int4-gptq-g64-asym."""
-        if self.bits == 8:
-            return "int8" if self.method == "rtn" else "int8-gptq"
-        return f"int4-{self.method}-g{self.group}" + ("" if self.symmetric else "-asym")
+        return scheme_label(self.bits, self.method, self.group, self.symmetric)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,14 +86,14 @@ def parse_scheme(text: str, **overrides) -> QuantScheme:
     head, opts = parts[0], parts[1:]
     if head not in ("int8", "int4"):
         raise KilnError(f"--quantize {text!r}: expected int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
-    scheme = QuantScheme(bits=8) if head == "int8" else QuantScheme(bits=4, group=128)
+    scheme = QuantScheme(bits=8) if head == "int8" else QuantScheme(bits=4, group=128, auto_group=True)
     for opt in opts:
         if opt in METHODS:
             scheme = replace(scheme, method=opt)
         elif opt == "asym":
             scheme = replace(scheme, symmetric=False)
         elif opt.startswith("g") and opt[1:].isdigit():
-            scheme = replace(scheme, group=int(opt[1:]))
+            scheme = replace(scheme, group=int(opt[1:]), auto_group=False)
         else:
             raise KilnError(f"--quantize {text!r}: unknown part {opt!r} (rtn, gptq, g32, g64, g128, asym)")
     return replace(scheme, **overrides)

@@ -28,6 +28,8 @@ def _quantize(r: _Report, e: Expr) -> dict | None:
         return None
     func, kw = found
     out: dict = {"bits": 8 if func == "int8" else 4, "group": 0 if func == "int8" else 128}
+    if func == "int4" and "group" not in kw:  # 128, or the largest group that fits the model (kiln.quant.sizing)
+        out["auto_group"] = True
     if "group" in kw:
         g = kw["group"]
         if isinstance(g, Num) and g.value in INT4_GROUPS:

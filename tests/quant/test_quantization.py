@@ -116,7 +116,7 @@ def _spec(quantize: str) -> str:
     "value,scheme",
     [
         ("int8", QuantScheme(bits=8)),
-        ("int4", QuantScheme(bits=4, group=128)),
+        ("int4", QuantScheme(bits=4, group=128, auto_group=True)),  # 128, or the largest group that fits
         ("int4(group = 32, method = gptq, symmetric = false, tokens = 64)",
          QuantScheme(bits=4, group=32, method="gptq", symmetric=False, tokens=64)),
         ("int8(lm_head = true, embeddings = true)", QuantScheme(bits=8, lm_head=True, embeddings=True)),

@@ -109,7 +109,7 @@ ROWS = [
     Row("fmt-nul", ["fmt", "{tmp}/s.kiln"], files={"s.kiln": "model \x00"}, code=2, fragment="U+0000"),
     # ---- flags ----
     Row("seed-huge", ["run", "--prompt", "x", "--seed", "99999999999999999999999"], code=2,
-        fragment="argument --seed: must be an integer from 0 to 9223372036854775807"),
+        fragment="argument --seed: must be an integer from 0 to 2**64 - 1"),
     Row("seed-negative", ["run", "--prompt", "x", "--seed", "-1"], code=2, fragment="argument --seed"),
     Row("bench-seed-huge", ["bench", "throughput", "--seed", "1" + "0" * 25], code=2, fragment="argument --seed"),
     Row("bench-num-requests-0", ["bench", "throughput", "--num-requests", "0"], code=2,

@@ -93,6 +93,11 @@ class _Sampling(BaseModel):
         """SamplingParams.logprobs: None (off) or how many top alternatives each token reports."""
         return None
 
+    def check(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options applies to streamed responses only; set stream: true or omit "
+                           "stream_options", param="stream_options")
+
     @staticmethod
     def check_logprobs(value: int | None, name: str) -> None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -108,6 +113,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def check(self) -> None:
+        super().check()
         self.check_logprobs(self.logprobs, "logprobs")
         if self.echo:
             raise APIError(400, "echo is not supported; omit echo", param="echo")
@@ -164,6 +170,7 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def check(self) -> None:
+        super().check()
         self.check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",

@@ -19,8 +19,9 @@ Options (`options={...}`; any other key is a KilnError naming these):
   dump_dir     write the Dynamo graph, the normalized graph, and per region the graph after every pass, the
                lowered graph and the kernels' requests (also KILN_DUMP_DIR)
   use_kernels  True / False / None (default: generated kernels when CUDA or TRITON_INTERPRET=1, else the
-               kiln ops' reference implementations)
-  passes       {pass name: bool} overrides of the default pipeline, as the CLI flags
+               kiln ops' reference implementations); True without either is refused up front
+  passes       {pass name: bool} overrides of the default pipeline, as the CLI flags; kv_cache and mod_routing
+               (the serving step graph, Mixture-of-Depths specs) cannot be turned on here
   claims       {kiln op: bool}: False leaves that op to torch, e.g. {"attention": False} where kiln.explain's
                timing shows kiln's attention slower than the fallback's (ops: attention, rms_norm, layer_norm,
                rope, gated_act, act, linear, add)
@@ -46,11 +47,18 @@ constants (eps, the attention scale) as inputs; a claim specializes them with a 
 inductor may make Dynamo restart the frame once to specialize the rest (the backend works on a copy of
 Dynamo's graph, which Dynamo then clears, so kiln simply builds that graph again).
 Masks computed in the graph are claimed behind a run-time value check (kiln.dynamo.masks): a call with
-padding runs the original graph eagerly. Weights are frozen into the kiln regions, guarded per call.
+padding runs the original graph eagerly. Weights are frozen into the kiln regions, guarded per call (memory
+address and version counter, so `param.data = ...` is seen too).
+
+In-place ops in the graph (`+=`, `x[i] = v`, `.mul_`, ReLU(inplace=True)) run as torch where they stand; no claim
+reads a value across one and no region is moved past one (kiln.dynamo.normalize, kiln.dynamo.regions).
+Graphs are numbered per compile (per options dict; explain numbers its own from 0): report.index and
+dump_dir/graph_<n>.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -60,15 +68,16 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils._pytree import tree_leaves
 
 from kiln.dynamo.masks import MaskGuard, MaskOracle
-from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, site_of
+from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, site_of, val, writes
 from kiln.dynamo.options import FALLBACKS, MODES, OPTIONS, Options, parse_options  # noqa: F401  (re-exported)
 from kiln.dynamo.regions import INFERENCE_ONLY, Region, extract_regions, retarget
 from kiln.dynamo.rules import normalize
 
 # Torch calls that only move data around (views, casts, shape queries): not reported as fallen-back compute.
-_GLUE = {"reshape", "transpose", "contiguous", "getitem", "unsqueeze", "expand", "cast", "size", "flatten",
+_GLUE = {"reshape", "transpose", "contiguous", "clone", "getitem", "unsqueeze", "expand", "cast", "size", "flatten",
          "unflatten", "dropout", "sym_sum"}  # fmt: skip
 
 
@@ -137,6 +146,22 @@ def reset_stats() -> None:
     STATS = Stats()
 
 
+# Graph numbers (reports, warnings, dump_dir/graph_<n>) count per compile: per options dict, which torch.compile
+# hands to every call of one compiled model (explain passes a fresh one); without options, per process. The dict
+# is kept so that its id is not reused.
+_numbering: dict[int, tuple[dict, itertools.count]] = {}
+_unnumbered = itertools.count()
+
+
+def _graph_index(options: dict[str, Any] | None) -> int:
+    if not isinstance(options, dict):
+        return next(_unnumbered)
+    entry = _numbering.get(id(options))
+    if entry is None or entry[0] is not options:
+        entry = _numbering[id(options)] = (options, itertools.count())
+    return next(entry[1])
+
+
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of gm (node meta included, and the Dynamo source of each placeholder, which aot_autograd reads)."""
     graph, env = fx.Graph(), {}
@@ -148,11 +173,23 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def _has_tensor(v: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) for t in tree_leaves(v))
+
+
+def _tensor_compute(n: fx.Node) -> bool:
+    """Whether n computes on tensors: reads one and returns or writes one. Not the host-side calls Dynamo's graph
+    holds besides (_log_api_usage_once, torch.tensor of Python numbers, numel, .item(), SymInt comparisons)."""
+    if not any(_has_tensor(val(a)) for a in n.all_input_nodes):
+        return False
+    return _has_tensor(val(n)) or bool(writes(n))
+
+
 def _fallbacks(gm: fx.GraphModule, rejections: list[Rejection], fallback: str) -> list[Fallback]:
     why = {r.node: f"{r.pattern}: {r.reason}" for r in rejections}
     groups: dict[str, Fallback] = {}
     for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method", "call_module") or is_kiln(n):
+        if n.op not in ("call_function", "call_method", "call_module") or is_kiln(n) or not _tensor_compute(n):
             continue
         op = canon(n)
         if op is not None and op.name in _GLUE:
@@ -188,7 +225,7 @@ def kiln_backend(
 ) -> Callable[..., Any]:
     """The Dynamo backend (registered as "kiln" through the torch_dynamo_backends entry point)."""
     opts = parse_options(options, mode)
-    index = STATS.graphs
+    index = _graph_index(options)
     STATS.graphs += 1
     dump = Path(opts.dump_dir) / f"graph_{index}" if opts.dump_dir else None
     _dump(dump, "00_dynamo.py", gm)

@@ -9,7 +9,18 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.dynamo.normalize import Normalizer, St, canon, equal_guarded, kiln_ops, resolve, same, same_shape, tensor
+from kiln.dynamo.normalize import (
+    Normalizer,
+    St,
+    canon,
+    equal_guarded,
+    kiln_ops,
+    resolve,
+    same,
+    same_shape,
+    scalar,
+    tensor,
+)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 CLAIMABLE = ("attention", "rms_norm", "layer_norm", "rope", "gated_act", "act", "linear", "add")
@@ -58,9 +69,10 @@ def claim_layer_norm(
         tp = tensor(p)
         if tp is None or tp.dim() != 1 or tp.dtype != tx.dtype:
             return nz.reject(node, "layer_norm", f"{name} is missing or not a 1-D {tx.dtype} tensor")
-    if not isinstance(eps, (int, float)):
+    value = scalar(eps)  # under dynamic=True a float input, specialized with a guard as RMSNorm's eps
+    if value is None:
         return nz.reject(node, "layer_norm", "eps is not a constant")
-    nz.claim(node, "layer_norm", (kiln_add(nz, x), w, b, float(eps)), detail=f"eps={eps:g}")
+    nz.claim(node, "layer_norm", (kiln_add(nz, x), w, b, value), detail=f"eps={value:g}")
 
 
 def claim_linear(nz: Normalizer, node: fx.Node, x: fx.Node, w: object, b: object) -> None:
@@ -104,7 +116,9 @@ def claim_rope(nz: Normalizer, node: fx.Node, q: fx.Node, cos: St, sin: St) -> N
     pos = cos.x
     if not same(tpos.shape[0], b):  # position ids shared by the batch: [1, T] -> [B, T] (a view)
         key = ("expand_positions", pos, str(b))  # str: a symbolic batch size (SymInt) is not hashable
-        if key not in nz.memo:  # one node per positions tensor, so rope_fusion sees q and k share it
+        # One node per positions tensor, so rope_fusion sees q and k share it (a new one after a write to it).
+        memo = nz.memo.get(key)
+        if memo is None or any(nz.pos[memo] < w < nz.pos[node] for w in nz.written.get(pos, ())):
             nb = b if isinstance(b, int) else nz.emit(node, torch.ops.aten.sym_size.int, (flat, 0))
             nz.memo[key] = nz.emit(node, "expand", (pos, nb, -1), method=True)
         pos = nz.memo[key]

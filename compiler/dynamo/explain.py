@@ -3,6 +3,7 @@
     print(kiln.explain(model, input_ids))
     print(kiln.explain(model, input_ids, generate=8))   # every graph of an HF generate(): prefill and decode
     print(kiln.explain(model, input_ids, timing=True))  # + per region and the rest: kiln vs eager / inductor ms
+    print(kiln.explain(model, input_ids=ids, attention_mask=am, options={"fallback": "eager"}))  # model kwargs
 
 Runs the model once (or, with generate=N, `model.generate(..., max_new_tokens=N)` with model.forward compiled,
 so the decode graphs with their variable key length show too) under torch.compile with the kiln backend
@@ -18,6 +19,7 @@ kiln region, the mask checks and the rest against the same torch nodes run eager
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kiln.dynamo.backend import Compiled, GraphReport, _listeners, kiln_backend, parse_options
+from kiln.dynamo.backend import OPTIONS, Compiled, GraphReport, _listeners, kiln_backend, parse_options
 from kiln.dynamo.timing import BASELINES, Timing, format_timings, time_graph
 from kiln.errors import KilnError
 
@@ -86,6 +88,34 @@ class ExplainReport:
         return "\n".join(lines)
 
 
+def _split_kwargs(
+    model: Any, options: dict[str, Any] | None, kwargs: dict[str, Any], generate: int | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(backend options, the model's keyword inputs) from explain's keyword arguments: with options= every keyword
+    goes to the model; without, the names of backend options stay options (the documented short form) and the rest
+    go to the model, which must take them."""
+    if options is not None:
+        if not isinstance(options, dict):
+            raise KilnError(f"explain(options={options!r}): expected a dict of backend options, as torch.compile's")
+        return dict(options), kwargs
+    opts = {k: v for k, v in kwargs.items() if k in OPTIONS}
+    inputs = {k: v for k, v in kwargs.items() if k not in OPTIONS}
+    fn = model.generate if generate is not None else getattr(model, "forward", model)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to check: let the model say
+        return opts, inputs
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        unknown = sorted(k for k in inputs if k not in names)
+        if unknown:
+            raise KilnError(
+                f"explain: {', '.join(map(repr, unknown))} is neither a backend option (allowed: {', '.join(OPTIONS)}) "
+                f"nor an input of the model ({', '.join(sorted(names)) or 'none by keyword'})"
+            )
+    return opts, inputs
+
+
 def explain(
     model: torch.nn.Module | Any,
     *example_inputs: Any,
@@ -93,17 +123,23 @@ def explain(
     timing: bool = False,
     iters: int = 10,
     baselines: Sequence[str] = BASELINES,
-    **options: Any,
+    options: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> ExplainReport:
-    """Compile `model` with backend="kiln" (options as in torch.compile(..., options=...)), run it once on
-    example_inputs without gradients, and report what kiln claimed in every graph Dynamo compiled.
+    """Compile `model` with backend="kiln", run it once on example_inputs (and keyword inputs) without gradients,
+    and report what kiln claimed in every graph Dynamo compiled.
 
+    Backend options as in torch.compile(..., options=...): `options={...}`, or as keywords named like them
+    (`explain(model, ids, fallback="eager")`); any other keyword is an input of the model
+    (`explain(model, input_ids=ids, attention_mask=am)`). With options= given, every keyword goes to the model.
     generate=N: instead compile model.forward and run a greedy `model.generate(*example_inputs,
-    max_new_tokens=N)` (an HF model), so the report covers the prefill and the decode-step graphs.
+    max_new_tokens=N, **inputs)` (an HF model), so the report covers the prefill and the decode-step graphs.
     timing=True: then time every graph on the inputs of its last call, per kiln region, mask checks and the rest,
     against `baselines` ("eager" and / or "inductor"), median of `iters` calls (kiln.dynamo.timing).
+    Graphs are numbered from 0 in each call.
     """
-    parse_options(options or None)  # a bad option is a KilnError here, not a backend failure inside Dynamo
+    options, inputs = _split_kwargs(model, options, kwargs, generate)
+    parse_options(options)  # a bad option is a KilnError here, not a backend failure inside Dynamo
     if generate is not None and (not isinstance(generate, int) or generate < 1 or not hasattr(model, "generate")):
         raise KilnError(f"explain(generate={generate!r}) needs a positive int and a model with .generate (HF)")
     if not isinstance(iters, int) or iters < 1 or not set(baselines) <= set(BASELINES):
@@ -120,16 +156,17 @@ def explain(
 
     _listeners.append(listen)
     try:
-        # A fresh backend object: Dynamo recompiles instead of reusing graphs compiled without this report.
-        backend = functools.partial(kiln_backend, options=options or None)
+        # A fresh backend object: Dynamo recompiles instead of reusing graphs compiled without this report. The
+        # options dict is a fresh one too: the backend numbers graphs per options dict, so this call's from 0.
+        backend = functools.partial(kiln_backend, options=options)
         with torch.no_grad():
             if generate is None:
-                torch.compile(model, backend=backend)(*example_inputs)
+                torch.compile(model, backend=backend)(*example_inputs, **inputs)
             else:
                 forward = model.forward
                 model.forward = torch.compile(forward, backend=backend)
                 try:
-                    model.generate(*example_inputs, max_new_tokens=generate, do_sample=False)
+                    model.generate(*example_inputs, max_new_tokens=generate, do_sample=False, **inputs)
                 finally:
                     model.forward = forward
     except torch._dynamo.exc.BackendCompilerFailed as e:

@@ -12,16 +12,14 @@ the original graph instead, so a claim is never silently wrong.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from kiln.dynamo.normalize import mutated, writes
 from kiln.ir.ops import attention_mask
-
-_MUTATING = {operator.setitem, operator.iadd, operator.imul, operator.isub, operator.itruediv}
 
 
 def _allowed(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,15 +60,14 @@ def _subgraph(gm: fx.GraphModule, outputs: Sequence[fx.Node]) -> tuple[fx.GraphM
         if n not in need:
             need.add(n)
             stack.extend(n.all_input_nodes)
+    changed = mutated(gm.graph)
     for n in need:
         if n.op in ("call_module", "get_attr"):
             return f"the mask is computed through {n.op} {n.target}"
-        if n.op == "call_method" and str(n.target).endswith("_") and not str(n.target).startswith("__"):
-            return f"the mask is computed with an in-place op ({n.target})"
-        if n.op == "call_function" and (
-            n.target in _MUTATING or getattr(n.target, "_schema", None) is not None and n.target._schema.is_mutable
-        ):
-            return f"the mask is computed with a mutating op ({n.target})"
+        if writes(n):
+            return f"the mask is computed with an in-place op ({getattr(n.target, '__name__', n.target)})"
+        if n in changed:  # the guard runs the mask's nodes before the graph, which would then see other values
+            return f"the mask reads {n.name}, which the graph changes in place"
     graph, env, idx = fx.Graph(), {}, []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n in gm.graph.nodes:

@@ -16,11 +16,19 @@ and its shapes and dtypes fit the kernel, a kiln op is inserted and the torch no
 (through a view when the layouts differ: kiln works on flat [B, T, H * D]); otherwise a Rejection with the
 reason is recorded and the torch nodes stay. Dead torch nodes are then removed. A node's value is only ever
 replaced by an equal value, so whatever is not claimed simply runs as torch.
+
+In-place ops (`h += x` unless nothing else could see h, `y[:, 0] = 0`, `.mul_`, ReLU(inplace=True)) stay torch
+calls where they are, and are never dropped. The values they change are found up front (`mutated`: the written
+tensors and whatever shares their memory, read off the storages of the example values); a state relating such a
+value is dropped at the first in-place op that changes it, and a claim never reads a value, other than its own
+node's inputs, across such an op. kiln.dynamo.regions then never moves a kiln op past one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -31,15 +39,17 @@ import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import guard_float, guard_or_false, statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
 
 kiln_ops = torch.ops.kiln
 
 _FUNCS: dict[Any, str] = {
-    operator.add: "add", operator.iadd: "add", torch.add: "add", operator.mul: "mul", operator.imul: "mul",
-    torch.mul: "mul", operator.truediv: "div", torch.div: "div", operator.neg: "neg", torch.neg: "neg",
+    operator.add: "add", torch.add: "add", operator.mul: "mul", torch.mul: "mul", operator.truediv: "div",
+    torch.div: "div", operator.neg: "neg", torch.neg: "neg",
     operator.getitem: "getitem", torch.rsqrt: "rsqrt", torch.pow: "pow", torch.mean: "mean", torch.tanh: "tanh",
     torch.cat: "cat", torch.concat: "cat", torch.matmul: "matmul", operator.matmul: "matmul", torch.cos: "cos",
     torch.sin: "sin", torch.transpose: "transpose", torch.reshape: "reshape", torch.unsqueeze: "unsqueeze",
@@ -50,14 +60,15 @@ _FUNCS: dict[Any, str] = {
 }  # fmt: skip
 _METHODS: dict[str, str] = {
     "view": "reshape", "reshape": "reshape", "to": "cast", "float": "cast", "half": "cast", "bfloat16": "cast",
-    "type": "cast", "contiguous": "contiguous", "clone": "contiguous", "__neg__": "neg",
+    "type": "cast", "contiguous": "contiguous", "clone": "clone", "__neg__": "neg",
     **{m: m for m in ("add", "mul", "div", "neg", "pow", "mean", "rsqrt", "tanh", "cos", "sin", "matmul",
                       "transpose", "unsqueeze", "expand", "softmax", "unflatten", "flatten", "size")},
 }  # fmt: skip
 # Calls whose only effect is their value: safe to drop once nothing reads them (Dynamo graphs hold a few
 # side-effecting calls, e.g. torch._C._log_api_usage_once, which are never touched).
 _PURE_EXTRA = {torch.arange, torch.where, torch.zeros, torch.full, torch.tensor, operator.le, operator.lt,
-               operator.ge, operator.gt, operator.and_, operator.or_, torch.ops.aten.sym_size.int}  # fmt: skip
+               operator.ge, operator.gt, operator.and_, operator.or_, torch.ops.aten.sym_size.int,
+               torch._sym_sqrt}  # fmt: skip
 
 
 @dataclass
@@ -127,16 +138,158 @@ def same_shape(a: Any, b: Any) -> bool:
 
 def scalar(x: Any) -> float | None:
     """x as a Python number, or None. Under dynamic=True Dynamo passes float constants (an RMSNorm's eps, an
-    attention scale) as inputs read with .item(): such a float is specialized with a guard on its value (a call
-    with another value recompiles). Symbolic ints (sizes) are never specialized."""
-    if isinstance(x, fx.Node) and x.op == "call_method" and x.target == "item":
+    attention scale, math.pi in HF's tanh-GELU) as inputs read with .item(), and arithmetic on them stays in the
+    graph (sqrt(2 / pi)): such a float, computed from float inputs only, is specialized with a guard on its value
+    (a call with another value recompiles). Anything that involves a size (a SymInt) is never specialized."""
+    if isinstance(x, fx.Node):
         v = val(x)
-        if isinstance(v, torch.SymFloat):
-            try:
-                return float(guard_float(v))
-            except Exception:  # no hint (data-dependent): not a constant
-                return None
+        if not isinstance(v, torch.SymFloat):
+            return None
+        symbols = v.node.expr.free_symbols
+        if not all(symbol_is_type(s, SymT.FLOAT) for s in symbols):
+            return None
+        try:
+            return float(guard_float(v))
+        except Exception:  # no hint (data-dependent): not a constant
+            return None
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+# ---- in-place ops ---------------------------------------------------------------------------------------------
+# Dynamo's graph keeps in-place ops as they were written: `h += x` is operator.iadd(h, x), `y[:, 0] = 0` is
+# operator.setitem, `y.mul_(2)` a method call, nn.ReLU(inplace=True) F.relu(..., inplace=True). Each writes the
+# memory of its subject and of every view of it, and the graph's order is what says which reads see the write.
+_INPLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift,
+}  # fmt: skip
+_INPLACE_DUNDERS = {f"__i{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
+                                          "or", "xor", "lshift", "rshift")} | {"__setitem__"}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _inplace_signature(target: Any) -> inspect.Signature | None:
+    """target's signature when it has an `inplace` parameter (F.relu, F.silu, F.dropout, ...), else None."""
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # a builtin without one
+        return None
+    return sig if "inplace" in sig.parameters else None
+
+
+def _inplace_kwarg(target: Any, args: tuple, kwargs: dict) -> bool:
+    """F.relu(x, inplace=True) and its kin (the flag by keyword or by position)."""
+    if kwargs.get("inplace") is True:
+        return True
+    try:
+        sig = _inplace_signature(target)
+    except TypeError:  # unhashable target
+        return False
+    try:
+        return sig is not None and sig.bind(*args, **kwargs).arguments.get("inplace") is True
+    except TypeError:
+        return False
+
+
+def writes(node: fx.Node) -> list[fx.Node]:
+    """The tensor nodes whose memory `node` writes: an in-place op's subject, an `out=` tensor, the mutable
+    arguments of an op overload; [] for a call that only returns a value."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    args, out = node.args, node.kwargs.get("out")
+    hit: list[Any] = [out] if isinstance(out, fx.Node) else list(out) if isinstance(out, (tuple, list)) else []
+    t = node.target
+    if node.op == "call_method":
+        name = str(t)
+        if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):
+            hit.append(args[0] if args else None)
+    elif isinstance(t, torch._ops.OpOverload):
+        for i, a in enumerate(t._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                hit.append(args[i] if i < len(args) else node.kwargs.get(a.name))
+    else:
+        try:
+            operator_write = t in _INPLACE_OPERATORS
+        except TypeError:  # unhashable target
+            operator_write = False
+        name = getattr(t, "__name__", "")
+        # torch.relu_, F.relu_, Tensor.add_ (not operator.and_ / or_: there the underscore only avoids a keyword)
+        torch_inplace = name.endswith("_") and not name.startswith("_") and getattr(t, "__module__", "") != "_operator"
+        if operator_write or torch_inplace or _inplace_kwarg(t, args, node.kwargs):
+            hit.append(args[0] if args else node.kwargs.get("input"))
+    return [a for a in hit if isinstance(a, fx.Node)]
+
+
+def _storages(v: Any) -> set:
+    keys = set()
+    for t in tree_leaves(v):
+        if isinstance(t, torch.Tensor):
+            try:
+                keys.add(StorageWeakRef(t.untyped_storage()))
+            except Exception:  # a tensor without storage (a subclass): it has no aliases to track
+                pass
+    return keys
+
+
+def mutated(graph: fx.Graph) -> dict[fx.Node, tuple[int, ...]]:
+    """The nodes whose values some in-place op of the graph changes, each with the positions (indices in the
+    graph's node order) of those ops: the written tensors and everything sharing memory with them (views both ways,
+    a .contiguous() / .to() that returned its input), read off the storages of Dynamo's example values. Such a
+    value depends on where in the graph it is read."""
+    nodes = list(graph.nodes)
+    direct: dict[fx.Node, set[int]] = {}
+    by_storage: dict = {}
+    for i, n in enumerate(nodes):
+        for w in writes(n):
+            for m in (w, n):
+                direct.setdefault(m, set()).add(i)
+            for key in _storages(val(w)):
+                by_storage.setdefault(key, set()).add(i)
+    out = {}
+    for n in nodes:
+        points = set(direct.get(n, ()))
+        for key in _storages(val(n)):
+            points |= by_storage.get(key, set())
+        if points:
+            out[n] = tuple(sorted(points))
+    return out
+
+
+def _as_out_of_place(graph: fx.Graph) -> None:
+    """Rewrite `h += x` / `h *= x` as h + x / h * x where nothing can see the difference: h is computed in the
+    graph (not a graph input or a weight), nothing else reads it or shares its memory, and the out-of-place result
+    has the same dtype, shape and strides. Such an op can then be matched like any add / mul; the others stay
+    in-place calls that run as torch (never claimed, never dropped)."""
+    owners: dict = {}
+    for n in graph.nodes:
+        for key in _storages(val(n)):
+            owners.setdefault(key, set()).add(n)
+    plain = {operator.iadd: operator.add, operator.imul: operator.mul}
+    if any(n.op == "get_attr" and not _storages(val(n)) for n in graph.nodes):
+        return  # a constant whose memory is unknown: any h might be a view of it
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in plain or len(n.args) != 2 or n.kwargs:
+            continue
+        h, y = n.args
+        th, tn, ty = tensor(h), tensor(n), tensor(y)
+        if th is None or tn is None or h.op not in ("call_function", "call_method") or set(h.users) != {n}:
+            continue
+        if any(owners.get(k, set()) - {h, n} for k in _storages(th)):
+            continue
+        same_dtype = ty.dtype == th.dtype if ty is not None else isinstance(y, (int, float))  # a Python number
+        if not (th.dtype.is_floating_point and same_dtype):
+            continue
+        mode = th.fake_mode if isinstance(th, FakeTensor) else None
+        with mode if mode is not None else contextlib.nullcontext():
+            fresh = plain[n.target](th, val(y))
+        same_layout = same_shape(fresh.shape, tn.shape) and same_shape(fresh.stride(), tn.stride())
+        if fresh.dtype != tn.dtype or not same_layout:
+            continue
+        n.target = plain[n.target]
+        n.meta["example_value"] = fresh
+        for key in _storages(fresh):
+            owners.setdefault(key, set()).add(n)
 
 
 def site_of(node: fx.Node) -> str:
@@ -198,10 +351,18 @@ class Normalizer:
         self.mask_spec = mask_spec
         self.created: set[fx.Node] = set()
         self.memo: dict[tuple, fx.Node] = {}
+        _as_out_of_place(self.graph)
+        # Where each node stands (a node inserted by a claim stands where the claimed node stood), and for the
+        # values that in-place ops change, where those ops stand: a state relates values as they are at one point
+        # of the graph, so it is dropped at the first op that changes one of them.
+        self.pos = {n: i for i, n in enumerate(self.graph.nodes)}
+        self.written = mutated(self.graph)
 
     def run(self, rules: Mapping[str, Callable]) -> Normalizer:
         """Apply `rules` (op name -> rule; kiln.dynamo.rules.RULES) to every node, in graph order."""
         for node in list(self.graph.nodes):
+            if writes(node):
+                self._forget(self.pos[node])
             op = canon(node)
             rule = rules.get(op.name) if op is not None else None
             if rule is not None and node.users:
@@ -211,6 +372,23 @@ class Normalizer:
         self.claims = [c for c in self.claims if c.node in live]
         self.gm.recompile()
         return self
+
+    def _forget(self, at: int) -> None:
+        """Drop the states about, or referring to, a value that the in-place op at position `at` changes."""
+
+        def hit(s: object) -> bool:
+            if isinstance(s, St):
+                return hit(s.x) or hit(list(s.p.values()))
+            if isinstance(s, (list, tuple)):
+                return any(hit(v) for v in s)
+            return isinstance(s, fx.Node) and at in self.written.get(s, ())
+
+        self.st = {n: s for n, s in self.st.items() if not (hit(n) or hit(s))}
+
+    def changed_between(self, n: fx.Node, at: fx.Node) -> bool:
+        """Whether an in-place op between n's definition and `at` may change n's value."""
+        lo, hi = self.pos.get(n, -1), self.pos[at]
+        return any(lo < w < hi for w in self.written.get(n, ()))
 
     # ---- editing ----------------------------------------------------------------------------------------
 
@@ -236,6 +414,7 @@ class Normalizer:
         if "nn_module_stack" in before.meta:
             new.meta["nn_module_stack"] = before.meta["nn_module_stack"]
         self.created.add(new)
+        self.pos[new] = self.pos[before]
         return new
 
     def flat(self, x: fx.Node, form: str, before: fx.Node) -> fx.Node:
@@ -256,15 +435,26 @@ class Normalizer:
         if op in self.off:
             self.reject(node, op, f"claims of {op} are switched off (option claims)")
             return node
+        # The kiln op reads its inputs where `node` stands: a value changed in place may only be read there when
+        # node itself read it (then both read it at the same point); one reached through a state may not.
+        reads = [a for a in tree_leaves(list(args)) if isinstance(a, fx.Node)]
+        if any(a not in node.all_input_nodes and self.changed_between(a, node) for a in reads):
+            self.reject(node, op, "an input is changed in place between where it is computed and where it is read")
+            return node
         new = self.emit(node, getattr(kiln_ops, op).default, args, name=f"kiln_{op}")
-        out = new
+        out, made = new, [new]
         if layout is not None:
             form, h, d = layout
             out = self.emit(node, "unflatten", (new, -1, (h, d)), method=True)
-            self.st[out] = St("heads", new, {"form": "bthd", "H": h, "D": d})
+            made.append(out)
             if form == "bhtd":
                 out = self.emit(node, "transpose", (out, 1, 2), method=True)
-                self.st[out] = St("heads", new, {"form": "bhtd", "H": h, "D": d})
+                made.append(out)
+        if node in self.written:  # the in-place ops that wrote node now write the kiln output (through its views)
+            self.written.update(dict.fromkeys(made, self.written[node]))
+        if layout is not None:
+            for view, form in zip(made[1:], ("bthd", "bhtd"), strict=False):
+                self.st[view] = St("heads", new, {"form": form, "H": layout[1], "D": layout[2]})
         node.replace_all_uses_with(out)
         self.claims.append(Claim(op, new.name, node.name, site_of(node), detail))
         return new
@@ -273,6 +463,8 @@ class Normalizer:
         """Rewire node's users to `by`, an equal value, when their strides agree too (a later .view may rely on
         them); returns whether it did."""
         a, b = tensor(node), tensor(by)
+        if node in self.written or by in self.written:  # the two are equal only until one is written
+            return False
         if a is None or b is None or a.dtype != b.dtype or not same_shape(a.shape, b.shape):
             return False
         if not same_shape(a.stride(), b.stride()):
@@ -288,7 +480,7 @@ class Normalizer:
         while changed:
             changed = False
             for node in reversed(list(self.graph.nodes)):
-                if node.op not in ("call_function", "call_method") or node.users:
+                if node.op not in ("call_function", "call_method") or node.users or writes(node):
                     continue
                 if canon(node) is not None or is_kiln(node) or node in self.created or _pure(node):
                     self.graph.erase_node(node)

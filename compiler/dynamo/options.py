@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import env
+from kiln.compile.driver import kernels_usable
 from kiln.compile.pipeline import known_passes
 from kiln.dynamo.claims import CLAIMABLE
 from kiln.errors import KilnError
@@ -16,6 +17,11 @@ from kiln.errors import KilnError
 FALLBACKS = ("inductor", "eager")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 OPTIONS = ("claims", "dump_dir", "fallback", "mode", "passes", "use_kernels")
+# Passes of kiln's own pipelines that have nothing to work on in a region of a Dynamo graph (False is allowed).
+NOT_FOR_DYNAMO = {
+    "kv_cache": "builds the serving step graph over a paged KV cache from a whole kiln model graph",
+    "mod_routing": "rewrites the Mixture-of-Depths layers of a kiln spec",
+}
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,14 @@ def _passes_option(passes: Any) -> dict[str, bool] | None:
     unknown = sorted(str(n) for n in passes if n not in known)
     if unknown:
         raise KilnError(f"option passes names unknown pass(es) {', '.join(unknown)}; known passes: {', '.join(known)}")
+    refused = sorted(n for n, on in passes.items() if on and n in NOT_FOR_DYNAMO)
+    if refused:
+        why = "; ".join(f"{n} {NOT_FOR_DYNAMO[n]}" for n in refused)
+        usable = ", ".join(n for n in known if n not in NOT_FOR_DYNAMO)
+        raise KilnError(
+            f"option passes turns on {', '.join(refused)}, which cannot run on a torch.compile graph: {why}; "
+            f"passes for backend 'kiln': {usable}"
+        )
     return dict(passes)
 
 
@@ -99,8 +113,13 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Op
             "use fallback='inductor' (the default) or leave mode out"
         )
     use_kernels = options.get("use_kernels")
-    if use_kernels not in (None, True, False):
+    if use_kernels is not None and not isinstance(use_kernels, bool):  # not 1 / 0, which `in (True, False)` takes
         raise KilnError(f"option use_kernels={use_kernels!r}; expected True, False or None")
+    if use_kernels and not kernels_usable():  # else Triton fails at the first call ("0 active drivers")
+        raise KilnError(
+            "option use_kernels=True needs CUDA or Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton "
+            "is imported), and this process has neither; leave use_kernels out (or False) to run kiln's reference ops"
+        )
     dump = _dump_option(options.get("dump_dir") or env.dump_dir())
     passes = _passes_option(options.get("passes"))
     return Options(fallback, dump, use_kernels, passes, mode, _claims_option(options.get("claims")))

@@ -9,12 +9,14 @@ tensors) is what lets the outer graph go to inductor unchanged while kiln region
 
 Weights: region inputs that are the model's parameters or buffers are frozen into the region as get_attr
 constants (so gqa_fusion can concatenate q/k/v and gate/up weights). Each call checks that the tensors passed
-for them are still the same storage at the same version counter (cheap); if a weight was replaced or updated
-in place, that call runs the region's Level-1 graph on the tensors passed instead (correct, slower).
+for them are still the same memory (data_ptr) at the same version counter (cheap); if a weight was replaced
+(`param.data = ...` included) or updated in place, that call runs the region's Level-1 graph on the tensors
+passed instead (correct, slower).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 import os
@@ -33,7 +35,7 @@ from torch.library import custom_op
 
 from kiln.compile.driver import compile_model
 from kiln.compile.pipeline import propagate
-from kiln.dynamo.normalize import is_kiln, val
+from kiln.dynamo.normalize import is_kiln, val, writes
 from kiln.errors import KilnError
 from kiln.ir.registry import bind_references
 from kiln.passes._graph import set_param
@@ -112,14 +114,17 @@ class Region:
 
     def __post_init__(self) -> None:
         # Per-call work is a few attribute reads: the frozen weights as flat tuples, the live inputs' indices.
-        self._frozen = tuple((i, t, v) for i, (t, v) in self.frozen.items())
+        # The address is taken now: `param.data = new` keeps the Parameter object (and its _version) but not its
+        # memory. The detached alias keeps the old memory alive, so no new tensor can be given its address.
+        self._frozen = tuple((i, v, t.data_ptr(), t.detach()) for i, (t, v) in self.frozen.items())
         self._live = tuple(i for i in range(len(self.ref.graph.find_nodes(op="placeholder"))) if i not in self.frozen)
 
     def _weights_ok(self, inputs: Sequence[torch.Tensor]) -> bool:
-        for i, t, version in self._frozen:
+        # Shape, stride, dtype and device are Dynamo's guards on the weight inputs; what they miss is the same
+        # memory changed in place (the version counter) or other memory behind the same Parameter (the address).
+        for i, version, ptr, _ in self._frozen:
             x = inputs[i]
-            # Dynamo passes the parameter object itself; anything else must be the same storage and shape.
-            if x._version != version or (x is not t and (x.data_ptr() != t.data_ptr() or x.shape != t.shape)):
+            if x._version != version or x.data_ptr() != ptr:
                 return False
         return True
 
@@ -230,6 +235,26 @@ def _build(
     return _flat_weights(gm).forward, compiled.passes, kernels  # forward: no nn.Module __call__ per region call
 
 
+def _split_at_writes(graph: fx.Graph, parts: list[list[fx.Node]], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """The partitions (nodes in graph order) cut at every in-place op that lies between their nodes.
+
+    The partitioner follows data edges only, and a region runs where its last node stood (its readers after it):
+    a kiln op moved past an in-place op that writes what it reads would read the new value (`a = l1(h);
+    h.mul_(2); b = l2(h)` as one region computes l1 on the doubled h). A region without a write inside its span
+    moves nodes only past pure calls, whose results do not depend on when they run. Cutting a partition by
+    position keeps the contracted graph acyclic: no path runs from a later piece back to an earlier one."""
+    barriers = sorted(order[n] for n in graph.nodes if writes(n))
+    if not barriers:
+        return parts
+    out = []
+    for nodes in parts:
+        pieces: dict[int, list[fx.Node]] = {}
+        for n in nodes:
+            pieces.setdefault(bisect.bisect(barriers, order[n]), []).append(n)
+        out += pieces.values()
+    return out
+
+
 def extract_regions(
     gm: fx.GraphModule,
     example_inputs: Sequence[object],
@@ -250,12 +275,13 @@ def extract_regions(
     if not parts:
         return []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups = _split_at_writes(gm.graph, [sorted(p.nodes, key=order.__getitem__) for p in parts], order)
     # fuse_by_partitions re-creates the graph's nodes; aot_autograd (fallback="inductor") needs the source
     # Dynamo attached to each placeholder, so carry it over.
     sources = {n.name: n._dynamo_source for n in gm.graph.nodes if hasattr(n, "_dynamo_source")}
     fuse_by_partitions(
         gm,
-        [dict.fromkeys(sorted(p.nodes, key=order.__getitem__)) for p in parts],
+        [dict.fromkeys(g) for g in groups],
         prefix=_PREFIX,
         always_return_tuple=True,
     )

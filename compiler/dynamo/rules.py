@@ -2,7 +2,8 @@
 states and either setting its own node's state or claiming a kiln op.
 
 States (St.kind, St.x, St.p) and what they mean for the node's value:
-  same x            equal to x (contiguous, same-dtype cast, eval dropout, *1.0, cat with empty tensors)
+  same x            equal to x (contiguous, clone, same-dtype cast, eval dropout, *1.0, cat with empty tensors);
+                    like every state, only between values no in-place op of the graph writes
   heads src         src [B, T, H*D] viewed as [B, T, H, D] (form bthd) or transposed to [B, H, T, D] (bhtd)
   f32 x / sq / ms / ms_eps / inv_rms / normed / normed_cast   the steps of HF's RMSNorm on x
   posu / posf pos / freqs / emb / cos / sin                   HF's rotary tables from position ids and inv_freq
@@ -40,6 +41,7 @@ from kiln.dynamo.normalize import (
     same_shape,
     scalar,
     tensor,
+    writes,
 )
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -351,7 +353,7 @@ def _act(nz: Normalizer, node: fx.Node, op: Op) -> None:
     kind = _ACTS.get(op.name)
     if op.name == "gelu":
         kind = {"none": "gelu", "tanh": "gelu_tanh"}.get(op.arg(1, "approximate", "none"))
-    if kind is not None and not op.kwargs.get("inplace", False):
+    if kind is not None and not writes(node):  # F.relu(x, inplace=True) returns x changed: left to torch
         claim_act(nz, node, resolve(nz, op.args[0]), kind)
 
 
@@ -361,11 +363,11 @@ def _layer_norm(nz: Normalizer, node: fx.Node, op: Op) -> None:
 
 
 RULES = {
-    "reshape": _reshape, "transpose": _transpose, "contiguous": _contiguous, "dropout": _dropout, "cast": _cast,
-    "getitem": _getitem, "unsqueeze": _unsqueeze, "expand": _expand, "cat": _cat, "cos": _trig, "sin": _trig,
-    "neg": _neg, "tanh": _tanh, "rsqrt": _rsqrt, "pow": _pow, "mean": _mean, "softmax": _softmax, "div": _div,
-    "add": _add, "mul": _mul, "matmul": _matmul, "sdpa": _sdpa, "linear": _linear, "silu": _act, "relu": _act,
-    "gelu": _act, "layer_norm": _layer_norm,
+    "reshape": _reshape, "transpose": _transpose, "contiguous": _contiguous, "clone": _contiguous, "cast": _cast,
+    "dropout": _dropout, "getitem": _getitem, "unsqueeze": _unsqueeze, "expand": _expand, "cat": _cat, "cos": _trig,
+    "sin": _trig, "neg": _neg, "tanh": _tanh, "rsqrt": _rsqrt, "pow": _pow, "mean": _mean, "softmax": _softmax,
+    "div": _div, "add": _add, "mul": _mul, "matmul": _matmul, "sdpa": _sdpa, "linear": _linear, "silu": _act,
+    "relu": _act, "gelu": _act, "layer_norm": _layer_norm,
 }  # fmt: skip
 
 

@@ -7,6 +7,7 @@ fallback="eager", which runs the same regions."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from kiln import env
 from kiln.dynamo.backend import OPTIONS, STATS, parse_options
 from kiln.errors import KilnError
 from tests.support.hf_models import build_hf_model, prompts
@@ -198,3 +200,68 @@ def test_entry_point_without_importing_kiln():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'linear': 1" in out.stdout and "'act': 1" in out.stdout
+
+
+def test_a_weight_replaced_through_data_is_noticed():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)).eval()
+    compiled = torch.compile(model, backend="kiln", options=EAGER)
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        assert close(compiled(x), model(x))
+        model[0].weight.data = torch.randn(64, 64)  # the same Parameter object, at the same _version
+        with pytest.warns(UserWarning, match="a frozen weight changed"):
+            assert close(compiled(x), model(x))
+
+
+def test_use_kernels_is_a_bool_and_needs_cuda_or_the_interpreter(monkeypatch):
+    with pytest.raises(KilnError, match="option use_kernels=1; expected True, False or None"):
+        parse_options({"use_kernels": 1})
+    assert parse_options({"use_kernels": False}).use_kernels is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(env, "triton_interpret", lambda: False)
+    with pytest.raises(KilnError, match=r"use_kernels=True needs CUDA or Triton's CPU interpreter \(TRITON_INTERPRET"):
+        parse_options({"use_kernels": True})
+    assert parse_options({"use_kernels": None}).use_kernels is None  # the default picks reference ops there
+
+
+def test_passes_that_cannot_run_on_a_dynamo_graph_are_refused_up_front():
+    with pytest.raises(KilnError, match="passes turns on kv_cache, which cannot run on a torch.compile graph"):
+        parse_options({"passes": {"kv_cache": True}})
+    with pytest.raises(KilnError, match="mod_routing.*passes for backend 'kiln': flash_tiling, gqa_fusion"):
+        parse_options({"passes": {"mod_routing": True, "gqa_fusion": False}})
+    assert parse_options({"passes": {"kv_cache": False, "flash_tiling": False}}).passes == {
+        "kv_cache": False,
+        "flash_tiling": False,
+    }
+
+
+class LayerNormGelu(torch.nn.Module):
+    """LayerNorm and HF's gelu_new: under dynamic=True eps and math.pi reach the graph as float inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.fc(self.norm(x))
+        return 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+def test_layer_norm_and_tanh_gelu_are_claimed_under_dynamic_true():
+    model, x = LayerNormGelu(), torch.randn(2, 5, 16)
+    first = len(STATS.reports)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="kiln", dynamic=True, options=EAGER)
+        assert close(compiled(x), model(x))
+        y = torch.randn(2, 3, 16)
+        assert close(compiled(y), model(y))  # another length: the same graph
+    (report,) = STATS.reports[first:]
+    assert dict(report.counts()) == {"layer_norm": 1, "linear": 1, "act": 1} and not report.rejections
+
+
+def test_graphs_are_numbered_per_compile(tmp_path):
+    for name in ("a", "b"):
+        compiled = torch.compile(Unknown(), backend="kiln", options={**EAGER, "dump_dir": str(tmp_path / name)})
+        compiled(torch.randn(3, 5, 7))
+        assert STATS.reports[-1].index == 0
+        assert [p.name for p in (tmp_path / name).iterdir()] == ["graph_0"]

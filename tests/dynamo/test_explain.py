@@ -110,3 +110,40 @@ def test_explain_timing_against_inductor():
     assert "vs inductor" in str(report)
     with pytest.raises(KilnError, match="baselines=.*subset of"):
         kiln.explain(RmsMlp(), torch.randn(2, 3, 16), timing=True, baselines=("tensorrt",))
+
+
+class Masked(torch.nn.Module):
+    """Keyword inputs, as HF models take them."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm = torch.nn.Embedding(32, 16), torch.nn.LayerNorm(16)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.norm(self.emb(input_ids)) * attention_mask[..., None]
+
+
+def test_explain_takes_the_models_keyword_inputs():
+    ids, am = torch.randint(0, 32, (2, 5)), torch.ones(2, 5)
+    # options= and model keywords
+    report = kiln.explain(Masked(), input_ids=ids, attention_mask=am, options={"fallback": "eager"})
+    assert report.counts() == {"layer_norm": 1} and report.graphs[0].fallback == "eager"
+    # the short form: keywords named like backend options are options, the rest the model's
+    report = kiln.explain(Masked(), ids, attention_mask=am, fallback="eager", use_kernels=False)
+    assert report.counts() == {"layer_norm": 1} and report.graphs[0].fallback == "eager"
+    with pytest.raises(KilnError, match=r"'mask' is neither a backend option .* nor an input of the model"):
+        kiln.explain(Masked(), ids, mask=am)
+
+
+def test_explain_numbers_graphs_from_zero_in_every_call():
+    for _ in range(2):
+        text = str(kiln.explain(Masked(), torch.randint(0, 32, (2, 5)), torch.ones(2, 5), fallback="eager"))
+        assert "\ngraph 0: 1 claim(s)" in text and "graph 1" not in text
+
+
+def test_explain_fallbacks_are_tensor_compute_only():
+    report = kiln.explain(build_hf_model("llama"), prompts(length=5), use_kernels=False, fallback="eager")
+    ops = {f.op for g in report.graphs for f in g.fallbacks}
+    assert {"embedding", "cat"} <= ops  # torch compute that kiln does not claim
+    # host-side calls in Dynamo's graph: logging, tensors made from Python numbers, sizes, SymInt arithmetic
+    assert not ops & {"_log_api_usage_once", "tensor", "numel", "le", "and_", "Size", "item", "arange"}, ops

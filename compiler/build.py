@@ -75,11 +75,13 @@ def check_weights_dir(path: Path) -> None:
                         "or a directory written by `kiln quantize`")
 
 
-def _model_from_checkpoint(weights: Path) -> tuple[ModelConfig, str]:
+def _model_from_checkpoint(weights: Path, *, quiet: bool = False) -> tuple[ModelConfig, str]:
+    """A checkpoint's ModelConfig from its config.json and its model_type; the import notes go to stderr unless
+    quiet (a look ahead at the shapes, whose load says them later)."""
     hf = load_hf_config(weights)
     notes: list[str] = []
     cfg = config_from_hf(hf, name=weights.name, source=str(weights / "config.json"), notes=notes)
-    for note in notes:
+    for note in [] if quiet else notes:
         say(f"note: {note}")
     return cfg, hf.get("model_type", "")
 
@@ -191,7 +193,7 @@ def describe_model(spec: str | os.PathLike | None = None, weights: str | os.Path
     if is_quantized_checkpoint(path):
         return load_spec(path / SPEC).model
     check_weights_dir(path)
-    return config_from_hf(load_hf_config(path), name=path.name, source=str(path / "config.json"), notes=[])
+    return _model_from_checkpoint(path, quiet=True)[0]
 
 
 def fit_quantize(comp: CompileConfig, cfg: ModelConfig) -> CompileConfig:

@@ -52,10 +52,7 @@ class HFTokenizer:
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if not special:
-            return ids
-        head = [] if ids[: len(self._prefix)] == self._prefix else self._prefix
-        return [*head, *ids, *self._suffix]
+        return with_specials(ids, self._prefix, self._suffix) if special else ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a conversation, rendered from the checkpoint's chat template."""
@@ -73,6 +70,13 @@ class HFTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return token_bytes(self._tok, token_id)
+
+
+def with_specials(ids: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
+    """ids between the special tokens a tokenizer adds, except a prefix the ids already start with (a chat
+    template that writes bos_token itself), which is not doubled."""
+    head = [] if prefix and ids[: len(prefix)] == prefix else prefix
+    return [*head, *ids, *suffix]
 
 
 def _added_around(tok) -> tuple[list[int], list[int]]:

@@ -18,7 +18,7 @@ from typing import Any
 from kiln.chat_template import ChatTemplate
 from kiln.gguf.config import GGUFError, field
 from kiln.gguf.spm import spm_tokenizer
-from kiln.tokenizer import byte_alphabet, token_bytes, token_table
+from kiln.tokenizer import byte_alphabet, token_bytes, token_table, with_specials
 
 CONTROL, USER_DEFINED = 3, 4
 # tokenizer.ggml.model -> what kiln rebuilds it as (others, like bert or rwkv, are refused by name).
@@ -56,9 +56,8 @@ class GGUFTokenizer:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if not special:
             return ids
-        if self.add_bos and ids[:1] != [self.bos_id]:
-            ids = [self.bos_id, *ids]
-        return ids + [self.eos_token_ids[0]] if self.add_eos else ids
+        bos, eos = [self.bos_id] if self.add_bos else [], [self.eos_token_ids[0]] if self.add_eos else []
+        return with_specials(ids, bos, eos)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -129,8 +129,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise APIError(400, str(e), param="messages") from None
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
-        prompts = await asyncio.to_thread(_tokens, engine, text, max_prompt)
-        return await _generate(request, req, [prompts], "chat.completion", None)
+        ids = await asyncio.to_thread(_tokens, engine, text, max_prompt)
+        return await _generate(request, req, [ids], "chat.completion", None)
 
     async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None):
         if req.model is not None and req.model != config.model_name:

@@ -121,13 +121,20 @@ def tune_decode(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
     return best
 
 
+def flash_problem(dtype: torch.dtype, head_dim: int, causal: bool, has_window: bool) -> dict[str, Any]:
+    """The flash_attn tuning problem: what the best tile depends on, TMA loads (KILN_FLASH_TMA) included."""
+    return {"dtype": _dtype_name(dtype), "head_dim": head_dim, "causal": bool(causal), "window": bool(has_window),
+            "tma": env.flash_tma()}
+
+
 @functools.cache
 def prefill_tile(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, has_window: bool) -> TileConfig:
     """The paged prefill's tile: on CUDA the flash kernel's tuned tile for this problem if a compile or benchmark
     tuned it on this GPU (the kernels share their loop), else the default table's."""
     capability = _capability(device)
     if capability is not None and env.autotune():
-        problem = {"dtype": _dtype_name(dtype), "head_dim": head_dim, "causal": causal, "window": has_window}
+        # the paged prefill loads through pointers: the tile flash tuned without TMA fits it
+        problem = {**flash_problem(dtype, head_dim, causal, has_window), "tma": False}
         tuned = autotune.lookup("flash_attn", device, problem, candidate_tiles(head_dim, dtype, capability))
         if tuned is not None:
             return tuned

@@ -21,7 +21,7 @@ from torch import fx
 
 from kiln.codegen import autotune
 from kiln.codegen.flash_attn import flash_attention
-from kiln.codegen.paged_tiles import prefill_tile
+from kiln.codegen.paged_tiles import flash_problem, prefill_tile
 from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile
 from kiln.passes._graph import rename
 from kiln.passes.base import Pass, PassResult
@@ -52,8 +52,7 @@ def tuned_tile(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
     """The fastest candidate tile for flash attention with these parameters on `device` (a tuning device, see
     codegen.autotune.tuning_device): loaded from the tuning cache, or timed now on tuning_shape inputs."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    problem = {"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim, "causal": bool(causal),
-               "window": window > 0}  # fmt: skip
+    problem = flash_problem(dtype, head_dim, causal, window > 0)
     candidates = candidate_tiles(head_dim, dtype, capability)
     found = autotune.lookup("flash_attn", device, problem, candidates)
     if found is not None:

@@ -79,8 +79,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if config.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
+            # RFC 9110: the scheme name is case-insensitive ("bearer" is as good as "Bearer")
+            scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
                 return JSONResponse(error_body("invalid or missing API key; send the header 'Authorization: "
                                                "Bearer <key>' with the key the server was started with",
                                                "authentication_error", code="invalid_api_key"), status_code=401)
@@ -215,13 +216,13 @@ class _AbortingStream(StreamingResponse):
 async def _json(request: Request, limit: int) -> object:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
-        raise APIError(400, f"request body of {size} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
+        raise APIError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
                        code="request_too_large")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise APIError(400, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)",
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)",
                            code="request_too_large")
     try:
         return json.loads(body)

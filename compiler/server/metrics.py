@@ -25,7 +25,9 @@ class ServerMetrics:
         self.waiting = gauge("kiln_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_used = gauge("kiln_kv_blocks_used", "KV cache blocks held by requests")
         self.kv_total = gauge("kiln_kv_blocks_total", "Usable KV cache blocks in the pool")
-        self.preemptions = gauge("kiln_num_preemptions", "Requests preempted so far (their KV recomputed)")
+        # The engine's stats are running totals; Prometheus counters take their increments (_advance).
+        self.preemptions = Counter("kiln_num_preemptions", "Requests preempted (their KV recomputed)",
+                                   labelnames=["model_name"], registry=r).labels(**label)
         self.steps = Counter("kiln_engine_steps", "Engine steps run", labelnames=["model_name"], registry=r)
         self.steps = self.steps.labels(**label)
         self.prompt = Counter("kiln_prompt_tokens", "Prompt tokens of requests that were scheduled",
@@ -44,21 +46,31 @@ class ServerMetrics:
         self.batch = Histogram("kiln_running_requests_per_step", "Running requests in each engine step",
                                labelnames=["model_name"], buckets=_BATCH, registry=r).labels(**label)
         self.max_batch = gauge("kiln_max_running_requests_per_step", "The largest running batch of any step")
-        self.spec_proposed = gauge("kiln_spec_draft_tokens_proposed", "Speculative draft tokens proposed so far")
-        self.spec_accepted = gauge("kiln_spec_draft_tokens_accepted", "Speculative draft tokens accepted so far")
+        self.spec_proposed = Counter("kiln_spec_draft_tokens_proposed", "Speculative draft tokens proposed",
+                                     labelnames=["model_name"], registry=r).labels(**label)
+        self.spec_accepted = Counter("kiln_spec_draft_tokens_accepted", "Speculative draft tokens accepted",
+                                     labelnames=["model_name"], registry=r).labels(**label)
         self.spec_mean_len = gauge("kiln_spec_mean_accepted_length",
                                    "Tokens emitted per speculative decode per step (1: no draft accepted)")
         self._max = 0
+        self._totals: dict[str, int] = {}
 
     def engine_stats(self, st: EngineStats) -> None:
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.kv_used.set(st.num_blocks - st.num_free_blocks)
         self.kv_total.set(st.num_blocks)
-        self.preemptions.set(st.num_preemptions)
-        self.spec_proposed.set(st.spec_proposed)
-        self.spec_accepted.set(st.spec_accepted)
+        self._advance("preemptions", self.preemptions, st.num_preemptions)
+        self._advance("spec_proposed", self.spec_proposed, st.spec_proposed)
+        self._advance("spec_accepted", self.spec_accepted, st.spec_accepted)
         self.spec_mean_len.set(st.mean_accepted_length)
+
+    def _advance(self, name: str, counter, total: int) -> None:
+        """Add what a running total of the engine gained since the last stats to its counter."""
+        last = self._totals.get(name, 0)
+        if total > last:
+            counter.inc(total - last)
+        self._totals[name] = max(total, last)
 
     def step(self, num_running: int) -> None:
         self.steps.inc()

@@ -199,10 +199,23 @@ def test_paged_prefill_takes_the_tuned_flash_tile_on_the_gpu_it_was_tuned_on(tun
     candidates = candidate_tiles(128, torch.bfloat16, (9, 0))
     paged.prefill_tile.cache_clear()
     assert paged.prefill_tile(cuda, torch.bfloat16, 128, True, False) == default_tile(128, torch.bfloat16, (9, 0))
-    problem = {"dtype": "bfloat16", "head_dim": 128, "causal": True, "window": False}
+    from kiln import env
+
+    monkeypatch.setattr(env, "flash_tma", lambda: True)  # KILN_FLASH_TMA=1: a TMA-tuned tile is not the paged one's
+    problem = paged.flash_problem(torch.bfloat16, 128, True, False)
+    assert problem["tma"] is True
     times = {tile: 1.0 + i for i, tile in enumerate(candidates)}
-    times[candidates[-1]] = 0.5
+    times[candidates[0]] = 0.25
     autotune.set_timer(lambda fn: times[fn()])  # the tuner fixture restores the original
+    assert autotune.tune("flash_attn", cuda, problem, candidates, _make_call) == candidates[0]
+    monkeypatch.setattr(env, "flash_tma", lambda: False)
+    problem = paged.flash_problem(torch.bfloat16, 128, True, False)
+    assert problem == {"dtype": "bfloat16", "head_dim": 128, "causal": True, "window": False, "tma": False}
+    monkeypatch.setattr(autotune, "_memo", {})
+    paged.prefill_tile.cache_clear()
+    assert paged.prefill_tile(cuda, torch.bfloat16, 128, True, False) == default_tile(128, torch.bfloat16, (9, 0))
+    times[candidates[0]] = 2.0
+    times[candidates[-1]] = 0.5
     assert autotune.tune("flash_attn", cuda, problem, candidates, _make_call) == candidates[-1]
     monkeypatch.setattr(autotune, "_memo", {})
     paged.prefill_tile.cache_clear()

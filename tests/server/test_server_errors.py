@@ -25,7 +25,7 @@ CASES = [
     ("bad JSON", "/v1/completions", b'{"prompt": "Hi",', AUTH, 400, "not valid JSON", None),
     ("not UTF-8", "/v1/completions", b"\xff\xfe{}", AUTH, 400, "not valid JSON", None),
     ("body not an object", "/v1/completions", b"[1, 2]", AUTH, 400, "valid dictionary", "body"),
-    ("oversized body", "/v1/completions", {**OK, "prompt": "x" * 5000}, AUTH, 400, "limit of 4096 bytes", None),
+    ("oversized body", "/v1/completions", {**OK, "prompt": "x" * 5000}, AUTH, 413, "limit of 4096 bytes", None),
     ("negative max_tokens", "/v1/completions", {**OK, "max_tokens": -5}, AUTH, 400, "greater than or equal to 1",
      "max_tokens"),
     ("max_tokens a word", "/v1/completions", {**OK, "max_tokens": "ten"}, AUTH, 400, "valid integer", "max_tokens"),
@@ -208,3 +208,10 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(l
         assert httpx.post(f"{url}/v1/completions", json=OK, timeout=60).status_code == 200
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     assert not eng.block_manager.tables
+
+
+@pytest.mark.parametrize(("header", "status"), [
+    (f"bearer {KEY}", 200), (f"BEARER  {KEY}", 200), (f"Bearer {KEY}x", 401), ("Bearer", 401), (f"Basic {KEY}", 401),
+])
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(server, header, status):
+    assert post(server, "/v1/models", None, {"Authorization": header}).status_code == status

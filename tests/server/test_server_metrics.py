@@ -1,6 +1,8 @@
-"""The /metrics gauges follow the engine's stats, speculation counters included."""
+"""The /metrics gauges follow the engine's stats; its running totals become Prometheus counters."""
 
 from prometheus_client.parser import text_string_to_metric_families
+
+import dataclasses
 
 from kiln.runtime.engine import EngineStats
 from kiln.server.metrics import ServerMetrics
@@ -15,5 +17,13 @@ def test_engine_stats_reach_the_gauges():
     m.engine_stats(st)
     got = {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
     assert got["kiln_kv_blocks_used"] == 4 and got["kiln_num_requests_running"] == 2
-    assert got["kiln_spec_draft_tokens_proposed"] == 8 and got["kiln_spec_draft_tokens_accepted"] == 6
-    assert got["kiln_spec_mean_accepted_length"] == 4.0
+    assert got["kiln_spec_draft_tokens_proposed_total"] == 8 and got["kiln_spec_draft_tokens_accepted_total"] == 6
+    assert got["kiln_spec_mean_accepted_length"] == 4.0 and got["kiln_num_preemptions_total"] == 1
+    # Later stats carry larger totals: each counter grows by the difference, never double counting.
+    m.engine_stats(dataclasses.replace(st, num_preemptions=3, spec_proposed=12, spec_accepted=7))
+    m.engine_stats(dataclasses.replace(st, num_preemptions=3, spec_proposed=12, spec_accepted=7))
+    types = {f.name: f.type for f in text_string_to_metric_families(m.render().decode())}
+    got = {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert got["kiln_num_preemptions_total"] == 3 and got["kiln_spec_draft_tokens_proposed_total"] == 12
+    assert got["kiln_spec_draft_tokens_accepted_total"] == 7
+    assert types["kiln_num_preemptions"] == types["kiln_spec_draft_tokens_proposed"] == "counter"

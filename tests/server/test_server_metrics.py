@@ -1,8 +1,8 @@
 """The /metrics gauges follow the engine's stats; its running totals become Prometheus counters."""
 
-from prometheus_client.parser import text_string_to_metric_families
-
 import dataclasses
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.runtime.engine import EngineStats
 from kiln.server.metrics import ServerMetrics

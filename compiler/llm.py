@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import os
+import sys
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -22,7 +23,7 @@ from kiln.errors import KilnError, RequestError
 from kiln.model_config import SpeculationConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import RequestOutput
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampler import SEED_MAX, SamplingParams
 from kiln.speculation import build_drafter, prepare_drafter, resolve_speculation
 
 
@@ -34,6 +35,7 @@ class LLM:
         *,
         device: str = "auto",
         dtype: str | None = None,
+        quantize: str | None = None,
         seed: int = 0,
         num_blocks: int | None = None,
         block_size: int | None = None,
@@ -51,6 +53,9 @@ class LLM:
     ):
         """Load the model (seeded random weights without `weights`), compile its step model, start an engine.
 
+        dtype ("fp32", "fp16", "bf16") and quantize ("int8", "int4", "int4-gptq-g64", ...: see `kiln run
+        --quantize`) override the spec's compile block.
+
         use_kernels: generated kernels (None: on CUDA only; on CPU the ops' reference implementations run,
         since Triton's interpreter is for testing codegen, far too slow to serve). block_size / kv_cache_dtype
         ("auto": the model's dtype, or "int8"): None takes the spec's `kv_cache = paged(block = 16, dtype = ...)`,
@@ -61,7 +66,9 @@ class LLM:
         kiln.runtime.engine.Engine). async_scheduling: launch each decode step before the last one's sampled ids
         reach the host (None: on for CUDA without speculation or routed layers; see Engine).
         """
-        self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+            raise KilnError(f"seed = {seed!r} is out of range; allowed: an integer 0 .. 2**64 - 1")
+        self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed, quantize=quantize)
         m = self.loaded
         kernels = m.device.type == "cuda" if use_kernels is None else use_kernels
         self.speculation = resolve_speculation(speculation, m, "speculation")
@@ -90,29 +97,42 @@ class LLM:
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; the final outputs in prompt order.
 
-        A request that fails alone ends with finish_reason "error" (the message in RequestOutput.error). If
-        generate itself raises (or is interrupted), every request it added is aborted, so the LLM stays usable.
+        A prompt is a str, a {"prompt": str} or {"prompt_token_ids": [...]} dict (vLLM's forms), or token ids
+        through prompt_token_ids. use_tqdm: a progress bar of finished requests on stderr. A request that fails
+        alone ends with finish_reason "error" (the message in RequestOutput.error). If generate itself raises (or
+        is interrupted), every request it added is aborted, so the LLM stays usable.
         """
         # Only the final outputs are returned: the engine makes no others (no per-step copy of every output).
         ids = self._add(prompts, sampling_params, prompt_token_ids, output_kind="final_only")
+        bar = _progress(len(ids)) if use_tqdm else None
+        final: dict[str, RequestOutput] = {}
         try:
-            final = {out.request_id: out for out in self._drain(ids) if out.finished}
+            for out in self._drain(ids):
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
         finally:
             self._release(ids)
+            if bar is not None:
+                bar.close()
         return [final[i] for i in ids]
 
     def chat(
         self,
         messages: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        *,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation ([{"role": ..., "content": ...}, ...]) or to each of
         a list of them, through the model's chat template (the checkpoint's or the GGUF's; kiln's default for a
         model without one), in one continuous batch. The final outputs, in order."""
-        return self.generate(self.chat_prompts(messages), sampling_params)
+        return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompts(self, messages: Sequence[dict] | Sequence[Sequence[dict]]) -> list[str]:
         """The prompt text `chat` sends for each conversation."""
@@ -185,12 +205,9 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts (text) and prompt_token_ids")
         if prompts is not None:
-            try:  # the engine checks each item
-                items: list = [prompts] if isinstance(prompts, str) else list(prompts)
-            except TypeError:
-                raise RequestError(f"prompts must be a str or a list of str, not {type(prompts).__name__}") from None
+            items = _text_prompts(prompts)
         else:
-            items = _token_prompts(prompt_token_ids)
+            items = [("ids", p) for p in _token_prompts(prompt_token_ids)]
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params = [SamplingParams.coerce(sampling_params)] * len(items)
         elif isinstance(sampling_params, (list, tuple)):
@@ -204,16 +221,56 @@ class LLM:
         ids: list[str] = []
         with self._lock:
             try:
-                for item, p in zip(items, params, strict=True):
+                for i, ((kind, item), p) in enumerate(zip(items, params, strict=True)):
                     if output_kind is not None and p.output_kind != output_kind:
-                        p = dataclasses.replace(p, output_kind=output_kind)
-                    rid = self.engine.add_request(item, p)
+                        p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is still named
+                    try:
+                        rid = (self.engine.add_request(item, p) if kind == "text"
+                               else self.engine.add_request(params=p, prompt_token_ids=item))
+                    except RequestError as e:
+                        if len(items) == 1:
+                            raise
+                        raise RequestError(f"prompt {i}: {e}") from None
                     self._queues[rid] = deque()
                     ids.append(rid)
             except BaseException:
                 self._release(ids)  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 raise
         return ids
+
+
+def _progress(total: int):
+    from tqdm import tqdm  # lazy: only a caller who asks for the bar pays for the import
+
+    return tqdm(total=total, desc="kiln: generating", unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+def _text_prompts(prompts: object) -> list[tuple[str, object]]:
+    """("text", str) or ("ids", token ids) per prompt: a str, a vLLM-style {"prompt": str} or
+    {"prompt_token_ids": [...]} dict, or a list of those (or of token-id lists)."""
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts, "prompts")]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise RequestError(f"prompts must be a str, a {{'prompt': str}} or {{'prompt_token_ids': [...]}} dict, or "
+                           f"a list of those, not {type(prompts).__name__} (token ids go in prompt_token_ids)")
+    return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+
+
+def _one_prompt(p: object, what: str) -> tuple[str, object]:
+    if isinstance(p, str):
+        return "text", p
+    if isinstance(p, dict):
+        keys = set(p)
+        if keys == {"prompt"} and isinstance(p["prompt"], str):
+            return "text", p["prompt"]
+        if keys == {"prompt_token_ids"}:
+            return "ids", p["prompt_token_ids"]
+        raise RequestError(f"{what} is a dict with keys {sorted(map(str, keys))}; kiln takes {{'prompt': str}} or "
+                           "{'prompt_token_ids': [ids]} (no multi-modal data or other fields)")
+    if isinstance(p, (list, tuple)) or getattr(p, "ndim", None) == 1:  # one prompt's token ids (checked by the engine)
+        return "ids", p
+    raise RequestError(f"{what} is {type(p).__name__}, not a prompt: give a str, a {{'prompt': str}} / "
+                       "{'prompt_token_ids': [...]} dict, or a list of token ids")
 
 
 def _token_prompts(prompt_token_ids: object) -> list:
@@ -226,6 +283,9 @@ def _token_prompts(prompt_token_ids: object) -> list:
         if ndim == 2:
             return list(prompt_token_ids)  # type: ignore[call-overload]
         raise RequestError(f"prompt_token_ids has {ndim} dimensions; give one prompt (1-D) or a batch (2-D)")
+    if isinstance(prompt_token_ids, (str, bytes, dict)):
+        raise RequestError(f"prompt_token_ids must be token ids (a list of ints, or a list of such lists), not "
+                           f"{type(prompt_token_ids).__name__}; text goes in prompts")
     try:
         items = list(prompt_token_ids)  # type: ignore[call-overload]
     except TypeError:

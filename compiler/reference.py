@@ -56,12 +56,14 @@ def generate(
     context: int,
     eos_token_ids: Sequence[int] = (),
 ) -> Generation:
-    """Generate up to params.max_tokens tokens after `prompt_ids`, recomputing the full sequence each step.
+    """Generate up to params.max_tokens tokens (None: to the context) after `prompt_ids`, recomputing the full
+    sequence each step.
 
     Stops early (finish_reason "stop") on a token in params.stop_token_ids, or in eos_token_ids unless
     params.ignore_eos. With params.seed set the result is reproducible.
     """
     _check_request(prompt_ids, params, context, vocab_size(gm))
+    max_tokens = context - len(prompt_ids) if params.max_tokens is None else params.max_tokens
     device = _device(gm)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     generator = make_generator(params.seed, device)
@@ -71,7 +73,7 @@ def generate(
     start = time.perf_counter()
     first_at = start
     with torch.inference_mode():
-        for _ in range(params.max_tokens):
+        for _ in range(max_tokens):
             logits = forward_logits(gm, ids[None])[0, -1]
             tok = sample(logits, params, generator, prev_tokens=ids)
             if not out:

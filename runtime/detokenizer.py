@@ -24,11 +24,13 @@ MAX_PENDING = 8  # tokens an incomplete character may wait for before its replac
 
 class Detokenizer:
     def __init__(self, tokenizer: TokenizerLike | None, stop: Sequence[str] = (),
-                 token_text: dict[int, str] | None = None):
+                 token_text: dict[int, str] | None = None, include_stop: bool = False):
         """token_text: a cache of decode([id]) that detokenizers of one tokenizer share (the engine's), filled as
-        they go: a one-token context, what most windows start from, is then decoded once per id, not per use."""
+        they go: a one-token context, what most windows start from, is then decoded once per id, not per use.
+        include_stop: a stop string found stays at the end of the text (else the text ends before it)."""
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
         self._token_text = token_text
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
@@ -91,5 +93,5 @@ class Detokenizer:
         if not found:
             return None
         idx, s = min(found)
-        self.text = self.text[:idx]
+        self.text = self.text[: idx + len(s) if self.include_stop else idx]
         return s

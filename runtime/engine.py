@@ -31,6 +31,7 @@ is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -54,6 +55,23 @@ from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_r
 
 __all__ = ["Engine", "EngineStats"]
 
+
+
+def _check_count(name: str, value: object, optional: bool) -> None:
+    """KilnError unless value is an integer >= 1 (or None when optional)."""
+    if value is None and optional:
+        return
+    allowed = "an integer >= 1" + (" (or unset)" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KilnError(f"{name} = {value!r} must be an integer, not {type(value).__name__}; allowed: {allowed}")
+    if value < 1:
+        raise KilnError(f"{name} = {value!r} is out of range; allowed: {allowed}")
+
+
+def _check_flags(**flags: object) -> None:
+    for name, value in flags.items():
+        if value is not None and not isinstance(value, bool):
+            raise KilnError(f"{name} = {value!r} must be True, False or None, not {type(value).__name__}")
 
 
 class Engine:
@@ -87,21 +105,31 @@ class Engine:
         only delay the outputs). async_scheduling: schedule and launch the next decode step before this one's
         sampled ids reach the host (see step(); implies overlap_outputs; None: on for a CUDA model with
         overlap_outputs on and no drafter, which it is not built for)."""
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise KilnError(f"{name} = {value!r} is out of range; allowed: an integer >= 1")
+        for name, value, optional in (("max_num_seqs", max_num_seqs, False),
+                                      ("max_num_batched_tokens", max_num_batched_tokens, False),
+                                      ("num_blocks", num_blocks, True), ("block_size", block_size, True),
+                                      ("max_model_len", max_model_len, True)):
+            _check_count(name, value, optional)
+        if max_model_len is not None and max_model_len > cfg.context:
+            raise KilnError(f"max_model_len = {max_model_len} is longer than the model's context of {cfg.context} "
+                            f"tokens (its positions end there); allowed: 1 .. {cfg.context}, or unset")
+        _check_flags(enable_prefix_caching=enable_prefix_caching, use_cuda_graphs=use_cuda_graphs,
+                     overlap_outputs=overlap_outputs, async_scheduling=async_scheduling)
+        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
+            raise KilnError(f"gpu_memory_utilization = {gpu_memory_utilization!r} must be a number in (0, 1], not "
+                            f"{type(gpu_memory_utilization).__name__}")
         self.model = step_model
         self.tokenizer = tokenizer
         self.cfg = cfg
         # max_model_len below the model's context shrinks the smallest acceptable pool (one max-length sequence).
-        self.max_model_len = cfg.context if max_model_len is None else min(int(max_model_len), cfg.context)
+        self.max_model_len = cfg.context if max_model_len is None else max_model_len
         self.eos_token_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         if block_size is None:  # the compile config's kv_cache = paged(block = ...), carried by the step model
             block_size = getattr(step_model, "block_size", 16)
         if not (1 <= block_size <= KV_BLOCK_MAX and block_size & (block_size - 1) == 0):
             raise KilnError(f"block_size = {block_size}: a KV cache block must hold a power of two from 1 to "
                             f"{KV_BLOCK_MAX} tokens (the attention kernels' key tiles cover whole blocks); "
-                            "use --block-size 16")
+                            "use block_size 16 (--block-size 16)")
         self.verify = getattr(step_model, "verify", None) if drafter is not None else None
         if drafter is not None and self.verify is None:
             raise KilnError("speculative decoding needs a verifier, but this step model has no `verify`; compile it "
@@ -202,20 +230,23 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; give prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(text)
-        ids = self._check_prompt(prompt_token_ids, params)
+        ids, params = self._check_prompt(prompt_token_ids, params)
         order = next(self._ids)
         rid = str(order) if request_id is None else str(request_id)
         while request_id is None and rid in self.requests:  # a caller took this number as its own id
             rid = str(next(self._ids))
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
-        req = Request(rid, text, ids, params, Detokenizer(self.tokenizer, params.stop, self.output.token_text),
-                      make_generator(params.seed, self.model.device), order)
+        det = Detokenizer(self.tokenizer, params.stop, self.output.token_text, params.include_stop_str_in_output)
+        req = Request(rid, text, ids, params, det, make_generator(params.seed, self.model.device), order)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
 
-    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams
+                      ) -> tuple[list[int], SamplingParams]:
+        """The prompt's ids and the params with max_tokens None made a number (what the context and the KV pool
+        leave after the prompt), or a RequestError."""
         limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
         ids = check_prompt(prompt_token_ids, params.max_tokens, vocab=self.model.vocab, limit=self.max_model_len,
                            limit_name=limit)
@@ -224,13 +255,17 @@ class Engine:
         if bad:
             raise RequestError(f"stop_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
                                f"token ids 0 .. {vocab - 1}")
-        total = len(ids) + params.max_tokens
         bm = self.block_manager
+        if params.max_tokens is None:
+            room = min(self.max_model_len, bm.num_usable_blocks * bm.block_size) - len(ids)
+            params = dataclasses.replace(params, max_tokens=max(room, 1))
+        total = len(ids) + params.max_tokens
         if bm.blocks_for(total) > bm.num_usable_blocks:
             raise RequestError(
                 f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} needs {bm.blocks_for(total)} KV "
-                f"blocks but the pool has {bm.num_usable_blocks}; lower max_tokens or raise --num-blocks")
-        return ids
+                f"blocks but the pool has {bm.num_usable_blocks}; lower max_tokens or raise num_blocks "
+                "(--num-blocks)")
+        return ids, params
 
     def abort(self, request_id: str, notify: bool = True) -> bool:
         """Stop a request (waiting or running) and free its blocks; False if it is unknown or already done.

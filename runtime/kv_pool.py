@@ -37,13 +37,13 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
     per_seq = -(-context // block_size)
     need = per_seq + 1
     if num_blocks is not None:
-        n, source = int(num_blocks), f"--num-blocks {num_blocks}"
+        n, source = int(num_blocks), f"num_blocks {num_blocks}"
     elif model.device.type == "cuda":
         torch.cuda.empty_cache()  # blocks the caching allocator holds unused (weight loading's) count as taken
         free, total = torch.cuda.mem_get_info(model.device)
         budget = free - (1 - gpu_memory_utilization) * total
         n = max(int(budget // per_block), 0)
-        source = (f"--gpu-memory-utilization {gpu_memory_utilization} ({free / 2**30:.2f} GiB free of "
+        source = (f"gpu_memory_utilization {gpu_memory_utilization} ({free / 2**30:.2f} GiB free of "
                   f"{total / 2**30:.2f} GiB)")
     else:
         cap = max(CPU_KV_BYTES // per_block, per_seq)
@@ -53,7 +53,8 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
             f"the KV cache pool would have {n} blocks of {block_size} tokens ({n * per_block / 2**20:.1f} MiB, "
             f"from {source}), but one sequence of the longest allowed length ({context} tokens) needs {per_seq} "
             f"blocks plus the reserved null block = {need} ({need * per_block / 2**20:.1f} MiB); "
-            f"raise --num-blocks to at least {need} or --gpu-memory-utilization"
+            f"raise num_blocks (--num-blocks) to at least {need}, or gpu_memory_utilization "
+            "(--gpu-memory-utilization), or lower max_model_len (--max-model-len)"
         )
     return n
 

@@ -51,10 +51,13 @@ class OutputMaker:
         self.num_generated_tokens += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        # Only a stop string needs the text now; other requests' text is made with their output (emit_one).
-        stop_str = req.detokenizer.add(tok) if req.detokenizer.stop else None
-        done = ("stop", stop_str) if stop_str is not None else check_stop(
-            tok, len(req.output_token_ids), req.params, self.eos_token_ids)
+        # Only a stop string needs the text now; other requests' text is made with their output (emit_one). A stop
+        # token comes first: its text stays out of the output (catch_up), so no stop string is searched in it.
+        done = check_stop(tok, len(req.output_token_ids), req.params, self.eos_token_ids)
+        if req.detokenizer.stop and (done is None or done[0] == "length"):
+            stop_str = req.detokenizer.add(tok)
+            if stop_str is not None:
+                done = ("stop", stop_str)
         if done is not None:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
@@ -89,8 +92,11 @@ class OutputMaker:
                     if m.first_token_time is None:
                         m.first_token_time = now
                     det = req.detokenizer
-                    stop_str = det.add(tok) if det.stop else None  # as in append
-                    done = ("stop", stop_str) if stop_str is not None else check_stop(tok, len(out), req.params, eos)
+                    done = check_stop(tok, len(out), req.params, eos)  # as in append
+                    if det.stop and (done is None or done[0] == "length"):
+                        stop_str = det.add(tok)
+                        if stop_str is not None:
+                            done = ("stop", stop_str)
                     if done is not None:
                         finish_req(req)
                         self.requests.pop(req.request_id, None)
@@ -167,7 +173,7 @@ class OutputMaker:
         """Detokenize the output tokens the detokenizer has not seen (those of requests with stop strings were
         detokenized when sampled)."""
         det = req.detokenizer
-        for tok in req.output_token_ids[len(det.tokens) :]:
+        for tok in req.output_token_ids[len(det.tokens) : req.num_text_tokens]:
             det.add(tok)
 
     def emit_one(self, req: Request) -> RequestOutput:

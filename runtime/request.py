@@ -44,7 +44,9 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (summed over re-admissions)
     num_draft_tokens: int = 0  # speculative decoding: tokens a drafter proposed for this request
-    num_accepted_tokens: int = 0  # of those, accepted by verification (emitted as drafted)
+    # of those, accepted by verification (as vLLM counts them: drafts after a stop token that ended the request
+    # count too, though the stop drops them from the output)
+    num_accepted_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -83,10 +85,22 @@ class Request:
     _sent_tokens: int = 0
     _sent_text: int = 0
     _text: str = ""  # the text the last RequestOutput carried
+    _lp_count: int = 0  # output tokens summed into _lp_sum (cumulative_logprob)
+    _lp_sum: float = 0.0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_text_tokens(self) -> int:
+        """Output tokens whose text is in the output: all but a stop token (eos or stop_token_ids) that ended the
+        request, as in vLLM, unless params.include_stop_str_in_output."""
+        n = len(self.output_token_ids)
+        by_token = self.finish_reason == "stop" and type(self.stop_reason) is int
+        if by_token and not self.params.include_stop_str_in_output:
+            return n - 1
+        return n
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -98,10 +112,13 @@ class Request:
 
     @property
     def can_speculate(self) -> bool:
-        """Whether a drafter may propose for this request: not opted out (params.speculate), and no repetition
-        penalty or logprobs, whose per-position processing the verification does not reproduce."""
+        """Whether a drafter may propose for this request: not opted out (params.speculate; by default seeded
+        sampling is), and no repetition penalty or logprobs, whose per-position processing the verification does
+        not reproduce."""
         p = self.params
-        return p.speculate and p.repetition_penalty == 1.0 and p.logprobs is None
+        if p.speculate is False or p.repetition_penalty != 1.0 or p.logprobs is not None:
+            return False
+        return p.speculate or p.seed is None or p.greedy  # None: not seeded sampling (see SamplingParams.speculate)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output (+ this step's drafts) without building the whole list."""
@@ -144,13 +161,23 @@ class Request:
             all_ids, all_text, all_lps = list(ids), text, list(self.output_logprobs) if asked else None
         out = CompletionOutput(index=0, token_ids=all_ids, text=all_text, finish_reason=self.finish_reason,
                                stop_reason=self.stop_reason, delta_token_ids=new_ids, delta_text=new_text,
-                               logprobs=all_lps, delta_logprobs=new_lps)
+                               logprobs=all_lps, delta_logprobs=new_lps,
+                               cumulative_logprob=self._cumulative_logprob() if asked else None)
         self._sent_tokens, self._sent_text, self._text = len(ids), len(text), text
         # The prompt's list is shared, not copied (it never changes; a copy cost O(prompt) per request per step).
         metrics = object.__new__(RequestMetrics)  # a field-for-field snapshot, without __init__'s argument binding
         metrics.__dict__.update(self.metrics.__dict__)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.status in DONE, metrics,
                              self.error)
+
+    def _cumulative_logprob(self) -> float:
+        lps, ids = self.output_logprobs, self.output_token_ids
+        if self._lp_count > len(lps):  # a failed step's tokens were rolled back: sum again
+            self._lp_count, self._lp_sum = 0, 0.0
+        for i in range(self._lp_count, len(lps)):
+            self._lp_sum += lps[i][ids[i]]
+        self._lp_count = len(lps)
+        return self._lp_sum
 
     def skip_output(self) -> None:
         """A final_only request that is still running makes no output this step. Its tokens so far count as
@@ -171,6 +198,7 @@ class CompletionOutput:
     # token always present, with the top-k ranked first), from the model's raw log_softmax (before temperature)
     logprobs: list[dict[int, float]] | None = None
     delta_logprobs: list[dict[int, float]] | None = None  # those of delta_token_ids
+    cumulative_logprob: float | None = None  # with logprobs: the sum of every output token's log-probability so far
 
     @property
     def finished(self) -> bool:
@@ -188,26 +216,52 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what failed and the likely cause
 
 
-def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int, *, vocab: int, limit: int,
+def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, *, vocab: int, limit: int,
                  limit_name: str = "model context") -> list[int]:
     """The prompt as a list of ints, or a RequestError naming what is wrong: not integers, empty, an id outside
-    the vocabulary, or prompt + max_tokens longer than `limit`. The engine and the reference path share it."""
-    try:  # ints of any kind (numpy, 0-d tensors), but not floats
-        ids = [operator.index(t) for t in prompt_token_ids]
+    the vocabulary, or prompt + max_tokens longer than `limit` (max_tokens None: the prompt must leave room for
+    one token). The engine and the reference path share it."""
+    if isinstance(prompt_token_ids, (str, bytes)):  # a str is a sequence too, of one-character strings
+        raise RequestError(f"prompt_token_ids must be integer token ids, not {type(prompt_token_ids).__name__} "
+                           f"{prompt_token_ids[:40]!r}; pass text as the prompt instead")
+    if "bool" in str(getattr(prompt_token_ids, "dtype", "")):
+        raise RequestError(f"prompt_token_ids is {_describe(prompt_token_ids)}: booleans, not token ids; give integers")
+    try:
+        items = list(prompt_token_ids)
+        ids = [operator.index(t) for t in items]  # ints of any kind (numpy, 0-d tensors), not floats
     except TypeError:
         raise RequestError(f"prompt_token_ids must be a sequence of integer token ids (a list, a 1-D numpy array "
-                           f"or 1-D integer tensor), not {_describe(prompt_token_ids)}") from None
+                           f"or 1-D integer tensor), not {_describe(prompt_token_ids)}{_culprit(prompt_token_ids)}"
+                           ) from None
+    if any(type(t) is bool for t in items):  # operator.index takes True as 1
+        raise RequestError(f"prompt_token_ids holds a bool at position {[type(t) for t in items].index(bool)}, "
+                           "not a token id; give integers")
     if not ids:
         raise RequestError("the prompt is empty; give at least one token")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"prompt_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
                            f"0 <= id < {vocab} (was the prompt encoded with this model's tokenizer?)")
-    total = len(ids) + max_tokens
+    total = len(ids) + (1 if max_tokens is None else max_tokens)
+    if max_tokens is None and total > limit:
+        raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate in the {limit_name} of {limit}; "
+                           "shorten the prompt")
     if total > limit:
         raise RequestError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds the {limit_name} "
                            f"of {limit}; shorten the prompt or lower max_tokens")
     return ids
+
+
+def _culprit(value: object) -> str:
+    """Which item of a list is not a token id, as ' (position i is ...)', or ''."""
+    if not isinstance(value, (list, tuple)):
+        return ""
+    for i, t in enumerate(value):
+        try:
+            operator.index(t)
+        except TypeError:
+            return f" (position {i} is {type(t).__name__} {t!r})"
+    return ""
 
 
 def _describe(value: object) -> str:

@@ -39,20 +39,25 @@ class SamplingParams:
     """
 
     temperature: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off (-1, vLLM's "off", is taken as 0)
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int = 16
+    # None: as many as the context (max_model_len) and the KV pool leave after the prompt (set when added)
+    max_tokens: int | None = 16
     seed: int | None = None  # per-request seed: the same seed gives the same tokens
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()  # stop strings: generation ends when the text contains one (trimmed from the text)
+    # True keeps the stop string, or the text of the stop token (eos or stop_token_ids), at the end of the text
+    include_stop_str_in_output: bool = False
     # None: off; 0: the sampled token's log-probability; k: also the k most likely tokens' (see sample_batch)
     logprobs: int | None = None
-    # Speculative decoding (an engine with a drafter): False opts this request out. It is also off for requests
-    # with a repetition penalty or logprobs (see Request.can_speculate).
-    speculate: bool = True
+    # Speculative decoding (an engine with a drafter): False opts this request out; None (the default) lets it
+    # speculate unless it samples with a seed, whose tokens would then depend on whether speculation ran for it
+    # (it turns itself off in large batches): a seed gives the same tokens in any batch. True speculates even then.
+    # It is also off for requests with a repetition penalty or logprobs (see Request.can_speculate).
+    speculate: bool | None = None
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
     def __post_init__(self) -> None:
@@ -73,6 +78,8 @@ class SamplingParams:
                     object.__setattr__(self, name, value.item())
                 except (TypeError, ValueError, RuntimeError):
                     pass
+        if _is_int(self.top_k) and self.top_k == -1:  # vLLM's spelling of "off"
+            object.__setattr__(self, "top_k", 0)
 
     @classmethod
     def coerce(cls, value: object, what: str = "sampling_params") -> SamplingParams:
@@ -100,7 +107,8 @@ class SamplingParams:
                 _finite(self.temperature) and self.temperature >= 0,
                 "temperature >= 0 (0 means greedy)",
             ),
-            ("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0, "an integer top_k >= 0 (0 means off)"),
+            ("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0,
+             "an integer top_k >= 0 (0 or -1 means off)"),
             ("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "0 < top_p <= 1 (1 means off)"),
             ("min_p", self.min_p, _finite(self.min_p) and 0 <= self.min_p < 1, "0 <= min_p < 1 (0 means off)"),
             (
@@ -112,8 +120,8 @@ class SamplingParams:
             (
                 "max_tokens",
                 self.max_tokens,
-                _is_int(self.max_tokens) and self.max_tokens >= 1,
-                "an integer max_tokens >= 1",
+                self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+                "an integer max_tokens >= 1, or None (up to the context)",
             ),
             (
                 "seed",
@@ -134,7 +142,10 @@ class SamplingParams:
                 "a tuple of non-empty strings",
             ),
             ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
-            ("speculate", self.speculate, isinstance(self.speculate, bool), "True or False"),
+            ("speculate", self.speculate, self.speculate is None or isinstance(self.speculate, bool),
+             "True, False or None (speculate unless seeded sampling)"),
+            ("include_stop_str_in_output", self.include_stop_str_in_output,
+             isinstance(self.include_stop_str_in_output, bool), "True or False"),
             ("output_kind", self.output_kind, self.output_kind in OUTPUT_KINDS,
              " or ".join(repr(k) for k in OUTPUT_KINDS)),
             (
@@ -178,9 +189,9 @@ def check_stop(
 
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
-_INTS = ("top_k", "max_tokens")
-_OPTIONAL_INTS = ("seed", "logprobs")
-_BOOLS = ("ignore_eos", "speculate")
+_INTS = ("top_k",)
+_OPTIONAL_INTS = ("seed", "logprobs", "max_tokens")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output")
 
 
 def _wrong_type(name: str, value: object) -> tuple[str, object] | None:
@@ -195,6 +206,8 @@ def _wrong_type(name: str, value: object) -> tuple[str, object] | None:
         return None if value is None or _is_int(value) else ("an integer or None", value)
     if name in _BOOLS:
         return None if isinstance(value, bool) else ("a bool (True or False)", value)
+    if name == "speculate":
+        return None if value is None or isinstance(value, bool) else ("a bool or None", value)
     if name == "output_kind":
         return None if isinstance(value, str) else ("a string", value)
     if name in ("stop_token_ids", "stop"):

@@ -238,7 +238,8 @@ def verify_rows(verifier: Verifier, logits: torch.Tensor, items: Sequence[SpecRo
     """(accepted count a, next token, logits finite) per item, from one VerifyBatch and one host copy.
 
     Uniforms and Exp(1) noise come from each request's own generator (greedy rows need neither: their p is
-    one-hot), so a seeded request is reproducible whatever else is in the batch.
+    one-hot), so a row's draws do not depend on the other rows. (A seeded sampling request still speculates only
+    when it asks to: whether speculation runs for it depends on the batch, see SamplingParams.speculate.)
     """
     dev, vocab = logits.device, logits.shape[-1]
     ns = [len(it.draft.tokens) for it in items]

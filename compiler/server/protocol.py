@@ -69,6 +69,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # kiln / vLLM extension: each choice also carries its token ids
+    include_stop_str_in_output: bool = False  # vLLM extension: keep the stop string (or stop token's text)
+    stop_token_ids: list[int] | None = None  # vLLM extension: token ids that end the choice ("stop")
     user: str | None = None
     # OpenAI fields accepted only at their neutral values (anything else is a 400 naming the field).
     presence_penalty: float = 0.0
@@ -87,6 +89,8 @@ class _Sampling(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
                               seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
+                              stop_token_ids=tuple(self.stop_token_ids or ()),
+                              include_stop_str_in_output=self.include_stop_str_in_output,
                               logprobs=self.engine_logprobs(), output_kind="delta")  # see streaming.Choices
 
     def engine_logprobs(self) -> int | None:

@@ -158,7 +158,7 @@ def test_decode_batches_padded_to_graph_sizes():
         ([1, 2], SamplingParams(top_p=0), "top_p"),
         ([1, 2], SamplingParams(top_p=1.5), "top_p"),
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
-        ([1, 2], SamplingParams(top_k=-1), "top_k"),
+        ([1, 2], SamplingParams(top_k=-2), "top_k"),  # -1 is vLLM's "off"
         ([1, 2], SamplingParams(stop=("",)), "stop"),
         ([1] * 60, SamplingParams(max_tokens=10), "max_tokens"),  # 70 > context 64
         ([], SamplingParams(), "prompt"),

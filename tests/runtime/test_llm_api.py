@@ -157,9 +157,23 @@ INPUT_TABLE = [
     ("empty prompt_token_ids", lambda: {"prompt_token_ids": []}, (RequestError, "prompt_token_ids is empty")),
     ("integer as prompt_token_ids", lambda: {"prompt_token_ids": 5}, (RequestError, "not int")),
     ("token ids as prompts", lambda: {"prompts": [[1, 2, 3]]}, None),
-    ("a number as a prompt", lambda: {"prompts": [5]}, (RequestError, "not int")),
-    ("a number as prompts", lambda: {"prompts": 5}, (RequestError, "a str or a list of str, not int")),
+    ("a number as a prompt", lambda: {"prompts": [5]}, (RequestError, "prompts[0] is int, not a prompt")),
+    ("a number as prompts", lambda: {"prompts": 5}, (RequestError, "or a list of those, not int")),
     ("out-of-range numpy id", lambda: {"prompt_token_ids": _np().array([1, 10**6])}, (RequestError, "out of range")),
+    ("vLLM token prompt dict", lambda: {"prompts": {"prompt_token_ids": [1, 2, 3]}}, None),
+    ("vLLM prompt dicts", lambda: {"prompts": [{"prompt": "a"}, {"prompt_token_ids": [1, 2, 3]}]}, None),
+    ("dict with other keys", lambda: {"prompts": {"prompt": "a", "multi_modal_data": {}}},
+     (RequestError, "keys ['multi_modal_data', 'prompt']")),
+    ("text inside prompt_token_ids", lambda: {"prompt_token_ids": ["12"]}, (RequestError, "not str '12'")),
+    ("bools as token ids", lambda: {"prompt_token_ids": [True, False]}, (RequestError, "a bool at position 0")),
+    ("bytes as prompts", lambda: {"prompts": b"abc"}, (RequestError, "not bytes")),
+    ("the bad prompt of a batch is named", lambda: {"prompts": ["a", "", "b"]}, (RequestError, "prompt 1: ")),
+    ("a float id in a batch is named", lambda: {"prompt_token_ids": [[1, 2], [3.5]]},
+     (RequestError, "prompt 1: prompt_token_ids must be a sequence of integer token ids (a list, a 1-D numpy "
+      "array or 1-D integer tensor), not list (position 0 is float 3.5)")),
+    ("a bad output_kind is named, not replaced", lambda: {"prompts": "a",
+                                                          "sampling_params": _params(output_kind="bogus")},
+     (RequestError, "output_kind = 'bogus'")),
 ]
 
 
@@ -176,7 +190,8 @@ def test_python_api_inputs_are_accepted_or_named(llm, kwargs, expect):
         kw.setdefault("sampling_params", _params())
         outs = llm.generate(**kw)
         assert outs and all(o.finished and o.outputs[0].finish_reason in ("length", "stop") for o in outs)
-        if "prompt_token_ids" in kw or kw["prompts"] == [[1, 2, 3]]:  # any form of [1, 2, 3] gives its tokens
+        token_forms = ([[1, 2, 3]], {"prompt_token_ids": [1, 2, 3]})
+        if "prompt_token_ids" in kw or kw["prompts"] in token_forms:  # any form of [1, 2, 3] gives its tokens
             ref = llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=_params())[0].outputs[0].token_ids
             for o in outs:
                 got = o.outputs[0].token_ids
@@ -187,3 +202,26 @@ def test_python_api_inputs_are_accepted_or_named(llm, kwargs, expect):
             llm.generate(**kw)
         assert fragment in str(err.value)
     assert not llm.engine.has_unfinished() and not llm._queues
+
+
+def test_llm_takes_quantize_and_shows_a_progress_bar(capsys):
+    from kiln import LLM, SamplingParams
+    from kiln.build import load_model
+
+    llm = LLM("tiny-llama", device="cpu", seed=0, quantize="int8", use_kernels=False)
+    assert "linear_w8" in str(llm.loaded.gm.graph)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(["Hello", "x"], params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "kiln: generating" in err and "2/2" in err
+    ref = load_model("tiny-llama", device="cpu", seed=0, quantize="int8").gm
+    for o, p in zip(outs, ["Hello", "x"], strict=True):
+        assert o.outputs[0].token_ids == generate(ref, list(p.encode()), params, context=256).token_ids
+
+
+def test_a_bad_seed_is_refused_before_loading():
+    from kiln import LLM
+
+    for seed in (-1, 1.5, True, 2**64):
+        with pytest.raises(KilnError, match="seed = .* is out of range; allowed: an integer 0 .. 2\\*\\*64 - 1"):
+            LLM("tiny-llama", device="cpu", seed=seed)

@@ -58,9 +58,11 @@ def sampled_joint(sm, draft, params: SamplingParams, verifier=None) -> tuple[tor
     eng = Engine(target, None, sm.loaded.model, drafter=ModelDrafter(draft, k=2), max_num_seqs=400,
                  speculation_max_batch=400)
     for seed in range(N):
+        # speculate=True: seeded sampling does not speculate by default (SamplingParams.speculate)
         eng.add_request(prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=4, seed=seed, ignore_eos=True,
                                                                        temperature=params.temperature,
-                                                                       top_k=params.top_k, top_p=params.top_p))
+                                                                       top_k=params.top_k, top_p=params.top_p,
+                                                                       speculate=True))
     counts = torch.zeros(V, V, V, dtype=torch.long)
     for out in eng.run():
         a, b, c = out.outputs[0].token_ids[:3]

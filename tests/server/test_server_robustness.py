@@ -225,3 +225,18 @@ def test_completion_text_offsets_stay_on_the_text_past_partial_characters(url):
     for tok, off in zip(lp["tokens"], offsets, strict=True):
         if tok != "\ufffd":
             assert text[off: off + len(tok)] == tok, (tok, off, text)
+
+
+def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(url, llm):
+    from kiln import SamplingParams
+
+    greedy = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    stop = greedy.token_ids[3]
+    cut = greedy.token_ids.index(stop) + 1
+    for include in (False, True):
+        r = _post(url, "/v1/completions", {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "stop_token_ids": [stop],
+                                           "return_token_ids": True, "include_stop_str_in_output": include})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["token_ids"] == greedy.token_ids[:cut]
+        assert choice["text"] == llm.tokenizer.decode(greedy.token_ids[: cut if include else cut - 1])

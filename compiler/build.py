@@ -17,7 +17,7 @@ from kiln.gguf.config import GGUFError, architecture, config_from_gguf, open_ggu
 from kiln.gguf.files import bundled_weights, is_gguf
 from kiln.gguf.tokenizer import load_gguf_tokenizer
 from kiln.gguf.weights import load_gguf_weights
-from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.config import check_spec_matches, config_from_hf, load_hf_config
 from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import TORCH_DTYPES, build_graph
 from kiln.model_config import DTYPES, CompileConfig, ModelConfig
@@ -42,7 +42,7 @@ def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise KilnError("--device cuda was asked for but torch sees no CUDA device; use --device cpu or auto")
+        raise KilnError(f"device {device!r} (--device) was asked for, but torch sees no CUDA device; use cpu or auto")
     if device not in ("cpu",) and not device.startswith("cuda"):
         raise KilnError(f"unknown device {device!r}; expected auto, cpu or cuda[:N]")
     try:
@@ -51,8 +51,8 @@ def resolve_device(device: str = "auto") -> torch.device:
         raise KilnError(f"unknown device {device!r}; expected auto, cpu or cuda[:N]") from None
     if dev.type == "cuda" and dev.index is not None:
         if dev.index >= torch.cuda.device_count():
-            raise KilnError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s), numbered from "
-                            "0; pick one of them")
+            raise KilnError(f"device {device!r} (--device): torch sees {torch.cuda.device_count()} CUDA device(s), "
+                            "numbered from 0; pick one of them")
         torch.cuda.set_device(dev)  # Triton launches on the current device (per thread), not the tensors'
     return dev
 
@@ -61,18 +61,18 @@ _WEIGHTS_KINDS = "a Hugging Face checkpoint dir (config.json + *.safetensors), a
 
 
 def check_weights_dir(path: Path) -> None:
-    """KilnError saying what --weights names instead of a checkpoint directory: nothing, a spec file, another file,
-    or a directory without config.json."""
+    """KilnError saying what the weights (--weights) name instead of a checkpoint directory: nothing, a spec file,
+    another file, or a directory without config.json. Messages read right from the CLI and from LLM(...)."""
     if not path.exists():
-        raise KilnError(f"--weights {path}: does not exist; check the path (give {_WEIGHTS_KINDS})")
+        raise KilnError(f"weights {path} (--weights): does not exist; check the path (give {_WEIGHTS_KINDS})")
     if path.is_file() and path.suffix == ".kiln":
-        raise KilnError(f"--weights {path}: is a spec file, not weights; pass it as SPEC (e.g. `kiln run {path}`), "
-                        "with --weights only for its checkpoint")
+        raise KilnError(f"weights {path} (--weights): is a spec file, not weights; pass it as the spec (SPEC, e.g. "
+                        f"`kiln run {path}`, or LLM's first argument), with weights only for its checkpoint")
     if not path.is_dir():
-        raise KilnError(f"--weights {path}: is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
+        raise KilnError(f"weights {path} (--weights): is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
     if not (path / "config.json").is_file():
-        raise KilnError(f"--weights {path}: no config.json there; point it at a Hugging Face checkpoint dir "
-                        "or a directory written by `kiln quantize`")
+        raise KilnError(f"weights {path} (--weights): no config.json there; point them at a Hugging Face "
+                        "checkpoint dir or a directory written by `kiln quantize`")
 
 
 def _model_from_checkpoint(weights: Path, *, quiet: bool = False) -> tuple[ModelConfig, str]:
@@ -124,11 +124,12 @@ def load_model(
         loaded = load_spec(spec if spec is not None else DEFAULT_SPEC)
         cfg, comp, source = loaded.model, loaded.compile, loaded.path
         if weights_dir is not None:
-            model_type = _model_from_checkpoint(weights_dir)[1]
+            hf_cfg, model_type = _model_from_checkpoint(weights_dir)
+            check_spec_matches(cfg, hf_cfg, source, str(weights_dir / "config.json"))
 
     if dtype is not None:
         if dtype not in DTYPES:
-            raise KilnError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+            raise KilnError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
     if quantize is not None:
 
@@ -160,18 +161,18 @@ def _load_quantized(
         want, have = resolve_group(parse_scheme(quantize), loaded.model)[0], stored_scheme(weights_dir)
         if want.label != have.label:  # calibration options do not matter once the weights are stored
             raise KilnError(
-                f"--quantize {quantize}: {weights_dir} was quantized by `kiln quantize` with {have.label} and "
-                "cannot be quantized again; drop --quantize, or run `kiln quantize` on the original checkpoint "
-                f"with --quantize {quantize}"
+                f"quantize {quantize!r} (--quantize): {weights_dir} was quantized by `kiln quantize` with "
+                f"{have.label} and cannot be quantized again; leave quantize out, or run `kiln quantize` on the "
+                f"original checkpoint with {quantize}"
             )
     if dtype is not None and dtype not in DTYPES:
-        raise KilnError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        raise KilnError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
     gm = load_quantized(weights_dir, loaded.model, device=dev)
     stored = next((k for k, v in TORCH_DTYPES.items() if v == gm.get_parameter("embed.weight").dtype), "fp32")
     if dtype is not None and dtype != stored:
         raise KilnError(
-            f"--dtype {dtype}: {weights_dir} is a `kiln quantize` checkpoint stored in {stored}, and its dtype is "
-            f"fixed when it is written; drop --dtype (or pass --dtype {stored}), or quantize again with "
+            f"dtype {dtype!r} (--dtype): {weights_dir} is a `kiln quantize` checkpoint stored in {stored}, and its "
+            f"dtype is fixed when it is written; leave dtype out (or ask for {stored}), or quantize again with "
             f"`kiln quantize --dtype {dtype}`"
         )
     comp = dataclasses.replace(loaded.compile, dtype=stored)
@@ -234,7 +235,7 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
         cfg, comp, source = loaded.model, loaded.compile, loaded.path
     if dtype is not None:
         if dtype not in DTYPES:
-            raise GGUFError(f"--dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+            raise GGUFError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
     # Kept int4 pays off where the generated kernels run (CUDA); the CPU reference op would dequantize every step.
     keep = quantize == "gguf" or (quantize is None and "quantize" not in comp.extra and dev.type == "cuda")

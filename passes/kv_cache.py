@@ -11,7 +11,8 @@ Emits:
   per node, so sliding-window layers attend only within their window;
 - aten.index_select(·, 1, sample_indices) so the lm_head runs only on the sampled rows: it gathers the
   final norm's input, or both inputs of the residual add that feeds only that norm (so norm_fusion can still
-  fuse the gathered add and norm), or else the lm_head's input. The output is logits [1, R, vocab].
+  fuse the gathered add and norm), or else the lm_head's input (a kiln::linear, or linear_w8 / linear_w4 when
+  the quantize pass took the lm_head). The output is logits [1, R, vocab].
 With an int8 cache (make_pass("int8"); compile_step binds the spec's `kv_cache = paged(dtype = int8)`) the
 kv_cache input is int8 and a kv_scales input [layers, 2, num_blocks, block_size, kv_heads] fp32 follows it;
 every paged_attention node takes it as its kv_scales argument.
@@ -61,6 +62,7 @@ import kiln.ir.ops_level2  # noqa: F401  (registers kiln::flash_attention, which
 import kiln.ir.ops_mod  # noqa: F401  (registers kiln::mod_route and kiln::mod_gather, which this pass matches)
 import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots and kiln::mod_narrow)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
+import kiln.ir.ops_quant  # noqa: F401  (registers kiln::linear_w8 / linear_w4, a quantized lm_head)
 from kiln.errors import PassError
 from kiln.model_config import KV_DTYPES
 from kiln.passes._graph import is_call, rename
@@ -71,6 +73,8 @@ kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
 _NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
 _ROUTING = (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)
+# The lm_head, quantized or not (`quantize = int4(lm_head = true)` runs before this pass); each takes x first.
+_LM_HEADS = (kiln_ops.linear.default, kiln_ops.linear_w8.default, kiln_ops.linear_w4.default)
 _SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "routed")  # mod_kv_slots'
 # A routed layer's body runs on its routed rows (kiln::mod_narrow) on steps of at least NARROW_MIN_ROWS flat rows,
 # at the price of one device -> host read of the routed count per routed layer. 256 is about where a GEMM turns
@@ -232,8 +236,9 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
         )
     outputs = graph.find_nodes(op="output")[0].args[0]
     logits = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
-    if not is_call(logits, kiln_ops.linear.default):
-        raise PassError(f"kv_cache expects the graph output to be the lm_head's kiln::linear, got %{logits.name}")
+    if not any(is_call(logits, op) for op in _LM_HEADS):
+        raise PassError(f"kv_cache expects the graph output to be the lm_head's kiln::linear (or linear_w8 / "
+                        f"linear_w4, quantized), got %{logits.name}")
     masked = [n for n in graph.nodes if is_call(n, kiln_ops.routed_attention.default)]
     if masked:
         raise PassError(f"kv_cache: %{masked[0].name} is a routed layer in the dense-masked form; the routed KV cache "

@@ -6,11 +6,11 @@ share.
 
 The error contract: only KilnError is a user error: one message naming the file, flag or value and the fix, no
 traceback, exit 2 (argparse's own flag errors exit 2 too). Any other exception is a bug in kiln: its traceback
-is printed with one line saying so, and the exit status is 1. `--debug` re-raises everything, traceback
-included. A closed stdout (`kiln run ... | head -c 1`) ends the command quietly with 141, as SIGPIPE ends Unix
-tools. Output files and directories are checked before any work and written whole or not at all.
-Generated text goes to stdout, everything else (timings, notes, progress) to stderr; diagnostics from inside
-kiln go through the `kiln` logger, which main() routes to stderr.
+is printed with one line saying so, and the exit status is 1. `--debug` (before or after the subcommand) shows
+a user error's traceback too, still exiting 2, and re-raises a bug. A closed stdout (`kiln run ... | head -c 1`)
+ends the command quietly with 141, as SIGPIPE ends Unix tools. Output files and directories are checked before
+any work and written whole or not at all. Generated text goes to stdout, everything else (timings, notes,
+progress) to stderr; diagnostics from inside kiln go through the `kiln` logger, which main() routes to stderr.
 """
 
 from __future__ import annotations
@@ -49,7 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_router_parser(sub)
     add_bench_parser(sub)
     add_serve_parser(sub)
+    _debug_everywhere(p)
     return p
+
+
+def _debug_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Accept --debug after the subcommand too (`kiln run --debug ...`). SUPPRESS: an absent flag leaves the
+    top-level value alone."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                child.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                   help="show tracebacks for errors")
+                _debug_everywhere(child)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         _drop_stdout()
         return EXIT_BROKEN_PIPE
     except KilnError as e:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback, but still a user error: exit 2, as without --debug
+            traceback.print_exc()
         msg = str(e)
         print(msg if isinstance(e, SpecError) else f"kiln: error: {msg}", file=sys.stderr)
         return EXIT_USER_ERROR

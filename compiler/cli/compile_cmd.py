@@ -40,6 +40,38 @@ def _report_gguf_paths(args: argparse.Namespace, comp, dtype) -> None:
     print(f"kiln: {Path(weights).name}: {paths_summary(paths)}{then}", file=sys.stderr)
 
 
+EMIT_MANIFEST = ".kiln-emit"  # in an --emit directory: the files that emit wrote, which the next emit removes
+_EMIT_SUBDIRS = ("graphs", "kernels")
+
+
+def _check_emit_dir(path: Path) -> None:
+    """Refuse (before any work) a directory whose graphs/ or kernels/ kiln did not write: an emit would mix its
+    files with someone else's, and clearing them could delete the user's."""
+    if (path / EMIT_MANIFEST).is_file():
+        return
+    found = [d for d in _EMIT_SUBDIRS if (path / d).exists()]
+    if found:
+        raise UsageError(f"--emit {path}: holds {' and '.join(d + '/' for d in found)} that an earlier `kiln compile "
+                         f"--emit` did not write (no {EMIT_MANIFEST} file); give a new or empty directory, or "
+                         "remove them")
+
+
+def _clear_earlier_emit(path: Path) -> None:
+    """Remove the files an earlier emit into `path` wrote (its manifest lists them), so that no graph or kernel of
+    another model or compile stays beside the new ones; nothing else in `path` is touched."""
+    manifest = path / EMIT_MANIFEST
+    if not manifest.is_file():
+        return
+    for line in manifest.read_text(encoding="utf-8").splitlines():
+        rel = Path(line)
+        if rel.is_absolute() or ".." in rel.parts or len(rel.parts) < 2 or rel.parts[0] not in _EMIT_SUBDIRS:
+            continue  # the comment line, or not something emit writes (graphs/... and kernels/...)
+        (path / rel).unlink(missing_ok=True)
+    for d in _EMIT_SUBDIRS:
+        if (path / d).is_dir() and not any((path / d).iterdir()):
+            (path / d).rmdir()
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -58,6 +90,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     tuned_before = dataclasses.replace(autotune.stats())
 
     emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
+    if emit_dir is not None:
+        _check_emit_dir(emit_dir)
     loaded = load_spec(args.spec)
     dtype_name = args.dtype or loaded.compile.dtype
     comp = loaded.compile
@@ -70,6 +104,15 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(args.quantize)})
     comp = fit_quantize(comp, loaded.model)  # a scheme without a group gets the one that fits (kiln.quant.sizing)
+    quant_label = quantize_label(comp)
+    scheme = comp.extra.get("quantize")
+    if scheme is not None and scheme.method == "gptq":
+        # GPTQ changes the weights' values, not the graph: the same ops, shapes and kernels as round-to-nearest.
+        # Meta tensors have no values to calibrate on, so compile builds the RTN twin and says so.
+        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": dataclasses.replace(scheme, method="rtn")})
+        print(f"kiln: note: {quant_label}: GPTQ calibrates when weights load (`kiln run`, `kiln serve`, `kiln "
+              "quantize`); its graph and kernels are those of round-to-nearest, which compile builds here",
+              file=sys.stderr)
 
     # Meta tensors: the graph and every shape are real, the weights cost no memory (an 8B spec builds instantly).
     def graph():
@@ -80,6 +123,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if emit_dir is not None:
         with staged_dir("--emit", emit_dir) as stage:
             written = emit(gm, stage, comp)
+            listed = "\n".join(str(p.relative_to(stage)) for p in written)
+            (stage / EMIT_MANIFEST).write_text(f"# written by kiln compile --emit; the next --emit into this "
+                                               f"directory replaces these files\n{listed}\n", encoding="utf-8")
+            _clear_earlier_emit(emit_dir)  # the new files move in when this block ends
         print(f"kiln: wrote {len(written)} files under {args.emit} (graphs/ after every pass, kernels/)",
               file=sys.stderr)
         gm = graph()
@@ -107,7 +154,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
               "predictor logit > 0; the training form, top capacity per sequence, is for training and perplexity)",
               file=sys.stderr)
     print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
-          f"passes: {', '.join(_pass_names(compiled.passes, quantize_label(comp))) or 'none'}; "
+          f"passes: {', '.join(_pass_names(compiled.passes, quant_label)) or 'none'}; "
           f"{len(compiled.kernels)} kernels "
           f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled); "
           f"{autotune.stats().since(tuned_before).summary()}", file=sys.stderr)

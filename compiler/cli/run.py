@@ -13,13 +13,16 @@ from kiln.errors import KilnError
 
 
 def _ids(text: str) -> list[int]:
+    parts = text.replace(" ", "").split(",")
+    if parts == [""]:
+        raise argparse.ArgumentTypeError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
+    if "" in parts:  # `1,,2` is a typo for some id, not two ids
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} has an empty item between commas; give one integer "
+                                         "between each pair of commas, e.g. 1,2,3")
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
-    return ids
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 
 from kiln.cli.common import EXIT_USER_ERROR, check_output_file, write_file_atomic
-from kiln.errors import KilnError, SpecError, UsageError
+from kiln.errors import Diagnostic, KilnError, SpecError, UsageError
 from kiln.hf.config import import_spec
-from kiln.quant.sizing import SchemeView, quantized_bytes, resolve_group
+from kiln.model_config import AttentionCall
+from kiln.quant.sizing import SchemeView, fitting_group, quantized_bytes, quantized_weights, resolve_group
+from kiln.spec.ast import Call, Setting
 from kiln.spec.formatter import format_spec
-from kiln.spec.loader import load_spec, read_spec_file
+from kiln.spec.loader import LoadedSpec, bundled_spec, bundled_specs, load_spec, read_spec_file
 from kiln.spec.parser import parse_spec
 from kiln.spec.speculation import describe as describe_speculation
 from kiln.spec.validate import DTYPE_BYTES, describe_route, format_bytes, format_count, param_count
@@ -31,6 +33,12 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
             print(f"kiln: error: {e}", file=sys.stderr)
         else:
+            problems = serving_problems(loaded)
+            if problems:
+                failed += 1
+                print(f"{SpecError(problems)}\n{ref}: {len(problems)} error{'s' if len(problems) != 1 else ''}",
+                      file=sys.stderr)
+                continue
             n = param_count(loaded.model)
             route = describe_route(loaded.model)
             spec_cfg = loaded.compile.extra.get("speculation")
@@ -38,6 +46,60 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{loaded.path}: ok ({loaded.model.name}, {loaded.model.layers} layers, {format_count(n)} "
                   f"parameters, {_weights_size(loaded, n)}{speculation})" + (f"; {route}" if route else ""))
     return EXIT_USER_ERROR if failed else 0
+
+
+def _diagnostic(loaded: LoadedSpec, node, message: str, hint: str) -> Diagnostic:
+    line = node.span.line
+    lines = loaded.ast.source.split("\n")
+    source = lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
+    return Diagnostic(loaded.path, line, node.span.column, message, hint, source)
+
+
+def _keyword(setting: Setting | None, name: str):
+    """The value node of `name = ...` inside a compile setting's call, else the setting itself."""
+    if setting is not None and isinstance(setting.value, Call):
+        for kw in setting.value.kwargs:
+            if kw.name == name:
+                return kw.value
+    return setting
+
+
+def serving_problems(loaded: LoadedSpec) -> list[Diagnostic]:
+    """What a valid spec asks for that `kiln run` / `kiln serve` would refuse only after loading: found here so
+    that `kiln check` passing means the spec runs. (Not spec errors: `kiln compile` and the Python API build such
+    models, and a missing calibration file may be given later with --calibration.)"""
+    out = []
+    model, extra = loaded.model, loaded.compile.extra
+    settings = {x.key: x for x in loaded.ast.compile.settings} if loaded.ast.compile is not None else {}
+    if not any(isinstance(e, AttentionCall) for e in model.sites()):
+        out.append(_diagnostic(loaded, loaded.ast.model, f"model `{model.name}` has no attention, so there is no KV "
+                               "cache to page and `kiln run` / `kiln serve` cannot serve it",
+                               "add e.g. `x = x + attention(norm(x))` to the layer block (`kiln compile` builds it "
+                               "as it is)"))
+    if model.route is not None and extra.get("speculation") is not None:
+        out.append(_diagnostic(loaded, settings["speculation"], "speculation with a Mixture-of-Depths model (route = "
+                               "mod(...)) is not built: rejected drafts would have to be taken back out of every "
+                               "routed layer's cache", "remove the speculation setting (or run with --speculation "
+                               "off), or the route setting"))
+    quantize = extra.get("quantize")
+    if quantize and quantize["bits"] == 4 and not quantize.get("auto_group"):
+        scheme = SchemeView.of(quantize)
+        weights = quantized_weights(model, lm_head=scheme.lm_head, embeddings=scheme.embeddings)
+        bad = next(((n, s) for n, s in weights.items() if s[1] % scheme.group), None)
+        if bad is not None:
+            fits = fitting_group([s[1] for s in weights.values()])
+            out.append(_diagnostic(loaded, _keyword(settings.get("quantize"), "group"),
+                                   f"int4 group {scheme.group} does not divide {bad[0]}'s K = {bad[1][1]}",
+                                   (f"use group = {fits}, or " if fits else "") + "leave group out to take the "
+                                   "largest group that fits"))
+    calibration = quantize.get("calibration") if quantize else None
+    if calibration and not Path(calibration).is_file():
+        out.append(_diagnostic(loaded, _keyword(settings.get("quantize"), "calibration"),
+                               f"calibration file {calibration} "
+                               + ("is not a file" if Path(calibration).exists() else "does not exist"),
+                               "a relative path starts at the spec file's folder; give a text file, or drop "
+                               "calibration to calibrate on seeded random tokens"))
+    return sorted(out, key=lambda d: (d.line, d.column))
 
 
 def _weights_size(loaded, n: int) -> str:
@@ -56,9 +118,19 @@ def cmd_fmt(args: argparse.Namespace) -> int:
     status = 0
     for ref in args.specs:
         path = Path(ref)
-        if not path.is_file():
-            raise UsageError(f"{ref}: no such spec file; check the path")
-        source = read_spec_file(path)
+        if path.is_dir():  # the words `kiln check` uses
+            raise UsageError(f"{ref}: is a directory, not a spec file; pass a .kiln file or a bundled spec name")
+        if path.is_file():
+            source = read_spec_file(path)
+        else:  # a bundled name, as `kiln check` takes: printed and checked, never rewritten
+            res = bundled_spec(ref)
+            if res is None:
+                raise UsageError(f"{ref}: no such spec file or bundled spec; bundled specs are: "
+                                 f"{', '.join(bundled_specs())}")
+            if args.write:
+                raise UsageError(f"{ref}: is a bundled spec, part of kiln's installed package; --write rewrites your "
+                                 f"own files only: copy it first (`kiln fmt {ref} > {ref}.kiln`)")
+            source, path = res.read_text(encoding="utf-8"), Path(str(res))
         text = format_spec(parse_spec(source, str(path)))
         if args.check:
             if text != source:

@@ -196,6 +196,9 @@ def _scan(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], int]]:
                     nbytes = _itemsize(sl.get_dtype())
                     for n in shape:
                         nbytes *= n
+                    if name in found:  # which copy to load is a guess (the last file read won, silently)
+                        raise WeightError(f"tensor {name} is in both {found[name][0]} and {path}; a checkpoint holds "
+                                          "each tensor once: remove the stray file (or the copy) from the directory")
                     found[name] = (path, shape, nbytes)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise _unreadable(path, e) from None

@@ -138,7 +138,8 @@ def calibrate(gm: fx.GraphModule, nodes: list[fx.Node], scheme: QuantScheme, ids
         )
     ref = next(iter(gm.parameters()))
     if ref.device.type == "meta":
-        raise PassError("GPTQ needs real weights to calibrate, but the graph is on the meta device; use method = rtn")
+        raise PassError("GPTQ needs real weights to calibrate, but the graph is on the meta device; quantize "
+                        "round-to-nearest there (`method = rtn` in a spec, --quantize int4-rtn on the command line)")
     tokens = ids.to(ref.device)
     positions = torch.arange(tokens.shape[1], device=ref.device).expand_as(tokens).contiguous()
     runner = _Calibrator(gm, nodes, scheme)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from kiln.errors import Diagnostic, SpecError, UsageError
@@ -69,10 +70,15 @@ def load_spec(ref: str | os.PathLike) -> LoadedSpec:
         return parse_and_resolve(read_spec_file(path), str(path))
     if path.is_dir():
         raise UsageError(f"{ref}: is a directory, not a spec file; pass a .kiln file or a bundled spec name")
+    res = bundled_spec(ref)
+    if res is not None:
+        return parse_and_resolve(res.read_text(encoding="utf-8"), str(res))
+    raise UsageError(f"{ref}: no such spec file or bundled spec; bundled specs are: {', '.join(bundled_specs())}")
+
+
+def bundled_spec(ref: str | os.PathLike) -> Traversable | None:
+    """The bundled spec that `ref` names ("tiny-llama" or "tiny-llama.kiln"), or None."""
     name = str(ref)
     if name.endswith(_SUFFIX) and os.sep not in name:
         name = name[: -len(_SUFFIX)]
-    if name in bundled_specs():
-        res = files("kiln.specs").joinpath(name + _SUFFIX)
-        return parse_and_resolve(res.read_text(encoding="utf-8"), str(res))
-    raise UsageError(f"{ref}: no such spec file or bundled spec; bundled specs are: {', '.join(bundled_specs())}")
+    return files("kiln.specs").joinpath(name + _SUFFIX) if name in bundled_specs() else None

@@ -6,7 +6,7 @@ reported at its node, like the rest of validation (validate.py calls route_setti
 
 from __future__ import annotations
 
-from kiln.model_config import Add, AttentionCall, LayerAssign, LayerExpr, ModConfig, ModelConfig, Var
+from kiln.model_config import ModConfig, ModelConfig
 from kiln.spec.ast import Expr, Num, Setting
 from kiln.spec.formatter import format_expr
 from kiln.spec.values import _config_call, _int, _Report
@@ -14,14 +14,10 @@ from kiln.spec.values import _config_call, _int, _Report
 _HIDDEN_LIMIT = (1 << 17, "hidden is the router predictor's width, a small MLP: e.g. hidden = 128")
 
 
-def route_setting(r: _Report, setting: Setting, layers: int | None, body: tuple[LayerAssign, ...]) -> ModConfig | None:
-    """The ModConfig of a `route = ...` setting, or None (problems reported); routed layers need causal attention."""
-    route = _mod(r, setting.value, layers)
-    if route is not None and any(isinstance(site, AttentionCall) and not site.causal for site in _sites(body)):
-        r.error(setting, "route = mod(...) needs causal attention, but the layer block has causal = false",
-                "Mixture-of-Depths routes the tokens of a causal decoder: drop causal = false or the route setting")
-        return None
-    return route
+def route_setting(r: _Report, setting: Setting, layers: int | None) -> ModConfig | None:
+    """The ModConfig of a `route = ...` setting, or None (problems reported). Routed layers need causal attention,
+    which the layer block already guarantees (validate.py refuses causal = false)."""
+    return _mod(r, setting.value, layers)
 
 
 _ROUTE_EXAMPLE = "mod(capacity = 0.125, every = 2, decide = threshold)"
@@ -67,19 +63,6 @@ def _mod(r: _Report, e: Expr, layers: int | None) -> ModConfig | None:
     if capacity is None or every is None or decide is None or hidden is None:
         return None
     return ModConfig(capacity=capacity, every=every, decide=decide, hidden=hidden)
-
-
-def _sites(body: tuple[LayerAssign, ...]) -> list[LayerExpr]:
-    """Every call in the layer program (ModelConfig.sites without a ModelConfig)."""
-    todo, found = [a.value for a in body], []
-    while todo:
-        e = todo.pop()
-        if isinstance(e, Add):
-            todo += [e.left, e.right]
-        elif not isinstance(e, Var):
-            found.append(e)
-            todo.append(e.arg)
-    return found
 
 
 def describe_route(model: ModelConfig) -> str:

@@ -33,7 +33,7 @@ from kiln.model_config import (
     param_shapes,
 )
 from kiln.model_config import Add as AddExpr
-from kiln.spec.ast import BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Setting, SpecFile
+from kiln.spec.ast import Assign, BinOp, Call, Expr, LayerBlock, ModelBlock, Name, Setting, SpecFile
 from kiln.spec.compile_keys import COMPILE_KEYS, PLANNED_COMPILE_KEYS, compile_config
 from kiln.spec.formatter import format_expr
 from kiln.spec.route import describe_route, route_setting
@@ -109,17 +109,29 @@ def _rope(r: _Report, e: Expr) -> RopeConfig | None:
 class _Layer:
     """Resolves the layer body to the layer program, naming sites innermost argument first, left to right."""
 
-    def __init__(self, r: _Report):
+    def __init__(self, r: _Report, positions: str = "rope"):
         self.r, self.defined, self.counts, self.uses_mlp = r, {"x"}, {"norm": 0, "attn": 0, "mlp": 0}, False
+        self.positions = positions
+        self.unread: dict[str, Assign] = {}  # name -> its latest assignment, while nothing has read it
 
     def body(self, block: LayerBlock) -> tuple[LayerAssign, ...]:
         out = []
-        for stmt in block.body:
+        x_lines = [i for i, stmt in enumerate(block.body) if stmt.target == "x"]
+        for i, stmt in enumerate(block.body):
             value = self.expr(stmt.value)
+            # An assignment nobody reads builds ops whose weights become required checkpoint tensors for nothing
+            # (and dead graph nodes): refuse it where it is written.
+            dead = self.unread.pop(stmt.target, None)
+            if dead is not None:
+                self._unused(dead)
+            if x_lines and i < x_lines[-1]:  # later names (or all, with no `x`) are refused below, as not reaching `x`
+                self.unread[stmt.target] = stmt
             self.defined.add(stmt.target)
             if value is not None:
                 out.append(LayerAssign(stmt.target, value))
-        x_lines = [i for i, stmt in enumerate(block.body) if stmt.target == "x"]
+        for stmt in self.unread.values():
+            if stmt.target != "x":
+                self._unused(stmt)
         if not x_lines:
             self.r.error(block, "the layer block never assigns `x`",
                          "`x` is the layer's input and output: end with e.g. `x = x + mlp(norm(x), act = swiglu)`")
@@ -129,9 +141,15 @@ class _Layer:
                          "the layer's output", "end the layer block with an assignment to `x`")
         return tuple(out)
 
+    def _unused(self, stmt: Assign) -> None:
+        self.r.error(stmt, f"`{stmt.target}` is assigned but never used",
+                     f"use `{stmt.target}` in a later line, or remove the assignment (its weights would be loaded "
+                     "for nothing)")
+
     def expr(self, e: Expr) -> LayerExpr | None:
         if isinstance(e, Name):
             if e.id in self.defined:
+                self.unread.pop(e.id, None)
                 return Var(e.id)
             self.r.error(e, f"undefined name `{e.id}` in the layer block{_suggest(e.id, self.defined)}",
                          "a name must be assigned before it is used; `x` is the layer's input")
@@ -164,6 +182,16 @@ class _Layer:
         self.counts[prefix] += 1
         vals = {k: _int(self.r, v, k, *SIZE_LIMITS[k]) if k == "window" else _bool(self.r, v, k)
                 for k, v in kw.items() if k != "act"}
+        if vals.get("causal") is False:  # the torch.compile backend builds non-causal kiln::attention itself
+            self.r.error(kw["causal"], "attention(causal = false) cannot be served: kiln generates left to right "
+                         "over a KV cache, and a cached token cannot attend to tokens that come after it",
+                         "drop `causal = false` (attention is causal by default)")
+            vals["causal"] = None
+        if vals.get("rope") is True and self.positions != "rope":
+            self.r.error(kw["rope"], "attention(rope = true) but the model has no rotary embedding "
+                         f"(positions = {self.positions})",
+                         "add e.g. `rope = rope(theta = 10000)` to the model block, or drop `rope = true`")
+            vals["rope"] = None
         if c.func == "mlp":
             self.uses_mlp = True
             vals["act"] = _enum(self.r, kw["act"], "act", "activation", ACTS) if "act" in kw else None
@@ -178,11 +206,28 @@ class _Layer:
                              vals.get("qkv_bias", bias), vals.get("out_bias", bias), vals.get("rope", True))
 
 
+def _walk(body: tuple[LayerAssign, ...]):
+    """Every call in the layer program, outermost first."""
+    stack: list[LayerExpr] = [a.value for a in body]
+    while stack:
+        e = stack.pop()
+        yield e
+        if isinstance(e, AddExpr):
+            stack += [e.left, e.right]
+        elif not isinstance(e, Var):
+            stack.append(e.arg)
+
+
 # ---- blocks ----------------------------------------------------------------------------------------------
 
 
 def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
     s = _unique(r, [i for i in block.items if isinstance(i, Setting)], "model setting", MODEL_KEYS)
+    if not block.name.strip():  # the name is the served model id and appears in every load line
+        r.error(block, "the model name is empty", 'name the model, e.g. model "my-llama" { ... }')
+    elif not block.name.isprintable():
+        r.error(block, f"the model name {block.name!r} contains a control character (a newline, tab, ...)",
+                'use a one-line name of printable characters, e.g. model "my-llama" { ... }')
     for key, example in REQUIRED.items():
         if key not in s:
             r.error(block, f"model `{block.name}` is missing the required setting `{key}`",
@@ -225,9 +270,15 @@ def _model(r: _Report, block: ModelBlock) -> ModelConfig | None:
     for extra in layer_blocks[1:]:
         r.error(extra, f"a second layer block (the first is on line {layer_blocks[0].span.line})",
                 "a model has exactly one layer block: merge them")
-    layer = _Layer(r)
+    layer = _Layer(r, positions or "rope")
     body = layer.body(layer_blocks[0]) if layer_blocks else ()
-    route = route_setting(r, s["route"], ints.get("layers"), body) if "route" in s else None
+    rotated = positions == "rope" and any(isinstance(e, AttentionCall) and e.rope for e in _walk(body))
+    if rotated and head_dim and head_dim % 2:  # rotate-half pairs element i with i + head_dim / 2
+        where = s["head_dim"] if "head_dim" in s else s["dim"]
+        r.error(where, f"rope needs an even head_dim, but head_dim is {head_dim}"
+                + ("" if "head_dim" in s else f" (dim {dim} / heads {heads})"),
+                f"rotary embeddings rotate pairs of features: pick an even head_dim, e.g. head_dim = {head_dim + 1}")
+    route = route_setting(r, s["route"], ints.get("layers")) if "route" in s else None
     if layer.uses_mlp and "ffn" not in s:
         r.error(block, f"model `{block.name}` is missing the setting `ffn`, which mlp() needs",
                 "add `ffn = <hidden size of the MLP>` to the model block")

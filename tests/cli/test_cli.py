@@ -69,8 +69,11 @@ def test_run_prompt_longer_than_context_is_a_clean_error(capsys):
 
 
 def test_debug_flag_shows_the_exception(capsys):
-    with pytest.raises(Exception, match="temperature"):
-        main(["--debug", "run", "--prompt", "x", "--temperature", "-1"])
+    # a user error under --debug: the traceback, and still exit 2 (it used to re-raise: exit 1, as for a bug);
+    # --debug after the subcommand works too
+    for argv in (["--debug", "run"], ["run", "--debug"]):
+        code, _, err = run_cli(capsys, *argv, "--prompt", "x", "--temperature", "-1")
+        assert code == 2 and "Traceback" in err and "temperature" in err.splitlines()[-1]
 
 
 def test_check_bundled_specs_ok(capsys):

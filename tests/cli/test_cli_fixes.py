@@ -68,7 +68,7 @@ def test_seed_above_the_range_names_it(capsys):
     ("weights", "needle"),
     [
         ("{tmp}/nonexistent", "does not exist"),
-        (str(SPECS / "tiny-llama.kiln"), "is a spec file, not weights; pass it as SPEC"),
+        (str(SPECS / "tiny-llama.kiln"), "is a spec file, not weights; pass it as the spec (SPEC"),
         ("{tmp}/notes.txt", "is a file, not a checkpoint directory"),
         ("{tmp}", "no config.json there"),
     ],

@@ -73,3 +73,25 @@ def test_weights_dir_without_config_is_a_clean_error(capsys, tmp_path):
     code = main(["run", "--weights", str(tmp_path), "--prompt-ids", "3"])
     assert code == 2
     assert "config.json" in capsys.readouterr()[1]
+
+
+@pytest.mark.parametrize(
+    "old, new, words",
+    [
+        (", window = 4)", ")", "attn0 window: none in the spec, 4 in config.json"),  # Mistral's window dropped
+        ("theta = 10000", "theta = 500000", "rope theta: 500000 in the spec, 10000 in config.json"),
+        ("eps = 1e-06", "eps = 1e-05", "norm eps: 1e-05 in the spec, 1e-06 in config.json"),
+        ("heads = 4\n  kv_heads = 2\n  head_dim = 8", "heads = 8\n  kv_heads = 4\n  head_dim = 4",
+         "heads: 8 in the spec, 4 in config.json"),  # the same tensor shapes, split otherwise
+    ],
+)
+def test_a_spec_that_differs_from_the_checkpoints_config_is_refused(capsys, tmp_path, old, new, words):
+    # these run without any shape error: kiln used to serve the spec's model on the checkpoint's weights silently
+    save_hf_model("mistral", tmp_path / "m")
+    spec = tmp_path / "m.kiln"
+    assert main(["import", str(tmp_path / "m"), "-o", str(spec)]) == 0
+    assert old in spec.read_text(), spec.read_text()
+    spec.write_text(spec.read_text().replace(old, new))
+    code = main(["run", str(spec), "--weights", str(tmp_path / "m"), "--prompt-ids", "3,4", "--max-tokens", "1"])
+    err = capsys.readouterr()[1]
+    assert code == 2 and words in err and "does not describe the checkpoint" in err, err

@@ -187,8 +187,10 @@ CASES = [
     Case("eos-in-config-negative", "llama", both(edit(eos_token_id=-1), remove("generation_config.json")), "run",
          "config.json: eos_token_id"),
     # `kiln quantize` output: flags that cannot apply are refused, not ignored
-    Case("quantized-other-dtype", "int8", lambda d: None, "run", "--dtype bf16", flags=("--dtype", "bf16")),
-    Case("quantized-other-scheme", "int8", lambda d: None, "run", "--quantize int4", flags=("--quantize", "int4")),
+    Case("quantized-other-dtype", "int8", lambda d: None, "run", "dtype 'bf16' (--dtype)",
+         flags=("--dtype", "bf16")),
+    Case("quantized-other-scheme", "int8", lambda d: None, "run", "quantize 'int4' (--quantize)",
+         flags=("--quantize", "int4")),
     Case("quantized-meta-not-json", "int8", write("quantization.json", "{"), "run", "quantization.json",
          WeightError),
 ]

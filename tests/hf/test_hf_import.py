@@ -250,3 +250,11 @@ def test_rope_keys_the_type_does_not_use_are_noted():
     rope = {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}
     assert config_from_hf({**LLAMA_MIN, "rope_parameters": rope}, notes=notes).rope.scaling.factor == 2.0
     assert len(notes) == 1 and "beta_fast" in notes[0] and "rope_parameters" in notes[0]
+
+
+def test_odd_head_dim_with_rope_is_refused_naming_the_key():
+    # rotate-half needs an even head_dim; kiln import wrote a spec whose run crashed
+    with pytest.raises(KilnError, match=r"config key `head_dim`: rope needs an even head_dim, but head_dim is 3"):
+        config_from_hf({**LLAMA_MIN, "head_dim": 3})
+    with pytest.raises(KilnError, match=r"`hidden_size`, `num_attention_heads`: rope needs an even head_dim"):
+        config_from_hf({**LLAMA_MIN, "hidden_size": 6})

@@ -175,3 +175,19 @@ def test_progress_bar_by_default_for_big_checkpoints(ckpt, capsys, monkeypatch):
     monkeypatch.setattr(weights_mod, "PROGRESS_THRESHOLD", 1000)  # bytes; the tiny checkpoint is bigger
     load(ckpt, "qwen2")
     assert "kiln: loading weights" in capsys.readouterr().err
+
+
+def test_a_tensor_in_two_unindexed_files_is_refused(ckpt, tmp_path):
+    # the last file read used to win silently
+    d0 = ckpt["llama"][0]
+    tensors = load_file(str(d0 / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != name}, str(tmp_path / "a.safetensors"))
+    save_file({name: tensors[name], "model.norm.weight": tensors["model.norm.weight"]},
+              str(tmp_path / "b.safetensors"))
+    (tmp_path / "config.json").write_text((d0 / "config.json").read_text())
+    with pytest.raises(WeightError, match=r"tensor model.norm.weight is in both .*a.safetensors and .*b.safetensors"):
+        load(ckpt, "llama", tmp_path)
+    (tmp_path / "b.safetensors").unlink()
+    save_file({name: tensors[name]}, str(tmp_path / "b.safetensors"))
+    assert torch.equal(load(ckpt, "llama", tmp_path)["layers.0.attn0.q.weight"], tensors[name])

@@ -77,3 +77,12 @@ def test_calibration_needs_the_whole_sequence_graph():
     gm = fx.GraphModule(torch.nn.Module(), g)
     with pytest.raises(PassError, match="run quantize before kv_cache"):
         calibrate(gm, [], QuantScheme(bits=8, method="gptq"), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_calibration_on_meta_names_both_the_spec_key_and_the_flag():
+    from kiln.ir.frontend import build_graph
+    from kiln.spec.loader import load_spec
+
+    gm = build_graph(load_spec("tiny-llama").model, device="meta")
+    with pytest.raises(PassError, match=r"`method = rtn` in a spec, --quantize int4-rtn on the command line"):
+        calibrate(gm, [], QuantScheme(bits=4, group=32, method="gptq"), torch.zeros(1, 4, dtype=torch.long))

@@ -255,12 +255,12 @@ def test_an_internal_error_is_a_bug_not_exit_2(monkeypatch, capsys):
         main(["--debug", "check", "tiny-llama"])
 
 
-def test_debug_shows_the_traceback_of_a_user_error(tmp_path):
-    from kiln.errors import SpecError
-
+def test_debug_shows_the_traceback_of_a_user_error(tmp_path, capsys):
     (tmp_path / "s.kiln").write_text(GOOD.replace("layers = 2", "layers = 0"))
-    with pytest.raises(SpecError, match="layers must be a positive integer"):
-        main(["--debug", "compile", str(tmp_path / "s.kiln")])
+    for argv in (["--debug", "compile", str(tmp_path / "s.kiln")], ["compile", str(tmp_path / "s.kiln"), "--debug"]):
+        code, _, err = run_main(argv, capsys)
+        assert code == 2  # a user error under --debug exits 2, as without it
+        assert "Traceback" in err and "SpecError" in err and "layers must be a positive integer" in err
 
 
 def test_broken_pipe_exits_quietly():

@@ -94,6 +94,33 @@ CASES = {
                          "`y` is assigned after the last assignment to `x` and never reaches the layer's output",
                          13, 5, "end the layer block"),
     "bool expected": (("causal = true", "causal = 1"), "causal must be true or false, got 1", 12, 41, "true"),
+    # kiln generates left to right over a KV cache: the engine gave other tokens than the uncached reference
+    "causal = false": (("causal = true", "causal = false"), "attention(causal = false) cannot be served: kiln "
+                       "generates left to right over a KV cache, and a cached token cannot attend to tokens that "
+                       "come after it", 12, 41, "drop `causal = false`"),
+    # rope = true in a model without rope ran with no positions at all
+    "rope = true without rope": (("  rope = rope(theta = 10000)\n  layer {\n"
+                                  "    x = x + attention(norm(x), causal = true)",
+                                  "  layer {\n    x = x + attention(norm(x), rope = true)"),
+                                 "attention(rope = true) but the model has no rotary embedding (positions = none)",
+                                 11, 39, "add e.g. `rope = rope(theta = 10000)`"),
+    # rotate-half needs pairs: head_dim 7 passed check and crashed in run
+    "odd head_dim with rope": (("  kv_heads = 2\n", "  kv_heads = 2\n  head_dim = 7\n"),
+                               "rope needs an even head_dim, but head_dim is 7", 7, 3, "head_dim = 8"),
+    "odd derived head_dim with rope": (("dim = 64", "dim = 60"),
+                                       "rope needs an even head_dim, but head_dim is 15 (dim 60 / heads 4)", 3, 3,
+                                       "pick an even head_dim"),
+    # the name is the served model id: an empty one, or one that breaks lines, was accepted
+    "empty model name": (('model "t"', 'model ""'), "the model name is empty", 1, 1, 'model "my-llama"'),
+    "model name with a newline": (('model "t"', 'model "a\\nb"'),
+                                  "the model name 'a\\nb' contains a control character (a newline, tab, ...)", 1, 1,
+                                  "one-line name"),
+    # an unread assignment built dead ops whose weights became required checkpoint tensors
+    "unused variable": (("    x = x + attention", "    h = norm(x)\n    x = x + attention"),
+                        "`h` is assigned but never used", 12, 5, "remove the assignment"),
+    "overwritten before use": (("    x = x + attention(norm(x), causal = true)",
+                                "    h = norm(x)\n    h = norm(x)\n    x = x + attention(h, causal = true)"),
+                               "`h` is assigned but never used", 12, 5, "remove the assignment"),
 }
 
 

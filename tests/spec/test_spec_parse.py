@@ -135,11 +135,11 @@ def test_sites_in_evaluation_order_innermost_first():
 
 def test_defaults_and_explicit_head_dim():
     text = HEADER.replace("dim = 8", "dim = 8 head_dim = 3 kv_heads = 1") + \
-        "layer { x = x + attention(x, causal = false, bias = true, out_bias = false, rope = false) } }"
+        "layer { x = x + attention(x, causal = true, bias = true, out_bias = false, rope = false) } }"
     m = parse_and_resolve(text).model
     assert (m.head_dim, m.kv_heads, m.ffn, m.positions) == (3, 1, 8, "none")
     assert not m.tie_embeddings and m.final_norm
-    assert m.body[0].value.right == AttentionCall(Var("x"), "attn0", causal=False, qkv_bias=True, out_bias=False,
+    assert m.body[0].value.right == AttentionCall(Var("x"), "attn0", causal=True, qkv_bias=True, out_bias=False,
                                                   rope=False)
     assert parse_and_resolve(text.replace("ffn = 8", "")).model.ffn == 0  # no mlp(): ffn is not needed
 

@@ -1,0 +1,133 @@
+"""Regressions from a user tester's report: commands that failed, or accepted what a later command refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.cli.commands import main
+
+TINY = """\
+model "t" {
+  vocab = 256 dim = 64 layers = 2 heads = 4 kv_heads = 2 ffn = 128 context = 64
+  norm = rms(eps = 1e-5)
+  rope = rope(theta = 10000)
+  layer {
+    x = x + attention(norm(x))
+    x = x + mlp(norm(x), act = swiglu)
+  }
+}
+"""
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_compile_builds_gptq_specs_and_flags(capsys, tmp_path):
+    # GPTQ's graph is RTN's: compile on meta tensors used to fail asking for real weights
+    spec = tmp_path / "g.kiln"
+    spec.write_text(TINY + "compile { quantize = int4(group = 32, method = gptq) }\n")
+    code, _, err = run_cli(capsys, "compile", str(spec))
+    assert code == 0, err
+    assert "quantize (int4-gptq-g32)" in err and "GPTQ calibrates when weights load" in err
+    code, _, err = run_cli(capsys, "compile", "tiny-llama", "--quantize", "int4-gptq-g32")
+    assert code == 0, err
+    assert "quantize (int4-gptq-g32)" in err
+
+
+def _check(capsys, tmp_path, text: str) -> tuple[int, str]:
+    spec = tmp_path / "s.kiln"
+    spec.write_text(text)
+    code, _, err = run_cli(capsys, "check", str(spec))
+    return code, err
+
+
+def test_check_refuses_an_explicit_group_that_does_not_divide_k(capsys, tmp_path):
+    code, err = _check(capsys, tmp_path, TINY + "compile {\n  quantize = int4(group = 128)\n}\n")
+    assert code == 2
+    assert "s.kiln:11:27: error: int4 group 128 does not divide layers.0.attn0.q.weight's K = 64" in err
+    assert "use group = 64" in err
+    assert _check(capsys, tmp_path, TINY + "compile { quantize = int4 }\n")[0] == 0  # no group: one that fits
+
+
+def test_check_refuses_a_missing_calibration_file_from_the_spec_folder(capsys, tmp_path):
+    text = TINY + 'compile {\n  quantize = int4(method = gptq, calibration = "calib.txt")\n}\n'
+    code, err = _check(capsys, tmp_path, text)
+    assert code == 2 and f"s.kiln:11:48: error: calibration file {tmp_path / 'calib.txt'} does not exist" in err
+    (tmp_path / "calib.txt").write_text("some text")
+    assert _check(capsys, tmp_path, text)[0] == 0
+
+
+def test_check_refuses_speculation_with_a_routed_model(capsys, tmp_path):
+    routed = TINY.replace("layers = 2", "layers = 4").replace("  rope =", "  route = mod(capacity = 0.5)\n  rope =")
+    assert _check(capsys, tmp_path, routed)[0] == 0
+    code, err = _check(capsys, tmp_path, routed + "compile {\n  speculation = ngram(n = 2, k = 2)\n}\n")
+    assert code == 2 and "s.kiln:12:3: error: speculation with a Mixture-of-Depths model" in err
+
+
+def test_check_says_a_model_without_attention_cannot_be_served(capsys, tmp_path):
+    code, err = _check(capsys, tmp_path, TINY.replace("    x = x + attention(norm(x))\n", ""))
+    assert code == 2 and "s.kiln:1:1: error: model `t` has no attention" in err and "cannot serve it" in err
+
+
+def test_emit_replaces_an_earlier_emit_and_keeps_other_files(capsys, tmp_path):
+    out = tmp_path / "emit"
+    assert run_cli(capsys, "compile", "tiny-gpt2", "--emit", str(out))[0] == 0
+    (out / "notes.txt").write_text("mine")
+    gpt2 = {p.relative_to(out) for p in out.rglob("*") if p.is_file()}
+    assert run_cli(capsys, "compile", "tiny-llama", "--emit", str(out))[0] == 0
+    llama = {p.relative_to(out) for p in out.rglob("*") if p.is_file()}
+    code, _, _ = run_cli(capsys, "compile", "tiny-llama", "--emit", str(tmp_path / "fresh"))
+    fresh = {p.relative_to(tmp_path / "fresh") for p in (tmp_path / "fresh").rglob("*") if p.is_file()}
+    assert llama == fresh | {Path("notes.txt")} and gpt2 != llama  # gpt2's kernels and graphs are gone
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_emit_refuses_a_directory_whose_graphs_kiln_did_not_write(capsys, tmp_path):
+    (tmp_path / "graphs").mkdir()
+    (tmp_path / "graphs" / "mine.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "compile", "tiny-llama", "--emit", str(tmp_path))
+    assert code == 2 and "holds graphs/ that an earlier `kiln compile --emit` did not write" in err
+    assert (tmp_path / "graphs" / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", ",1"])
+def test_prompt_ids_with_an_empty_item_are_refused(capsys, ids):
+    with pytest.raises(SystemExit) as info:  # argparse refuses the flag's value: exit 2
+        main(["run", "--prompt-ids", ids, "--max-tokens", "1"])
+    assert info.value.code == 2 and "has an empty item between commas" in capsys.readouterr().err
+
+
+def test_fmt_speaks_like_check_about_directories_and_bundled_names(capsys, tmp_path):
+    (tmp_path / "d.kiln").mkdir()
+    for cmd in ("fmt", "check"):
+        code, _, err = run_cli(capsys, cmd, str(tmp_path / "d.kiln"))
+        assert code == 2 and "is a directory, not a spec file" in err, (cmd, err)
+    code, out, _ = run_cli(capsys, "fmt", "tiny-llama")
+    assert code == 0 and 'model "tiny-llama"' in out
+    assert run_cli(capsys, "fmt", "--check", "tiny-llama")[0] == 0
+    code, _, err = run_cli(capsys, "fmt", "--write", "tiny-llama")
+    assert code == 2 and "is a bundled spec" in err
+    code, _, err = run_cli(capsys, "fmt", "no-such-spec")
+    assert code == 2 and "no such spec file or bundled spec" in err
+
+
+def test_import_of_a_file_asks_for_its_directory(capsys, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    code, _, err = run_cli(capsys, "import", str(tmp_path / "model.safetensors"))
+    assert code == 2 and "is a file; give the checkpoint directory that holds it" in err and str(tmp_path) in err
+
+
+def test_load_errors_read_right_from_the_python_api(tmp_path):
+    # they named only CLI flags (`--dtype 'fp64' is not supported`), which LLM(...) users never typed
+    from kiln.build import load_model
+    from kiln.errors import KilnError
+
+    with pytest.raises(KilnError, match=r"^dtype 'fp64' \(--dtype\) is not supported"):
+        load_model("tiny-llama", dtype="fp64", device="cpu")
+    with pytest.raises(KilnError, match=r"^weights .*nope \(--weights\): does not exist"):
+        load_model("tiny-llama", weights=tmp_path / "nope", device="cpu")

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(target, "verify", None) is None:
         target.verify = reference_verify
     draft = compile_step(draft_gm, cfg_draft, m.compile, device=m.device)
-    max_len = 512
+    max_len = min(512, m.model.context)  # the copying prompts and their outputs fit in 512 tokens
     drafters = {
         "none": lambda: None,
         "ngram": lambda: NgramDrafter(n=args.ngram, k=args.k),

@@ -24,7 +24,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import gc
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import load_model, say
+    from kiln.build import load_model, quantize_label, say
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.run_info import run_metadata
@@ -51,7 +51,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         "output_tokens": sum(r.output_len for r in trace)},
               "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype,
-                         "kv_cache_dtype": args.kv_cache_dtype}}
+                         "kv_cache_dtype": args.kv_cache_dtype, "quantize": quantize_label(m.compile)}}
     step = step_model(args, m)  # compiled once; each policy gets its own engine and KV pool over it
     plan = getattr(args, "draft_plan", None)
     result["config"]["speculation"] = describe(plan.config) if plan is not None else "off"
@@ -112,15 +112,15 @@ def _write_profile(prof, path: str, top: int = 40) -> str:
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.cli.quality import DEFAULT_SCHEMES, bench_quality_main
+    from kiln.cli.quality import bench_quality_main
 
     check_input_file("--eval-text", args.eval_text)
     check_input_file("--calibration", args.calibration)
-    schemes = [s for s in args.schemes.split(",") if s] if args.schemes else list(DEFAULT_SCHEMES)
+    schemes = [s for s in args.schemes.split(",") if s] if args.schemes else None  # None: the adapted defaults
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.quant.formats import parse_scheme
 
-    for s in schemes:  # checked before the model loads, naming this flag
+    for s in schemes or ():  # checked before the model loads, naming this flag
         try:
             parse_scheme(s)
         except KilnError:
@@ -160,7 +160,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                          "against the unquantized model, over the same evaluation tokens.")
     qb.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
     qb.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
-    qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,int4-gptq-g128)")
+    qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,"
+                    "int4-gptq-g128, whose group becomes the largest that divides every K when 128 does not)")
     qb.add_argument("--positions", type=positive_int, default=256, help="evaluated positions (default 256)")
     qb.add_argument("--eval-text", metavar="FILE", help="text to evaluate on (default: seeded random tokens)")
     qb.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")

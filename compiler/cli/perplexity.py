@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from kiln.cli.text_input import read_text_file
 from kiln.errors import KilnError
 from kiln.gguf.files import bundled_weights
 from kiln.run_info import run_metadata
@@ -29,6 +30,31 @@ DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4-rtn-g32", "int4-rtn-g128", "in
 _DTYPES = ("fp32", "bf16", "fp16")
 _KV_VARIANTS = {"kv-int8": "int8", "kv-auto": "auto"}
 KV_CHUNK = 128  # prefill chunk of the kv-* variants: a 512-token window is scored in 4 steps, 3 over the cache
+DEFAULT_WINDOW = 512  # tokens per window, or the model's context when that is shorter
+
+
+def check_full_precision(weights, command: str) -> None:
+    """A KilnError when `weights` is a `kiln quantize` output: `command` measures against (or trains on) the
+    unquantized weights, which such a checkpoint no longer has, so every figure would be false."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.compile.quantized import is_quantized_checkpoint, stored_scheme
+
+    if weights is not None and not str(weights).endswith(".gguf") and is_quantized_checkpoint(weights):
+        raise KilnError(f"--weights {weights}: is a `kiln quantize` output ({stored_scheme(weights).label}); "
+                        f"{command} needs full-precision weights: give the original checkpoint")
+
+
+def fit_window(window: int | None, context: int, flag: str, default: int) -> tuple[int, str | None]:
+    """(tokens per window, a note or None): `default` capped to the model's context (with a note), or the given
+    window, which must be 2 .. context (a learned-position model has no position past it; a rope model's would be
+    extrapolated, not measured)."""
+    if window is None:
+        if default <= context:
+            return default, None
+        return context, f"{flag} defaults to {default} tokens; using {context}, the model's context"
+    if not 2 <= window <= context:
+        raise KilnError(f"{flag} {window}: give 2 to {context} tokens (the model's context is {context})")
+    return window, None
 
 
 def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, int]:
@@ -80,12 +106,14 @@ def step_window_nll(step, ids: list[int], window: int, chunk: int = KV_CHUNK) ->
     return total, count
 
 
-def plan_variants(variants: list[str] | None, cfg, weights=None) -> tuple[list[str], list[str]]:
+def plan_variants(variants: list[str] | None, cfg, weights=None,
+                  defaults: tuple[str, ...] | None = None) -> tuple[list[str], list[str]]:
     """(the variants to run, notes) checked against the model's shapes before anything slow runs.
 
-    variants=None means DEFAULT_VARIANTS: one that cannot apply to this model (an int4 group that does not divide
-    every K) runs with the largest group that does instead, or is skipped when that one is already listed or none
-    fits; either way a note says so. A variant named explicitly that cannot apply is a KilnError.
+    variants=None means `defaults` (None: DEFAULT_VARIANTS, read at call time): one that cannot apply to this
+    model (an int4 group that does not divide every K) runs with the largest group that does instead, or is skipped
+    when that one is already listed or none fits; either way a note says so. A variant named explicitly that cannot
+    apply is a KilnError.
     """
     # lazy: kiln.quant.formats loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.quant.formats import parse_scheme
@@ -93,7 +121,7 @@ def plan_variants(variants: list[str] | None, cfg, weights=None) -> tuple[list[s
 
     explicit = variants is not None
     gguf = weights is not None and str(weights).endswith(".gguf")
-    names = list(variants if explicit else DEFAULT_VARIANTS)
+    names = list(variants if explicit else defaults if defaults is not None else DEFAULT_VARIANTS)
     out: list[str] = []
     notes: list[str] = []
     for v in names:
@@ -152,14 +180,15 @@ def _variant_model(spec, weights, variant: str, device: str, calibration: str | 
     return m
 
 
-def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str] | None = None, window: int = 512,
-                   max_tokens: int | None = None, device: str = "auto", calibration: str | None = None,
-                   progress=None, result: dict | None = None) -> dict:
+def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str] | None = None,
+                   window: int | None = None, max_tokens: int | None = None, device: str = "auto",
+                   calibration: str | None = None, progress=None, result: dict | None = None) -> dict:
     """Perplexity of every variant on the text; the result dict that `kiln bench perplexity` prints / writes.
 
     variants: None for DEFAULT_VARIANTS (see plan_variants: those that cannot apply are adapted or skipped, with a
-    note in result["notes"]). result: a dict to fill in place, so that a caller keeps the finished variants when a
-    later one fails."""
+    note in result["notes"]). window: None for DEFAULT_WINDOW capped to the model's context (a longer one is a
+    KilnError). max_tokens: None scores the whole text. result: a dict to fill in place, so that a caller keeps the
+    finished variants when a later one fails."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import describe_model
 
@@ -167,15 +196,24 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str] 
     path = Path(text_path)
     if not path.is_file():
         raise KilnError(f"--text {path}: no such file; give a UTF-8 text file (e.g. bench/data/*.txt)")
-    if window < 2:
-        raise KilnError(f"--window {window}: give at least 2 tokens")
-    variants, notes = plan_variants(variants, describe_model(spec, weights), weights)  # before any slow work
+    if max_tokens is not None and max_tokens < 2:
+        raise KilnError(f"--max-tokens {max_tokens}: give at least 2 tokens (leave it out to score the whole text)")
+    check_full_precision(weights, "bench perplexity")
+    cfg = describe_model(spec, weights)
+    window, window_note = fit_window(window, cfg.context, "--window", DEFAULT_WINDOW)
+    variants, notes = plan_variants(variants, cfg, weights)  # before any slow work
+    notes = [window_note, *notes] if window_note else notes
+    if calibration is not None:
+        read_text_file("--calibration", str(calibration))  # not UTF-8: fail now, not after the other variants
+        if not any(v.startswith("int4-gptq") for v in variants):
+            notes.append("--calibration is not used: no GPTQ variant runs")
     for note in notes:
         if progress:
             progress(f"note: {note}")
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file("--text", str(path))
     result = {} if result is None else result
-    result.update({"spec": str(spec), "weights": str(weights), "text": str(path), "text_bytes": len(text.encode()),
+    result.update({"spec": str(spec), "weights": None if weights is None else str(weights), "text": str(path),
+                   "text_bytes": len(text.encode()),
                    "window": window, "calibration": str(calibration) if calibration else "seeded random tokens",
                    "variants": {}, **({"notes": notes} if notes else {})})
     ids: list[int] | None = None
@@ -184,7 +222,10 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str] 
         t0 = time.perf_counter()
         m = _variant_model(spec, weights, variant, device, calibration)
         if ids is None:
-            ids = m.tokenizer.encode(text)[: max_tokens or None]
+            ids = m.tokenizer.encode(text)[:max_tokens]
+            if len(ids) < 2:
+                raise KilnError(f"--text {path}: {len(ids)} token(s); perplexity needs at least 2: give a longer "
+                                "text")
             result["tokens"] = len(ids)
         if variant in _KV_VARIANTS:
             # lazy: the compiler and runtime, which `kiln --help` (it imports this module for the parser) never needs
@@ -265,12 +306,14 @@ def add_parser(bsub) -> None:
                         description="Perplexity of a model on a text file, for the dense model in fp32 / bf16, "
                         "kiln's quantization schemes and a GGUF's own quantized tensors (variant gguf).")
     p.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    p.add_argument("--weights", metavar="W", help="a Hugging Face checkpoint dir or a .gguf file")
+    p.add_argument("--weights", metavar="W", help="a Hugging Face checkpoint dir or a .gguf file (full precision or "
+                   "GGUF-quantized; not a `kiln quantize` output)")
     p.add_argument("--text", metavar="FILE", required=True, help="UTF-8 text to score (e.g. bench/data/*.txt)")
     p.add_argument("--variants", metavar="A,B", help=f"default: {','.join(DEFAULT_VARIANTS)} (add gguf for a GGUF; "
                    "kv-int8 / kv-auto: the cached step model with an int8 / model-dtype KV cache)")
-    p.add_argument("--window", type=int, default=512, help="tokens per scored window (default 512)")
-    p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text")
+    p.add_argument("--window", type=int, help=f"tokens per scored window, at most the model's context (default "
+                   f"{DEFAULT_WINDOW}, or the context when shorter)")
+    p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text, N >= 2 (default: all)")
     p.add_argument("--calibration", metavar="FILE", help="GPTQ calibration text (default: seeded random tokens)")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

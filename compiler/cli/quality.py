@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -171,7 +170,7 @@ def bench_quality_main(
     spec: str | None = None,
     weights: str | None = None,
     *,
-    schemes: Sequence[str] = DEFAULT_SCHEMES,
+    schemes: Sequence[str] | None = None,
     positions: int = 256,
     seq_len: int | None = None,
     eval_text: str | None = None,
@@ -184,17 +183,37 @@ def bench_quality_main(
     """`kiln bench quality`: load the model (spec and/or HF checkpoint dir, as `kiln run`), report every
     scheme, print the table (or JSON with json=True) to `out` (default stdout) and return the report.
 
-    calibration: a text file for the GPTQ schemes (default: seeded random tokens); eval_text: a text file
-    to evaluate on (default: seeded random tokens).
+    schemes: None (or exactly DEFAULT_SCHEMES) for the defaults, each adapted to the model's shapes as `bench
+    perplexity` adapts its defaults (an int4 group that does not divide every K takes the largest that does, with a
+    note); schemes named otherwise that cannot apply are error rows. calibration: a text file for the GPTQ schemes
+    (default: seeded random tokens); eval_text: a text file to evaluate on (default: seeded random tokens).
     """
     from dataclasses import replace
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import load_model, say
+    from kiln.build import describe_model, load_model, say
+    from kiln.cli.perplexity import check_full_precision, plan_variants
+    from kiln.cli.text_input import read_text_file
+    from kiln.gguf.files import bundled_weights
+    from kiln.run_info import run_metadata
 
-    loaded = load_model(spec, weights, dtype=dtype, device=device)
-    seq = seq_len or min(128, loaded.model.context, positions)
-    text = Path(eval_text).read_text(encoding="utf-8") if eval_text else None
+    check_full_precision(weights, "bench quality")  # its baseline must be the unquantized model
+    cfg = describe_model(spec, weights)
+    seq = seq_len or min(128, cfg.context, positions)
+    if positions % seq:
+        raise KilnError(f"--positions {positions}: evaluated in rows of {seq} tokens (128 or the model's context, "
+                        f"whichever is less); give at most {seq} or a multiple of {seq}")
+    if schemes is None or list(schemes) == list(DEFAULT_SCHEMES):
+        schemes, notes = plan_variants(None, cfg, defaults=DEFAULT_SCHEMES)
+        for note in notes:
+            say(f"note: {note}")
+    text = read_text_file("--eval-text", eval_text) if eval_text else None
+    if calibration is not None:
+        read_text_file("--calibration", calibration)  # not UTF-8: fail before the model loads
+    source = weights if weights is not None else bundled_weights(spec)
+    # A GGUF's Q4 / Q8 linears are dequantized (not kept, as on CUDA): the baseline is the unquantized model.
+    gguf = source is not None and str(source).endswith(".gguf")
+    loaded = load_model(spec, weights, dtype=dtype, device=device, quantize="none" if gguf else None)
     ids = eval_ids(loaded.model.vocab, positions, seq, text=text, tokenizer=loaded.tokenizer if text else None)
     chosen = []
     for s in schemes:  # a scheme without a group gets the one that fits this model
@@ -205,7 +224,7 @@ def bench_quality_main(
     if calibration is not None:
         chosen = [replace(s, calibration=calibration) if s.method == "gptq" else s for s in chosen]
     report = quality_report(loaded.gm, chosen, ids=ids, tokenizer=loaded.tokenizer, progress=say)
-    report = {"model": loaded.model.name, **report}
+    report = {"model": loaded.model.name, **report, **run_metadata(loaded.device)}
     stream = out if out is not None else sys.stdout
     print(jsonlib.dumps(report, indent=2) if json else format_quality(report), file=stream)
     return report

@@ -8,7 +8,14 @@ import shutil
 import time
 from pathlib import Path
 
-from kiln.cli.common import QUANTIZE_HELP, check_input_file, check_output_dir, dtype_flag, staged_dir
+from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, staged_dir
+from kiln.cli.text_input import read_text_file
+from kiln.errors import UsageError
+
+# What kiln.tokenizer / kiln.chat_template read from a checkpoint: they travel with the weights, so that
+# `kiln run --weights OUT` decodes text and chats as the source does.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "generation_config.json")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -19,17 +26,27 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from kiln.compile.pipeline import quantize_graph
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.compile.quantized import save_quantized
+    from kiln.compile.quantized import is_quantized_checkpoint, save_quantized
+    from kiln.gguf.files import bundled_weights, is_gguf
     from kiln.quant.formats import parse_scheme
     from kiln.quant.sizing import resolve_group
 
-    out = check_output_dir("-o", args.output)
-    check_input_file("--calibration", args.calibration)
+    if args.weights and is_quantized_checkpoint(args.weights):
+        raise UsageError(f"--weights {args.weights}: is already a `kiln quantize` output, whose weights cannot be "
+                         f"quantized again; quantize the original checkpoint instead (--quantize {args.quantize})")
+    out = check_quantize_output(args.output, args.weights)
     scheme = parse_scheme(args.quantize)
     if args.calibration:
-        scheme = dataclasses.replace(scheme, calibration=args.calibration)
+        read_text_file("--calibration", args.calibration)  # missing or not UTF-8: fail before the model loads
+        if scheme.method == "gptq":
+            scheme = dataclasses.replace(scheme, calibration=args.calibration)
+        else:  # not recorded in quantization.json either: it did not shape these weights
+            say(f"note: --calibration is not used: {args.quantize} rounds each weight on its own (only GPTQ "
+                "calibrates)")
     t0 = time.perf_counter()
-    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device)
+    # A GGUF's Q4 / Q8 linears are dequantized first (not kept, as on CUDA), so every linear takes this scheme.
+    gguf = is_gguf(args.weights if args.weights else bundled_weights(args.spec))
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, quantize="none" if gguf else None)
     scheme, note = resolve_group(scheme, m.model)  # a scheme without a group gets the one that fits this model
     if note:
         say(f"note: {note}")
@@ -37,12 +54,45 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
     with staged_dir("-o", out) as stage:
         save_quantized(gm, stage, m.model)
-        if args.weights:  # the tokenizer travels with the weights, so `kiln run --weights OUT` decodes text
-            for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-                if (Path(args.weights) / name).is_file():
-                    shutil.copy(Path(args.weights) / name, stage / name)
+        save_tokenizer(m.tokenizer, args.weights, stage)
+        written = {p.name for p in stage.iterdir()}
+    for name in TOKENIZER_FILES:  # a previous output's tokenizer files that this model lacks must not linger
+        if name not in written and (out / name).is_file():
+            (out / name).unlink()
     say(f"wrote {out} in {time.perf_counter() - t0:.1f}s; run it with `kiln run --weights {out}`")
     return 0
+
+
+def check_quantize_output(output: str, weights: str | None) -> Path:
+    """-o checked before any work: a writable directory that is new, empty or a previous `kiln quantize` output
+    (replaced), never the source checkpoint nor a directory holding other files."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.compile.quantized import is_quantized_checkpoint
+
+    if not output.strip():
+        raise UsageError("-o '': give the directory to write the checkpoint to, e.g. -o model-int8")
+    out = check_output_dir("-o", output)
+    if weights and out.resolve() == Path(weights).resolve():
+        raise UsageError(f"-o {output}: is the source checkpoint (--weights {weights}); writing there would replace "
+                         "its weights: choose a new directory")
+    if out.is_dir() and any(out.iterdir()) and not is_quantized_checkpoint(out):
+        raise UsageError(f"-o {output}: is a directory holding other files (not a `kiln quantize` output, which "
+                         "would be replaced); choose a new or empty directory")
+    return out
+
+
+def save_tokenizer(tokenizer: object, weights: str | None, out: Path) -> None:
+    """Write the source's tokenizer and chat template into the checkpoint `out`: a checkpoint directory's files
+    copied, a GGUF's tokenizer written as those files (kiln.tokenizer reads both back the same way)."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.gguf.tokenizer import GGUFTokenizer
+
+    if isinstance(tokenizer, GGUFTokenizer):
+        tokenizer.save_checkpoint_files(out)
+    elif weights and Path(weights).is_dir():
+        for name in TOKENIZER_FILES:
+            if (Path(weights) / name).is_file():
+                shutil.copy(Path(weights) / name, out / name)
 
 
 def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,10 +101,12 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
                         "`kiln run --weights OUT` and the Python API load without calibrating again.")
     qz.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name (default: from "
                     "--weights, else tiny-llama)")
-    qz.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    qz.add_argument("--weights", metavar="PATH", help="a Hugging Face checkpoint dir or a .gguf file, in full "
+                    "precision or GGUF-quantized (default: the spec's bundled or seeded random weights)")
     qz.add_argument("--quantize", metavar="SCHEME", required=True, help=QUANTIZE_HELP)
     qz.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
-    qz.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="where to write the checkpoint")
+    qz.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="where to write the checkpoint: a new "
+                    "or empty directory, or a previous `kiln quantize` output (replaced)")
     qz.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(qz)
     qz.set_defaults(func=cmd_quantize)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from pathlib import Path
 
-from kiln.cli.common import check_input_file, check_output_file
+from kiln.cli.common import check_output_file
+from kiln.cli.text_input import read_text_file
+from kiln.errors import UsageError
+
+DEFAULT_SEQ_LEN = 256  # tokens per window, or the model's context when that is shorter
 
 
 def _capacity(text: str) -> float:
@@ -20,26 +23,67 @@ def _capacity(text: str) -> float:
     return c
 
 
+def _at_least(lo: int):
+    """argparse type of a count flag: a whole number >= lo."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        lr = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < lr < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number (e.g. 3e-3), got {text}")
+    return lr
+
+
 def cmd_train_router(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import load_model, say
-    from kiln.cli.perplexity import window_nll
+    from kiln.build import describe_model, load_model, say
+    from kiln.cli.perplexity import check_full_precision, fit_window, window_nll
     from kiln.ir.frontend import build_graph
     from kiln.train.flops import flops_per_token
     from kiln.train.router_files import save_routers
     from kiln.train.routers import RouterTraining, distil
 
-    check_input_file("--text", args.text)
-    check_input_file("--eval-text", args.eval_text)
+    # Every input is checked before the model loads, so nothing fails after the routers file is written.
+    text = read_text_file("--text", args.text)
+    eval_text = read_text_file("--eval-text", args.eval_text) if args.eval_text else None
     out = check_output_file("-o", args.output)
+    check_full_precision(args.weights, "train-router")  # it distils from the dense model's own weights
+    cfg = describe_model(args.spec, args.weights)
+    if args.every > cfg.layers:
+        raise UsageError(f"--every {args.every}: routes layers i with (i + 1) % every == 0, none of {cfg.name}'s "
+                         f"{cfg.layers}; give 1 to {cfg.layers}")
+    seq_len, note = fit_window(args.seq_len, cfg.context, "--seq-len", DEFAULT_SEQ_LEN)
+    if note:
+        say(f"note: {note}")
     opts = RouterTraining(capacity=args.capacity, every=args.every, decide=args.decide, hidden=args.hidden,
-                          steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                          steps=args.steps, batch=args.batch, seq_len=seq_len, lr=args.lr, seed=args.seed,
                           init=args.init, calib_windows=args.calib_windows)
     opts.mod()  # bad settings fail before the model loads
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype="fp32", device=args.device)  # a GGUF is dequantized off CUDA
     weights = {n: p.detach() for n, p in m.gm.named_parameters()}
-    ids = m.tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
+    ids = m.tokenizer.encode(text)
+    if len(ids) < seq_len + 1:
+        raise UsageError(f"--text {args.text}: {len(ids)} tokens; training needs at least --seq-len + 1 = "
+                         f"{seq_len + 1}: give a longer text or a smaller --seq-len")
+    eval_ids = m.tokenizer.encode(eval_text)[: args.eval_tokens] if eval_text is not None else None
+    if eval_ids is not None and len(eval_ids) < 2:
+        raise UsageError(f"--eval-text {args.eval_text}: {len(eval_ids)} token(s); perplexity needs at least 2: give "
+                         "a longer text")
     say(f"distilling routers into {m.model.name} (capacity {args.capacity}, every {args.every}, decide "
         f"{args.decide}) on {len(ids)} tokens of {args.text}")
     res = distil(m.model, weights, ids, opts)
@@ -47,9 +91,8 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     fractions = ", ".join(f"layer {i}: {f:.2f}" for i, f in res.routed_fraction.items())
     say(f"wrote {out} in {time.perf_counter() - t0:.0f}s; tokens routed on the training text (causal form): "
         f"{fractions}")
-    if args.eval_text:
-        eval_ids = m.tokenizer.encode(Path(args.eval_text).read_text(encoding="utf-8"))[: args.eval_tokens]
-        window = min(args.seq_len, m.model.context)
+    if eval_ids is not None:
+        window = seq_len
         for name, cfg, gm in (("dense", m.model, m.gm),
                               ("routed", res.cfg, build_graph(res.cfg, {**weights, **res.tensors}))):
             nll, n = window_nll(gm, eval_ids, window)
@@ -65,27 +108,30 @@ def add_train_router_parser(sub: argparse._SubParsersAction) -> None:
                        "distillation from the dense model on a text; every other weight stays frozen. Writes the "
                        "router tensors to a safetensors file whose metadata records the routing.")
     p.add_argument("spec", metavar="SPEC", nargs="?", help="a dense .kiln file or bundled spec name")
-    p.add_argument("--weights", metavar="PATH", help="its checkpoint (dir or .gguf; default: the spec's bundled or "
-                   "seeded random weights)")
+    p.add_argument("--weights", metavar="PATH", help="its checkpoint (dir or .gguf, not a `kiln quantize` output; "
+                   "default: the spec's bundled or seeded random weights)")
     p.add_argument("--text", metavar="FILE", required=True, help="training text (UTF-8)")
     p.add_argument("--eval-text", metavar="FILE", help="held-out text: report dense and routed perplexity on it")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="tokens of --eval-text scored (default 4096)")
+    p.add_argument("--eval-tokens", type=_at_least(2), default=4096,
+                   help="tokens of --eval-text scored (default 4096)")
     p.add_argument("--capacity", type=_capacity, required=True, help="fraction of tokens a routed layer takes")
-    p.add_argument("--every", type=int, default=2, help="route layers i with (i + 1) %% every == 0 (default 2)")
+    p.add_argument("--every", type=_at_least(1), default=2,
+                   help="route layers i with (i + 1) %% every == 0 (default 2)")
     p.add_argument("--decide", choices=("threshold", "predictor"), default="threshold",
                    help="how generation decides per token (default threshold)")
-    p.add_argument("--hidden", type=int, default=128, help="predictor width (decide = predictor)")
+    p.add_argument("--hidden", type=_at_least(1), default=128, help="predictor width (decide = predictor)")
     p.add_argument("--init", choices=("auto", "fit", "flat"), default="auto",
                    help="how the routers start: fit (to the tokens the dense model attends to most), flat (every "
                    "score 1), auto (default: fit below capacity 1)")
-    p.add_argument("--calib-windows", type=int, default=32,
+    p.add_argument("--calib-windows", type=_at_least(1), default=32,
                    help="windows of --seq-len tokens for the fit and the thresholds (default 32)")
-    p.add_argument("--steps", type=int, default=0,
+    p.add_argument("--steps", type=_at_least(0), default=0,
                    help="KL-distillation steps after the start (default 0: the fit alone; see README, MoD figures)")
-    p.add_argument("--batch", type=int, default=4, help="windows per step (default 4)")
-    p.add_argument("--seq-len", type=int, default=256,
-                   help="tokens per window (default 256; fit and score on the context length you serve)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=_at_least(1), default=4, help="windows per step (default 4)")
+    p.add_argument("--seq-len", type=int,
+                   help=f"tokens per window, 2 to the model's context (default {DEFAULT_SEQ_LEN}, or the context when "
+                   "shorter; fit and score on the context length you serve)")
+    p.add_argument("--lr", type=_learning_rate, default=3e-3, help="learning rate of the distillation steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("-o", "--output", metavar="FILE", required=True, help="routers file to write (.safetensors)")

@@ -140,7 +140,11 @@ def load_quantized(
     if cfg is None:
 
         cfg = load_spec(src / SPEC).model
-    tensors = load_file(str(src / TENSORS), device=str(device))
+    try:
+        tensors = load_file(str(src / TENSORS), device=str(device))
+    except Exception as e:  # safetensors raises its own error type (and OSError) on a cut or corrupt file
+        raise WeightError(f"{src / TENSORS}: not a readable safetensors file ({type(e).__name__}: {e}); the file "
+                          "is corrupt or truncated: run kiln quantize again") from None
     if meta["version"] == 1:  # int4 codes paired by neighbouring k: the same codes in today's block order
         for e in meta.get("weights", {}).values():
             if isinstance(e, dict) and e.get("bits") == 4 and e.get("qweight") in tensors:

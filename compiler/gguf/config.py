@@ -38,8 +38,11 @@ def open_gguf(path: str | os.PathLike) -> Any:
     Readers are cached per (path, size, mtime): parsing the metadata of a 49k-token vocabulary takes seconds.
     """
     path = Path(path)
+    if path.is_dir():  # a name ending in .gguf is not enough: say what it is (commands take these paths by flag or not)
+        raise GGUFError(f"{path}: is a directory, not a GGUF file; give the .gguf file itself (or, for a Hugging Face "
+                        "checkpoint directory, a name not ending in .gguf)")
     if not path.is_file():
-        raise GGUFError(f"{path}: no such GGUF file; check the path given to --weights")
+        raise GGUFError(f"{path}: no such GGUF file; check the path")
     st = path.stat()
     return _open(str(path.resolve()), st.st_size, st.st_mtime_ns)
 
@@ -87,8 +90,8 @@ def _open(name: str, size: int, mtime_ns: int) -> Any:
     with path.open("rb") as f:
         head = f.read(4)
     if head != MAGIC:
-        raise GGUFError(f"{path}: not a GGUF file (starts with {head!r}, expected {MAGIC!r}); "
-                        "--weights takes a .gguf file or a Hugging Face checkpoint directory")
+        raise GGUFError(f"{path}: not a GGUF file (starts with {head!r}, expected {MAGIC!r}); the file is damaged or "
+                        "of another format: give a .gguf file (or a Hugging Face checkpoint directory for weights)")
     try:
         reader = _read(path)
     except ValueError as e:  # the reader's error for an unknown tensor type or a bad header value

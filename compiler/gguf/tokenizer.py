@@ -11,8 +11,10 @@ decoding skips special tokens and encoding adds BOS / EOS where the file asks fo
 
 from __future__ import annotations
 
+import json
 import os
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from kiln.chat_template import ChatTemplate
@@ -83,6 +85,31 @@ class GGUFTokenizer:
             raise GGUFError(f"{self.path}: the file has no tokenizer.chat_template; write the prompt in the model's "
                             "own format instead")
         return self.chat_template.render(messages, add_generation_prompt)
+
+    def save_checkpoint_files(self, out_dir: str | os.PathLike) -> None:
+        """Write this tokenizer as a Hugging Face checkpoint's files (tokenizer.json, tokenizer_config.json with
+        the chat template, generation_config.json with the EOS ids), which kiln.tokenizer.load_tokenizer reads back
+        as the same tokenizer: a `kiln quantize` output of a GGUF needs no GGUF to decode text."""
+        from tokenizers import Tokenizer, processors
+
+        tok = Tokenizer.from_str(self._tok.to_str())  # a copy: the post-processor below is only for the file
+        # HFTokenizer adds what the post-processor adds; the GGUF's add_bos / add_eos say the same as a template.
+        bos = [self._tok.id_to_token(self.bos_id)] if self.add_bos else []
+        eos = [self._tok.id_to_token(self.eos_token_ids[0])] if self.add_eos else []
+        if bos or eos:
+            ids = [*([self.bos_id] if bos else []), *(self.eos_token_ids[:1] if eos else [])]
+            tok.post_processor = processors.TemplateProcessing(
+                single=" ".join([*bos, "$A", *eos]), pair=" ".join([*bos, "$A", *eos, "$B"]),
+                special_tokens=list(zip(bos + eos, ids, strict=True)))
+        out = Path(out_dir)
+        tok.save(str(out / "tokenizer.json"))
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        if self._chat_source:
+            config["chat_template"] = self._chat_source
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.eos_token_ids:
+            (out / "generation_config.json").write_text(
+                json.dumps({"eos_token_id": list(self.eos_token_ids)}, indent=2) + "\n")
 
 
 def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:

@@ -63,6 +63,14 @@ class RouterTraining:
             raise KilnError(f"decide = {self.decide!r}: allowed: threshold or predictor")
         if self.init not in ("auto", "fit", "flat"):
             raise KilnError(f"init = {self.init!r}: allowed: auto, fit or flat")
+        # Checked here, not where they are used: a bad value would fail deep in torch, or only after the fit.
+        for name, lo in (("steps", 0), ("batch", 1), ("seq_len", 2), ("calib_windows", 1), ("predictor_steps", 0)):
+            if getattr(self, name) < lo:
+                raise KilnError(f"{name} = {getattr(self, name)} is out of range; allowed: an integer >= {lo}")
+        if self.decide == "predictor" and self.hidden < 1:
+            raise KilnError(f"hidden = {self.hidden} is out of range; the predictor needs a width >= 1")
+        if not 0 < self.lr < math.inf:
+            raise KilnError(f"lr = {self.lr} is out of range; allowed: a positive number (e.g. 3e-3)")
         return ModConfig(self.capacity, self.every, self.decide, self.hidden if self.decide == "predictor" else 0)
 
 
@@ -133,6 +141,9 @@ def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int
         raise KilnError(f"{cfg.name} is already routed; train routers on its dense form")
     progress = env.progress_bars() if progress is None else progress
     mcfg = dataclasses.replace(cfg, route=opts.mod())
+    if not routed_layers(mcfg):
+        raise KilnError(f"every = {opts.every} routes no layer of {cfg.name} ({cfg.layers} layers, routed: i with "
+                        f"(i + 1) % every == 0); give every from 1 to {cfg.layers}")
     gen = torch.Generator().manual_seed(opts.seed)
     teacher = build_graph(cfg, weights)
     routers = initial_routers(mcfg, opts.seed, opts.init_bias)
@@ -154,7 +165,8 @@ def distil(cfg: ModelConfig, weights: dict[str, torch.Tensor], ids: Sequence[int
     losses = []
     from tqdm import tqdm  # lazy: progress only
 
-    for _ in tqdm(range(opts.steps), desc=f"kiln: routers c={opts.capacity}", file=sys.stderr, disable=not progress):
+    bar = progress and opts.steps > 0  # no empty "0it" bar for the fit alone
+    for _ in tqdm(range(opts.steps), desc=f"kiln: routers c={opts.capacity}", file=sys.stderr, disable=not bar):
         batch = windows(ids, opts.seq_len, opts.batch, gen)
         with torch.no_grad():
             target = teacher(batch, _positions(batch)).float().log_softmax(-1)

@@ -135,3 +135,12 @@ def test_bench_throughput_records_the_drafter_and_its_acceptance(capsys):
     assert result["config"]["speculation"] == "ngram(n = 2, k = 3)"
     spec = result["continuous"]["speculation"]
     assert spec["proposed"] >= spec["accepted"] >= 0 and spec["verify_steps"] > 0
+
+
+def test_bench_throughput_records_the_quantize_scheme(capsys):
+    argv = ["bench", "throughput", "tiny-llama", "--num-requests", "2", "--input-len", "4", "--output-len", "2",
+            "--json", "--num-blocks", "32", "--device", "cpu"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["quantize"] is None
+    assert main([*argv, "--quantize", "int8"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["quantize"] == "int8"

@@ -234,7 +234,8 @@ def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(url, l
     stop = greedy.token_ids[3]
     cut = greedy.token_ids.index(stop) + 1
     for include in (False, True):
-        r = _post(url, "/v1/completions", {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "stop_token_ids": [stop],
+        r = _post(url, "/v1/completions", {"prompt": "Hello", "max_tokens": 6, "temperature": 0,
+                                           "stop_token_ids": [stop],
                                            "return_token_ids": True, "include_stop_str_in_output": include})
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]

@@ -67,15 +67,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     gen, metrics = final.outputs[0], final.metrics
     n = len(gen.token_ids)
     decode_s = metrics.finish_time - metrics.first_token_time
-    timings = {"ttft_s": metrics.ttft_s, "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0}
+    # One token has no decode rate (null in JSON, n/a on stderr), rather than a made-up 0.0.
+    rate = (n - 1) / decode_s if n > 1 and decode_s > 0 else None
+    timings = {"ttft_s": metrics.ttft_s, "decode_tokens_per_s": rate}
     if args.json:
         out = {"token_ids": gen.token_ids, "text": gen.text, "prompt_token_ids": list(prompt_ids),
                "finish_reason": gen.finish_reason, "model": m.model.name, "device": str(m.device), **timings}
         print(json.dumps(out))
     else:
         print()
-    say(f"{n} tokens, time to first token {timings['ttft_s'] * 1e3:.1f} ms, "
-        f"{timings['decode_tokens_per_s']:.1f} tokens/s (paged KV cache engine)")
+    rate_text = f"{rate:.1f} tokens/s" if rate is not None else "no decode rate (one token)"
+    say(f"{n} tokens, time to first token {timings['ttft_s'] * 1e3:.1f} ms, {rate_text} (paged KV cache engine)")
     st = engine.stats
     if st.spec_proposed:  # speculation ran: how much of it paid
         say(f"speculation: {st.spec_accepted} of {st.spec_proposed} draft tokens accepted "

@@ -33,6 +33,12 @@ def test_run_default_spec_json(capsys):
     assert "time to first token" in err and "tokens/s" in err
 
 
+def test_one_token_has_no_decode_rate(capsys):
+    code, out, err = run_cli(capsys, "run", "--prompt", "Hello", "--max-tokens", "1", "--seed", "3", "--json")
+    assert code == 0 and json.loads(out)["decode_tokens_per_s"] is None
+    assert "no decode rate (one token)" in err and "0.0 tokens/s" not in err
+
+
 def test_run_greedy_is_deterministic_and_seeded_sampling_repeats(capsys):
     argv = ["run", "tiny-llama", "--prompt-ids", "1,2,3,4", "--max-tokens", "6", "--json"]
     first = json.loads(run_cli(capsys, *argv, "--temperature", "0")[1])["token_ids"]

@@ -121,10 +121,15 @@ def tune_decode(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
     return best
 
 
-def flash_problem(dtype: torch.dtype, head_dim: int, causal: bool, has_window: bool) -> dict[str, Any]:
-    """The flash_attn tuning problem: what the best tile depends on, TMA loads (KILN_FLASH_TMA) included."""
+def flash_problem(dtype: torch.dtype, head_dim: int, causal: bool, has_window: bool,
+                  capability: tuple[int, int] | None) -> dict[str, Any]:
+    """The flash_attn tuning problem: what the best tile depends on, including whether the kernel loads through
+    TMA descriptors (KILN_FLASH_TMA=1 on sm90+ with a power-of-two head_dim; otherwise it falls back to pointer
+    loads, the paged prefill's kind, and shares its tile)."""
+    tma = (env.flash_tma() and capability is not None and capability >= (9, 0)
+           and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0)
     return {"dtype": _dtype_name(dtype), "head_dim": head_dim, "causal": bool(causal), "window": bool(has_window),
-            "tma": env.flash_tma()}
+            "tma": tma}
 
 
 @functools.cache
@@ -134,7 +139,7 @@ def prefill_tile(device: torch.device, dtype: torch.dtype, head_dim: int, causal
     capability = _capability(device)
     if capability is not None and env.autotune():
         # the paged prefill loads through pointers: the tile flash tuned without TMA fits it
-        problem = {**flash_problem(dtype, head_dim, causal, has_window), "tma": False}
+        problem = {**flash_problem(dtype, head_dim, causal, has_window, capability), "tma": False}
         tuned = autotune.lookup("flash_attn", device, problem, candidate_tiles(head_dim, dtype, capability))
         if tuned is not None:
             return tuned

@@ -156,6 +156,8 @@ def _load_quantized(
     """
 
     loaded = load_spec(spec if spec is not None else weights_dir / SPEC)
+    if spec is not None:  # the stored spec.kiln is what the weights were quantized as
+        check_spec_matches(loaded.model, load_spec(weights_dir / SPEC).model, loaded.path, str(weights_dir / SPEC))
     if quantize is not None:
 
         want, have = resolve_group(parse_scheme(quantize), loaded.model)[0], stored_scheme(weights_dir)
@@ -233,6 +235,7 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
     else:
         loaded = load_spec(spec)
         cfg, comp, source = loaded.model, loaded.compile, loaded.path
+        check_spec_matches(cfg, config_from_gguf(reader, path), source, f"{path}'s metadata")
     if dtype is not None:
         if dtype not in DTYPES:
             raise GGUFError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")

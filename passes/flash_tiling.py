@@ -52,7 +52,7 @@ def tuned_tile(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
     """The fastest candidate tile for flash attention with these parameters on `device` (a tuning device, see
     codegen.autotune.tuning_device): loaded from the tuning cache, or timed now on tuning_shape inputs."""
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    problem = flash_problem(dtype, head_dim, causal, window > 0)
+    problem = flash_problem(dtype, head_dim, causal, window > 0, capability)
     candidates = candidate_tiles(head_dim, dtype, capability)
     found = autotune.lookup("flash_attn", device, problem, candidates)
     if found is not None:
@@ -68,7 +68,7 @@ def tuned_tile(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
         return lambda: flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, tile, out=out)
 
     best = autotune.tune("flash_attn", device, problem, candidates, make_call)
-    prefill_tile.cache_clear()  # the paged prefill reads flash's tuned tile: a later one in this process sees it
+    prefill_tile.cache_clear()  # the paged prefill reads flash's tuned tile (the one tuned without TMA loads)
     return best
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 
@@ -54,6 +55,8 @@ from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, Draft, Model
 from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
 
 __all__ = ["Engine", "EngineStats"]
+
+log = logging.getLogger("kiln.runtime")
 
 
 
@@ -180,6 +183,7 @@ class Engine:
         self.spec_counters = SpecCounters()
         self.spec = None if drafter is None else SpecStep(drafter, self.verify, self.output, self.spec_counters)
         self._ids = itertools.count()
+        self._seed_note = False  # said once that seeded sampling does not speculate
         self.num_steps = 0
         self.num_batched_tokens = 0
 
@@ -241,12 +245,17 @@ class Engine:
         req = Request(rid, text, ids, params, det, make_generator(params.seed, self.model.device), order)
         self.requests[rid] = req
         self.scheduler.add(req)
+        if self.drafter is not None and not self._seed_note and params.speculate is None and params.seed is not None \
+                and not params.greedy:
+            self._seed_note = True  # once per engine: servers see many seeded requests
+            log.warning("seeded sampling requests are not speculated (their tokens would depend on the batch); set "
+                        "SamplingParams(speculate=True) to speculate them anyway")
         return rid
 
     def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams
                       ) -> tuple[list[int], SamplingParams]:
-        """The prompt's ids and the params with max_tokens None made a number (what the context and the KV pool
-        leave after the prompt), or a RequestError."""
+        """The prompt's ids and the params with max_tokens None made a number (what max_model_len leaves after
+        the prompt), or a RequestError."""
         limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
         ids = check_prompt(prompt_token_ids, params.max_tokens, vocab=self.model.vocab, limit=self.max_model_len,
                            limit_name=limit)
@@ -256,9 +265,8 @@ class Engine:
             raise RequestError(f"stop_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
                                f"token ids 0 .. {vocab - 1}")
         bm = self.block_manager
-        if params.max_tokens is None:
-            room = min(self.max_model_len, bm.num_usable_blocks * bm.block_size) - len(ids)
-            params = dataclasses.replace(params, max_tokens=max(room, 1))
+        if params.max_tokens is None:  # the pool always holds one max_model_len sequence (choose_num_blocks)
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
         total = len(ids) + params.max_tokens
         if bm.blocks_for(total) > bm.num_usable_blocks:
             raise RequestError(

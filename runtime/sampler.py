@@ -43,7 +43,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    # None: as many as the context (max_model_len) and the KV pool leave after the prompt (set when added)
+    # None: as many as the context (the engine's max_model_len) leaves after the prompt (set when added)
     max_tokens: int | None = 16
     seed: int | None = None  # per-request seed: the same seed gives the same tokens
     stop_token_ids: tuple[int, ...] = ()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -33,7 +34,7 @@ KV_CHUNK = 128  # prefill chunk of the kv-* variants: a 512-token window is scor
 DEFAULT_WINDOW = 512  # tokens per window, or the model's context when that is shorter
 
 
-def check_full_precision(weights, command: str) -> None:
+def check_full_precision(weights: str | os.PathLike | None, command: str) -> None:
     """A KilnError when `weights` is a `kiln quantize` output: `command` measures against (or trains on) the
     unquantized weights, which such a checkpoint no longer has, so every figure would be false."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need

@@ -16,9 +16,9 @@ def _ids(text: str) -> list[int]:
     parts = text.replace(" ", "").split(",")
     if parts == [""]:
         raise argparse.ArgumentTypeError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
-    if "" in parts:  # `1,,2` is a typo for some id, not two ids
-        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} has an empty item between commas; give one integer "
-                                         "between each pair of commas, e.g. 1,2,3")
+    if "" in parts:  # `1,,2` (or a stray leading / trailing comma) is a typo for some id, not two ids
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r} has an empty item (two commas in a row, or a comma "
+                                         "at either end); give integers separated by single commas, e.g. 1,2,3")
     try:
         return [int(t) for t in parts]
     except ValueError:
@@ -32,9 +32,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.sampler import SamplingParams
 
-    params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
-    )
+    # speculate=True: in a batch of one whether speculation runs never depends on other requests, so a seeded
+    # request stays reproducible with it (SamplingParams.speculate leaves seeded sampling out only for that reason).
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.seed, speculate=True)
     params.validate()
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,

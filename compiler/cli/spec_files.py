@@ -92,7 +92,8 @@ def serving_problems(loaded: LoadedSpec) -> list[Diagnostic]:
                                    f"int4 group {scheme.group} does not divide {bad[0]}'s K = {bad[1][1]}",
                                    (f"use group = {fits}, or " if fits else "") + "leave group out to take the "
                                    "largest group that fits"))
-    calibration = quantize.get("calibration") if quantize else None
+    # only GPTQ reads the calibration text: round-to-nearest never opens it
+    calibration = quantize.get("calibration") if quantize and quantize.get("method") == "gptq" else None
     if calibration and not Path(calibration).is_file():
         out.append(_diagnostic(loaded, _keyword(settings.get("quantize"), "calibration"),
                                f"calibration file {calibration} "

@@ -335,25 +335,29 @@ def _rope_words(rope: RopeConfig | None) -> dict[str, object]:
     return out
 
 
-def _site_words(cfg: ModelConfig) -> dict[str, object]:
+def _site_words(cfg: ModelConfig, context: int) -> dict[str, object]:
     out: dict[str, object] = {}
     for e in cfg.sites():
         if isinstance(e, AttentionCall):
-            out |= {f"{e.site} window": "none" if e.window is None else e.window, f"{e.site} causal": e.causal,
-                    f"{e.site} qkv_bias": e.qkv_bias, f"{e.site} out_bias": e.out_bias, f"{e.site} rope": e.rope}
+            # a window that spans the served context masks nothing (Mistral's 4096 served at 4096 is no window)
+            window = "none" if e.window is None or e.window >= context else e.window
+            out |= {f"{e.site} window": window, f"{e.site} causal": e.causal, f"{e.site} qkv_bias": e.qkv_bias,
+                    f"{e.site} out_bias": e.out_bias}
+            if cfg.positions == "rope":  # the flag means nothing with learned or no positions
+                out[f"{e.site} rope"] = e.rope
         elif isinstance(e, MlpCall):
             out |= {f"{e.site} act": e.act, f"{e.site} bias": e.bias}
     return out
 
 
-def _words(cfg: ModelConfig) -> dict[str, object]:
+def _words(cfg: ModelConfig, context: int) -> dict[str, object]:
     """What a model computes, by field, as a checkpoint's config.json fixes it, beyond its tensors' shapes. Not
     compared: the name, the shapes (above), the context (a spec may serve a shorter one, or extrapolate rope),
     and `route` (Mixture-of-Depths routers are a spec's addition, their weights stored beside the checkpoint's)."""
     out: dict[str, object] = {k: getattr(cfg, k) for k in _HEAD_FIELDS}
     out |= {"norm": cfg.norm.kind, "norm eps": cfg.norm.eps, "positions": cfg.positions,
             "tie_embeddings": cfg.tie_embeddings, "final_norm": cfg.final_norm}
-    return out | _rope_words(cfg.rope if cfg.positions == "rope" else None) | _site_words(cfg)
+    return out | _rope_words(cfg.rope if cfg.positions == "rope" else None) | _site_words(cfg, context)
 
 
 def _shown(v: object) -> str:
@@ -362,9 +366,10 @@ def _shown(v: object) -> str:
 
 def check_spec_matches(spec: ModelConfig, checkpoint: ModelConfig, spec_source: str, config_source: str) -> None:
     """KilnError naming every field where a spec given with a checkpoint computes something else than the
-    checkpoint's config.json says (a window, a rope theta, an eps...): those run without any shape error, so they
-    would give wrong tokens silently."""
-    have, want = _words(spec), _words(checkpoint)
+    checkpoint's config (its config.json, a GGUF's metadata, a `kiln quantize` output's spec.kiln) says (a window, a
+    rope theta, an eps...): those run without any shape error, so they would give wrong tokens silently."""
+    served = min(spec.context, checkpoint.context)
+    have, want = _words(spec, served), _words(checkpoint, served)
     diffs, differ = [], []
     for key in dict.fromkeys([*want, *have]):
         if any(key.startswith(k + " ") for k in differ):  # rope theta when one side has no rope at all, ...
@@ -373,8 +378,8 @@ def check_spec_matches(spec: ModelConfig, checkpoint: ModelConfig, spec_source: 
         same = _close(a, b) if isinstance(a, float) and isinstance(b, float) else a == b
         if not same:
             differ.append(key)
-            diffs.append(f"{key}: {_shown(a)} in the spec, {_shown(b)} in config.json")
+            diffs.append(f"{key}: {_shown(a)} in the spec, {_shown(b)} in the checkpoint")
     if diffs:
         raise KilnError(f"{spec_source} does not describe the checkpoint {config_source}: " + "; ".join(diffs)
                         + "; fix the spec (`kiln import` of the checkpoint writes a matching one), or leave the "
-                        "spec out to read the model from config.json")
+                        "spec out to read the model from the checkpoint")

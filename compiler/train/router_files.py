@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from safetensors.torch import save_file
 from kiln.errors import KilnError, WeightError
 from kiln.ir.frontend import build_graph
 from kiln.model_config import ModConfig, ModelConfig, param_shapes
+
+log = logging.getLogger("kiln.train")
 
 _KEYS = ("capacity", "every", "decide", "hidden")
 
@@ -60,9 +63,11 @@ def attach_routers(cfg: ModelConfig, gm: torch.fx.GraphModule, path: str | os.Pa
         raise KilnError(f"{cfg.name} is already routed (route = mod(...) in its spec); a routers file adds routers to "
                         "a dense model: drop the route setting, or attach no routers")
     route, routers, trained_for = _read(path)
-    if trained_for is not None and trained_for != cfg.name:  # same shapes are no proof: the routers fit its stream
-        raise WeightError(f"routers file {path} was trained for model {trained_for!r}, not {cfg.name!r}; train the "
-                          f"routers on {cfg.name} with `kiln train-router`")
+    if trained_for is not None and trained_for != cfg.name:
+        # Same shapes are no proof that the routers fit this model's residual stream, but a name is no proof either
+        # way (a checkpoint loaded without a spec is named after its folder): say so, and go on.
+        log.warning("routers file %s was trained for model %r, not %r: if that is another model, train the routers "
+                    "on %s with `kiln train-router`", path, trained_for, cfg.name, cfg.name)
     routed = dataclasses.replace(cfg, route=route)
     want = {n: s for n, s in param_shapes(routed).items() if ".router." in n}
     missing = sorted(set(want) - set(routers))

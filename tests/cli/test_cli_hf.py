@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from kiln.cli.commands import main
+from kiln.errors import KilnError
 from tests.support.hf_models import FAMILIES, prompts, save_hf_model
 
 NEW_TOKENS = 12
@@ -78,11 +80,11 @@ def test_weights_dir_without_config_is_a_clean_error(capsys, tmp_path):
 @pytest.mark.parametrize(
     "old, new, words",
     [
-        (", window = 4)", ")", "attn0 window: none in the spec, 4 in config.json"),  # Mistral's window dropped
-        ("theta = 10000", "theta = 500000", "rope theta: 500000 in the spec, 10000 in config.json"),
-        ("eps = 1e-06", "eps = 1e-05", "norm eps: 1e-05 in the spec, 1e-06 in config.json"),
+        (", window = 4)", ")", "attn0 window: none in the spec, 4 in the checkpoint"),  # Mistral's window dropped
+        ("theta = 10000", "theta = 500000", "rope theta: 500000 in the spec, 10000 in the checkpoint"),
+        ("eps = 1e-06", "eps = 1e-05", "norm eps: 1e-05 in the spec, 1e-06 in the checkpoint"),
         ("heads = 4\n  kv_heads = 2\n  head_dim = 8", "heads = 8\n  kv_heads = 4\n  head_dim = 4",
-         "heads: 8 in the spec, 4 in config.json"),  # the same tensor shapes, split otherwise
+         "heads: 8 in the spec, 4 in the checkpoint"),  # the same tensor shapes, split otherwise
     ],
 )
 def test_a_spec_that_differs_from_the_checkpoints_config_is_refused(capsys, tmp_path, old, new, words):
@@ -95,3 +97,39 @@ def test_a_spec_that_differs_from_the_checkpoints_config_is_refused(capsys, tmp_
     code = main(["run", str(spec), "--weights", str(tmp_path / "m"), "--prompt-ids", "3,4", "--max-tokens", "1"])
     err = capsys.readouterr()[1]
     assert code == 2 and words in err and "does not describe the checkpoint" in err, err
+
+
+def test_equivalent_specs_are_not_refused():
+    """A window that spans the served context masks nothing; the per-site rope flag means nothing without rope."""
+    from kiln.hf.config import check_spec_matches
+    from kiln.spec.loader import load_spec
+
+    mistral = load_spec("mistral-7b-v0.1").model
+    short = dataclasses.replace(mistral, context=4096)
+    no_window = dataclasses.replace(short, body=tuple(
+        dataclasses.replace(a, value=_drop_window(a.value)) for a in short.body))
+    check_spec_matches(no_window, mistral, "spec", "checkpoint")  # 4096 served: Mistral's window 4096 is no window
+    with pytest.raises(KilnError, match="window: none in the spec, 4096 in the checkpoint"):
+        check_spec_matches(dataclasses.replace(no_window, context=8192), mistral, "spec", "checkpoint")
+    gpt2 = load_spec("gpt2").model
+    no_rope_flag = dataclasses.replace(gpt2, body=tuple(
+        dataclasses.replace(a, value=_set_rope(a.value, False)) for a in gpt2.body))
+    check_spec_matches(no_rope_flag, gpt2, "spec", "checkpoint")
+
+
+def _drop_window(expr):
+    return _map_calls(expr, lambda c: dataclasses.replace(c, window=None) if hasattr(c, "window") else c)
+
+
+def _set_rope(expr, on):
+    return _map_calls(expr, lambda c: dataclasses.replace(c, rope=on) if hasattr(c, "rope") else c)
+
+
+def _map_calls(expr, f):
+    if dataclasses.is_dataclass(expr):
+        changes = {fl.name: _map_calls(getattr(expr, fl.name), f) for fl in dataclasses.fields(expr)
+                   if dataclasses.is_dataclass(getattr(expr, fl.name)) or isinstance(getattr(expr, fl.name), tuple)}
+        return f(dataclasses.replace(expr, **changes))
+    if isinstance(expr, tuple):
+        return tuple(_map_calls(e, f) for e in expr)
+    return expr

@@ -202,14 +202,16 @@ def test_paged_prefill_takes_the_tuned_flash_tile_on_the_gpu_it_was_tuned_on(tun
     from kiln import env
 
     monkeypatch.setattr(env, "flash_tma", lambda: True)  # KILN_FLASH_TMA=1: a TMA-tuned tile is not the paged one's
-    problem = paged.flash_problem(torch.bfloat16, 128, True, False)
+    problem = paged.flash_problem(torch.bfloat16, 128, True, False, (9, 0))
     assert problem["tma"] is True
+    assert not paged.flash_problem(torch.bfloat16, 128, True, False, (8, 0))["tma"]  # no TMA before sm90
+    assert not paged.flash_problem(torch.bfloat16, 80, True, False, (9, 0))["tma"]  # a head is not a TMA box
     times = {tile: 1.0 + i for i, tile in enumerate(candidates)}
     times[candidates[0]] = 0.25
     autotune.set_timer(lambda fn: times[fn()])  # the tuner fixture restores the original
     assert autotune.tune("flash_attn", cuda, problem, candidates, _make_call) == candidates[0]
     monkeypatch.setattr(env, "flash_tma", lambda: False)
-    problem = paged.flash_problem(torch.bfloat16, 128, True, False)
+    problem = paged.flash_problem(torch.bfloat16, 128, True, False, (9, 0))
     assert problem == {"dtype": "bfloat16", "head_dim": 128, "causal": True, "window": False, "tma": False}
     monkeypatch.setattr(autotune, "_memo", {})
     paged.prefill_tile.cache_clear()

@@ -59,11 +59,11 @@ def test_include_stop_str_in_output_keeps_the_stop_string():
     assert final.text == streamed == text[: text.index(stop) + len(stop)] and final.stop_reason == stop
 
 
-def test_max_tokens_none_runs_to_the_context_or_the_pool():
+def test_max_tokens_none_runs_to_the_context():
     final, _ = run(engine(context=64), SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     assert final.finish_reason == "length" and len(final.token_ids) == 64 - len(PROMPT)
     assert final.token_ids == fake_generate(PROMPT, 64 - len(PROMPT), V)
-    # a pool smaller than the context: as many as the pool holds (11 usable blocks of 4 = 44 tokens)
+    # an engine's max_model_len below the model's context bounds it
     final, _ = run(engine(context=64, num_blocks=17, max_model_len=40), SamplingParams(temperature=0, max_tokens=None))
     assert len(final.token_ids) == 40 - len(PROMPT)
 
@@ -106,7 +106,7 @@ def _tokens(e: Engine, prompts: list[list[int]], params: list[SamplingParams]) -
     return {i: done[i] for i in ids}
 
 
-def test_a_seeded_request_gets_the_same_tokens_in_any_batch_with_speculation_on():
+def test_a_seeded_request_gets_the_same_tokens_in_any_batch_with_speculation_on(caplog):
     """Speculation turns itself off above speculation_max_batch, and verification draws from the generator
     differently from plain sampling: a seeded request therefore does not speculate unless it asks to."""
     seeded = SamplingParams(temperature=0.8, seed=99, max_tokens=24, ignore_eos=True)
@@ -118,7 +118,8 @@ def test_a_seeded_request_gets_the_same_tokens_in_any_batch_with_speculation_on(
     assert list(crowd.values())[0] == list(alone.values())[0]
     e = _spec_engine(4)
     _tokens(e, [copying], [seeded])
-    assert e.stats.spec_proposed == 0  # seeded sampling: not speculated by default
+    assert e.stats.spec_proposed == 0  # seeded sampling: not speculated by default, and the engine says so once
+    assert "seeded sampling requests are not speculated" in caplog.text
     e = _spec_engine(4)
     _tokens(e, [copying], [SamplingParams(temperature=0.8, seed=99, max_tokens=24, speculate=True)])
     assert e.stats.spec_proposed > 0  # ... unless it asks (its tokens then depend on when speculation runs)

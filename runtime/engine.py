@@ -59,7 +59,6 @@ __all__ = ["Engine", "EngineStats"]
 log = logging.getLogger("kiln.runtime")
 
 
-
 def _check_count(name: str, value: object, optional: bool) -> None:
     """KilnError unless value is an integer >= 1 (or None when optional)."""
     if value is None and optional:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from kiln.runtime.batch_sampler import BatchSample
 from kiln.runtime.block_manager import BlockManager
+from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.request import DONE, Request, RequestOutput
-from kiln.runtime.sampler import check_stop
+from kiln.runtime.sampler import SamplingParams, check_stop
 from kiln.runtime.scheduler import ScheduledSeq, Scheduler
 
 log = logging.getLogger("kiln.runtime")
@@ -51,13 +53,7 @@ class OutputMaker:
         self.num_generated_tokens += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        # Only a stop string needs the text now; other requests' text is made with their output (emit_one). A stop
-        # token comes first: its text stays out of the output (catch_up), so no stop string is searched in it.
-        done = check_stop(tok, len(req.output_token_ids), req.params, self.eos_token_ids)
-        if req.detokenizer.stop and (done is None or done[0] == "length"):
-            stop_str = req.detokenizer.add(tok)
-            if stop_str is not None:
-                done = ("stop", stop_str)
+        done = stop_of(req.detokenizer, tok, len(req.output_token_ids), req.params, self.eos_token_ids)
         if done is not None:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
@@ -92,11 +88,7 @@ class OutputMaker:
                     if m.first_token_time is None:
                         m.first_token_time = now
                     det = req.detokenizer
-                    done = check_stop(tok, len(out), req.params, eos)  # as in append
-                    if det.stop and (done is None or done[0] == "length"):
-                        stop_str = det.add(tok)
-                        if stop_str is not None:
-                            done = ("stop", stop_str)
+                    done = stop_of(det, tok, len(out), req.params, eos)  # as in append
                     if done is not None:
                         finish_req(req)
                         self.requests.pop(req.request_id, None)
@@ -217,3 +209,16 @@ class OutputMaker:
 
     def has_work(self) -> bool:
         return bool(self.pending) or bool(self.deferred)
+
+
+def stop_of(det: Detokenizer, tok: int, num_output: int, params: SamplingParams,
+            eos_token_ids: Sequence[int]) -> tuple[str, int | str | None] | None:
+    """(finish_reason, stop_reason) when the token just appended ends its request, else None. A stop token comes
+    first: its text stays out of the output (Request.num_text_tokens), so no stop string is searched in it. Only a
+    request with stop strings needs its text now; the others' is made with their output (emit_one)."""
+    done = check_stop(tok, num_output, params, eos_token_ids)
+    if det.stop and (done is None or done[0] == "length"):
+        stop_str = det.add(tok)
+        if stop_str is not None:
+            return "stop", stop_str
+    return done

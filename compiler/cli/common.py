@@ -110,15 +110,22 @@ def speculation_arg(text: str) -> SpeculationConfig | str:
     return OFF if cfg is None else cfg
 
 
-def positive_int(text: str) -> int:
-    """argparse type of a count flag: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def at_least(lo: int):
+    """argparse type of a count flag: a whole number >= lo."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = at_least(1)
 
 
 def check_input_file(flag: str, path: str | None) -> None:

@@ -24,7 +24,7 @@ from torch import fx
 
 from kiln.cli.text_input import read_text_file
 from kiln.errors import KilnError
-from kiln.gguf.files import bundled_weights
+from kiln.gguf.files import bundled_weights, is_gguf
 from kiln.run_info import run_metadata
 
 DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4-rtn-g32", "int4-rtn-g128", "int4-gptq-g32", "int4-gptq-g128")
@@ -40,7 +40,7 @@ def check_full_precision(weights: str | os.PathLike | None, command: str) -> Non
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.quantized import is_quantized_checkpoint, stored_scheme
 
-    if weights is not None and not str(weights).endswith(".gguf") and is_quantized_checkpoint(weights):
+    if weights is not None and not is_gguf(weights) and is_quantized_checkpoint(weights):
         raise KilnError(f"--weights {weights}: is a `kiln quantize` output ({stored_scheme(weights).label}); "
                         f"{command} needs full-precision weights: give the original checkpoint")
 
@@ -121,7 +121,7 @@ def plan_variants(variants: list[str] | None, cfg, weights=None,
     from kiln.quant.sizing import fitting_group, quantized_weights, resolve_group
 
     explicit = variants is not None
-    gguf = weights is not None and str(weights).endswith(".gguf")
+    gguf = is_gguf(weights)
     names = list(variants if explicit else defaults if defaults is not None else DEFAULT_VARIANTS)
     out: list[str] = []
     notes: list[str] = []
@@ -167,7 +167,7 @@ def _variant_model(spec, weights, variant: str, device: str, calibration: str | 
     from kiln.quant.formats import parse_scheme
     from kiln.quant.sizing import resolve_group
 
-    gguf = weights is not None and str(weights).endswith(".gguf")
+    gguf = is_gguf(weights)
     if variant in _DTYPES or variant in _KV_VARIANTS:
         dtype = "fp32" if variant in _KV_VARIANTS else variant
         return load_model(spec, weights, dtype=dtype, device=device, quantize="none" if gguf else None)

@@ -194,7 +194,7 @@ def bench_quality_main(
     from kiln.build import describe_model, load_model, say
     from kiln.cli.perplexity import check_full_precision, plan_variants
     from kiln.cli.text_input import read_text_file
-    from kiln.gguf.files import bundled_weights
+    from kiln.gguf.files import bundled_weights, is_gguf
     from kiln.run_info import run_metadata
 
     check_full_precision(weights, "bench quality")  # its baseline must be the unquantized model
@@ -212,7 +212,7 @@ def bench_quality_main(
         read_text_file("--calibration", calibration)  # not UTF-8: fail before the model loads
     source = weights if weights is not None else bundled_weights(spec)
     # A GGUF's Q4 / Q8 linears are dequantized (not kept, as on CUDA): the baseline is the unquantized model.
-    gguf = source is not None and str(source).endswith(".gguf")
+    gguf = is_gguf(source)
     loaded = load_model(spec, weights, dtype=dtype, device=device, quantize="none" if gguf else None)
     ids = eval_ids(loaded.model.vocab, positions, seq, text=text, tokenizer=loaded.tokenizer if text else None)
     chosen = []

@@ -6,7 +6,7 @@ import argparse
 import math
 import time
 
-from kiln.cli.common import check_output_file
+from kiln.cli.common import at_least, check_output_file
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 
@@ -21,21 +21,6 @@ def _capacity(text: str) -> float:
     if not 0 < c <= 1:
         raise argparse.ArgumentTypeError(f"{c} is out of range; allowed: 0 < capacity <= 1 (e.g. 0.125)")
     return c
-
-
-def _at_least(lo: int):
-    """argparse type of a count flag: a whole number >= lo."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
-        return value
-
-    return parse
 
 
 def _learning_rate(text: str) -> float:
@@ -112,22 +97,22 @@ def add_train_router_parser(sub: argparse._SubParsersAction) -> None:
                    "default: the spec's bundled or seeded random weights)")
     p.add_argument("--text", metavar="FILE", required=True, help="training text (UTF-8)")
     p.add_argument("--eval-text", metavar="FILE", help="held-out text: report dense and routed perplexity on it")
-    p.add_argument("--eval-tokens", type=_at_least(2), default=4096,
+    p.add_argument("--eval-tokens", type=at_least(2), default=4096,
                    help="tokens of --eval-text scored (default 4096)")
     p.add_argument("--capacity", type=_capacity, required=True, help="fraction of tokens a routed layer takes")
-    p.add_argument("--every", type=_at_least(1), default=2,
+    p.add_argument("--every", type=at_least(1), default=2,
                    help="route layers i with (i + 1) %% every == 0 (default 2)")
     p.add_argument("--decide", choices=("threshold", "predictor"), default="threshold",
                    help="how generation decides per token (default threshold)")
-    p.add_argument("--hidden", type=_at_least(1), default=128, help="predictor width (decide = predictor)")
+    p.add_argument("--hidden", type=at_least(1), default=128, help="predictor width (decide = predictor)")
     p.add_argument("--init", choices=("auto", "fit", "flat"), default="auto",
                    help="how the routers start: fit (to the tokens the dense model attends to most), flat (every "
                    "score 1), auto (default: fit below capacity 1)")
-    p.add_argument("--calib-windows", type=_at_least(1), default=32,
+    p.add_argument("--calib-windows", type=at_least(1), default=32,
                    help="windows of --seq-len tokens for the fit and the thresholds (default 32)")
-    p.add_argument("--steps", type=_at_least(0), default=0,
+    p.add_argument("--steps", type=at_least(0), default=0,
                    help="KL-distillation steps after the start (default 0: the fit alone; see README, MoD figures)")
-    p.add_argument("--batch", type=_at_least(1), default=4, help="windows per step (default 4)")
+    p.add_argument("--batch", type=at_least(1), default=4, help="windows per step (default 4)")
     p.add_argument("--seq-len", type=int,
                    help=f"tokens per window, 2 to the model's context (default {DEFAULT_SEQ_LEN}, or the context when "
                    "shorter; fit and score on the context length you serve)")

@@ -87,10 +87,14 @@ def test_clone_is_a_new_tensor_when_either_side_is_written(model):
 # ---- regions and in-place ops ---------------------------------------------------------------------------------
 
 
-class ReadWriteRead(Lin):
+class Lin3(Lin):
+    """Three linears: one before the write, one reading before it, one reading after it."""
+
     def __init__(self):
         super().__init__(3)
 
+
+class ReadWriteRead(Lin3):
     def forward(self, x):
         h = self.ls[0](x).relu()
         a = self.ls[1](h)
@@ -99,9 +103,9 @@ class ReadWriteRead(Lin):
         return a + b
 
 
-class InplaceReLUBetween(Lin):
+class InplaceReLUBetween(Lin3):
     def __init__(self):
-        super().__init__(3)
+        super().__init__()
         self.act = nn.ReLU(inplace=True)
 
     def forward(self, x):
@@ -112,10 +116,7 @@ class InplaceReLUBetween(Lin):
         return a + b
 
 
-class WriteThroughView(Lin):
-    def __init__(self):
-        super().__init__(3)
-
+class WriteThroughView(Lin3):
     def forward(self, x):
         h = self.ls[0](x)
         a = self.ls[1](h)
@@ -124,10 +125,7 @@ class WriteThroughView(Lin):
         return a + b
 
 
-class WriteTheBaseOfAView(Lin):
-    def __init__(self):
-        super().__init__(3)
-
+class WriteTheBaseOfAView(Lin3):
     def forward(self, x):
         h = self.ls[0](x)
         v = h.view(-1, D)

@@ -25,6 +25,7 @@ from kiln.quant.formats import as_scheme, dequantize, parse_scheme
 from kiln.quant.sizing import resolve_group
 from kiln.spec.loader import DEFAULT_SPEC, load_spec
 from kiln.tokenizer import load_tokenizer
+from kiln.train.router_files import attach_routers, check_routers_file
 
 
 @dataclass
@@ -94,25 +95,31 @@ def load_model(
     device: str = "auto",
     seed: int = 0,
     quantize: str | None = None,
+    routers: str | os.PathLike | None = None,
 ) -> LoadedModel:
     """Build the Level-1 graph with weights.
 
     spec: a .kiln path or a bundled spec name; when None it is read from the checkpoint's config.json, or the
     bundled default spec is used when there is no checkpoint either. weights: a HF checkpoint directory; when
     None the weights are seeded random. dtype and quantize (a scheme name such as int8 or int4-gptq-g128)
-    override the spec's compile part (CLI flags win).
+    override the spec's compile part (CLI flags win). routers: a `kiln train-router` file whose Mixture-of-Depths
+    routers are attached to the dense model (before any quantization, which then covers the routed model).
     """
 
     dev = resolve_device(device)
+    if routers is not None:
+        check_routers_file(routers)  # before the weights load: a wrong path fails in a second, not a minute
 
     weights = weights if weights is not None else bundled_weights(spec)  # a bundled spec may name a packaged GGUF
     if is_gguf(weights):
-        return _load_gguf(spec, weights, dtype=dtype, dev=dev, seed=seed, quantize=quantize)
+        return _load_gguf(spec, weights, dtype=dtype, dev=dev, seed=seed, quantize=quantize, routers=routers)
     weights_dir = Path(weights) if weights is not None else None
-    if weights_dir is not None:
-
-        if is_quantized_checkpoint(weights_dir):
-            return _load_quantized(weights_dir, spec, dev, dtype=dtype, quantize=quantize)
+    if weights_dir is not None and is_quantized_checkpoint(weights_dir):
+        if routers is not None:
+            raise KilnError(f"routers {routers} (--routers): {weights_dir} is a `kiln quantize` checkpoint, and "
+                            "routers attach to a model's dense weights; give the original checkpoint (with "
+                            "--quantize to quantize the routed model)")
+        return _load_quantized(weights_dir, spec, dev, dtype=dtype, quantize=quantize)
     if weights_dir is not None:
         check_weights_dir(weights_dir)
 
@@ -132,16 +139,16 @@ def load_model(
             raise KilnError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
     if quantize is not None:
-
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
     comp = fit_quantize(comp, cfg)
     tdtype = TORCH_DTYPES[comp.dtype]
 
     params = None
     if weights_dir is not None:
-
         params = load_hf_weights(weights_dir, cfg, model_type=model_type, dtype=tdtype, device=dev)
     gm = build_graph(cfg, params, dtype=tdtype, device=dev, seed=seed)
+    if routers is not None:
+        cfg, comp, gm = _with_routers(cfg, comp, gm, routers)
     tokenizer = load_tokenizer(weights_dir, vocab=cfg.vocab)
     return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source)
 
@@ -159,7 +166,6 @@ def _load_quantized(
     if spec is not None:  # the stored spec.kiln is what the weights were quantized as
         check_spec_matches(loaded.model, load_spec(weights_dir / SPEC).model, loaded.path, str(weights_dir / SPEC))
     if quantize is not None:
-
         want, have = resolve_group(parse_scheme(quantize), loaded.model)[0], stored_scheme(weights_dir)
         if want.label != have.label:  # calibration options do not matter once the weights are stored
             raise KilnError(
@@ -199,6 +205,17 @@ def describe_model(spec: str | os.PathLike | None = None, weights: str | os.Path
     return _model_from_checkpoint(path, quiet=True)[0]
 
 
+def _with_routers(cfg: ModelConfig, comp: CompileConfig, gm: torch.fx.GraphModule,
+                  routers: str | os.PathLike) -> tuple[ModelConfig, CompileConfig, torch.fx.GraphModule]:
+    """The routed model: its config, its compile config (extra["route"] turns the mod_routing pass on, as a routed
+    spec's validation does) and its Level-1 graph."""
+    cfg, gm = attach_routers(cfg, gm, routers)
+    r = cfg.route
+    decide = f"predictor(hidden = {r.hidden})" if r.decide == "predictor" else r.decide
+    say(f"routers from {routers}: route = mod(capacity = {r.capacity}, every = {r.every}, decide = {decide})")
+    return cfg, dataclasses.replace(comp, extra={**comp.extra, "route": r}), gm
+
+
 def fit_quantize(comp: CompileConfig, cfg: ModelConfig) -> CompileConfig:
     """The compile config with its quantize scheme (if any) as a QuantScheme whose int4 group fits this model: a
     scheme named without a group takes 128, else the largest group dividing every K, and says so."""
@@ -221,7 +238,7 @@ def say(msg: str) -> None:
 
 
 def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dtype: str | None,
-               dev: torch.device, seed: int, quantize: str | None) -> LoadedModel:
+               dev: torch.device, seed: int, quantize: str | None, routers: str | os.PathLike | None) -> LoadedModel:
     """A GGUF file -> LoadedModel; the spec (when given) must match the file's tensors. Linears stored as Q4_0 /
     Q4_1 / Q8_0 stay quantized on CUDA, or anywhere with quantize="gguf" (the CPU reference op would dequantize them
     every step); everything else is dequantized with the gguf package. quantize="none" dequantizes everything; any
@@ -240,8 +257,13 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
         if dtype not in DTYPES:
             raise GGUFError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
+    if routers is not None and quantize == "gguf":
+        raise GGUFError(f"routers {routers} (--routers) attach to dense weights, and quantize 'gguf' keeps "
+                        f"{path.name}'s linears quantized; leave quantize out, or name a kiln scheme (int8, int4, ...)")
     # Kept int4 pays off where the generated kernels run (CUDA); the CPU reference op would dequantize every step.
-    keep = quantize == "gguf" or (quantize is None and "quantize" not in comp.extra and dev.type == "cuda")
+    # Routers attach to the dense graph: the file's linears are then dequantized (a kiln scheme may requantize).
+    keep = quantize == "gguf" or (quantize is None and "quantize" not in comp.extra and dev.type == "cuda"
+                                  and routers is None)
     if quantize not in (None, "none", "gguf"):
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
     comp = fit_quantize(comp, cfg)
@@ -254,5 +276,7 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
     gm = build_graph(cfg, params, dtype=tdtype, device=dev, seed=seed)
     if w.quantized:
         gm = keep_quantized_linears(gm, w.quantized)
+    if routers is not None:
+        cfg, comp, gm = _with_routers(cfg, comp, gm, routers)
     say(f"{path.name}: {w.summary()}")
     return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source)

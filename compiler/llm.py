@@ -36,6 +36,7 @@ class LLM:
         device: str = "auto",
         dtype: str | None = None,
         quantize: str | None = None,
+        routers: str | os.PathLike | None = None,
         seed: int = 0,
         num_blocks: int | None = None,
         block_size: int | None = None,
@@ -54,7 +55,8 @@ class LLM:
         """Load the model (seeded random weights without `weights`), compile its step model, start an engine.
 
         dtype ("fp32", "fp16", "bf16") and quantize ("int8", "int4", "int4-gptq-g64", ...: see `kiln run
-        --quantize`) override the spec's compile block.
+        --quantize`) override the spec's compile block. routers: a `kiln train-router` file whose Mixture-of-Depths
+        routers are attached to the dense model (its routing is in the file).
 
         use_kernels: generated kernels (None: on CUDA only; on CPU the ops' reference implementations run,
         since Triton's interpreter is for testing codegen, far too slow to serve). block_size / kv_cache_dtype
@@ -68,7 +70,8 @@ class LLM:
         """
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
             raise KilnError(f"seed = {seed!r} is out of range; allowed: an integer 0 .. 2**64 - 1")
-        self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed, quantize=quantize)
+        self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed, quantize=quantize,
+                                 routers=routers)
         m = self.loaded
         kernels = m.device.type == "cuda" if use_kernels is None else use_kernels
         self.speculation = resolve_speculation(speculation, m, "speculation")

@@ -136,7 +136,6 @@ def quantize_weights(
             raise PassError(str(e)) from None
     out: dict[str, QuantizedWeight] = {}
     if scheme.method == "gptq" and linears:
-
         if calibration_ids is None:
             # Learned position tables bound the sequence length (gpt2's 1024, a tiny model's 64).
             seq_len = min(scheme.seq_len, _max_positions(gm) or scheme.seq_len)

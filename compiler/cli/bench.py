@@ -11,6 +11,7 @@ from kiln.cli.common import (
     dtype_flag,
     engine_flags,
     positive_int,
+    routers_flag,
     seed_arg,
     serving_engine,
     step_model,
@@ -39,7 +40,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_requests < 1:
         raise UsageError(f"--num-requests {args.num_requests}: give at least 1")
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
-                   quantize=args.quantize)
+                   quantize=args.quantize, routers=args.routers)
     trace, clipped = make_trace(args.num_requests, input_len, output_len, vocab=m.model.vocab,
                                 context=m.model.context, seed=args.seed)
     if clipped:
@@ -150,6 +151,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     dtype_flag(t)
     t.add_argument("--json", action="store_true", help="print the full result as JSON")
     t.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    routers_flag(t)
     t.add_argument("--profile", metavar="FILE", help="profile the continuous run with cProfile; write the summary "
                    "(top functions by cumulative and own time) to FILE")
     engine_flags(t)

@@ -65,6 +65,11 @@ def dtype_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, help="override the spec's compile dtype")
 
 
+def routers_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routers", metavar="FILE", help="Mixture-of-Depths routers from `kiln train-router` to attach "
+                   "to the dense model (the routing is in the file; --quantize then covers the routed model)")
+
+
 def engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, help="KV cache blocks (default: from free GPU memory, or a CPU default)")
     p.add_argument("--block-size", type=int, help="tokens per KV cache block (default: the spec's "

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, seed_arg, serving_engine
+from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, routers_flag, seed_arg, serving_engine
 from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError
 
@@ -39,10 +39,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     params.validate()
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,
-                   quantize=args.quantize)
+                   quantize=args.quantize, routers=args.routers)
     prompt = args.prompt
     if args.chat and args.prompt_ids is None:
-
         prompt = chat_prompt(m.tokenizer, prompt)
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(prompt)
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
@@ -105,5 +104,6 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     dtype_flag(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
     r.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    routers_flag(r)
     engine_flags(r)
     r.set_defaults(func=cmd_run)

@@ -7,7 +7,15 @@ import ipaddress
 import json
 import socket
 
-from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, seed_arg, serving_engine, step_model
+from kiln.cli.common import (
+    QUANTIZE_HELP,
+    dtype_flag,
+    engine_flags,
+    routers_flag,
+    seed_arg,
+    serving_engine,
+    step_model,
+)
 from kiln.errors import KilnError
 
 
@@ -34,7 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say(f"warning: serving on {args.host} (reachable from other machines) without --api-key")
     sock = _bind(args.host, args.port)  # before the model loads: a port in use fails in a second, not a minute
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
-                   quantize=args.quantize)
+                   quantize=args.quantize, routers=args.routers)
     engine = serving_engine(args, m, step_model(args, m), max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
     name = args.served_model_name or m.model.name
@@ -136,6 +144,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(s)
     s.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    routers_flag(s)
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     engine_flags(s)
     s.set_defaults(func=cmd_serve)

@@ -94,7 +94,6 @@ def save_quantized(gm: fx.GraphModule, out_dir: str | os.PathLike, cfg: ModelCon
     }
     (out / META).write_text(json.dumps(meta, indent=2) + "\n")
     if cfg is not None:
-
         (out / SPEC).write_text(format_spec(config_to_spec(cfg)))
     return out
 
@@ -138,7 +137,6 @@ def load_quantized(
             f"v{' or v'.join(map(str, READABLE))}; quantize the model again with this kiln version (kiln quantize)"
         )
     if cfg is None:
-
         cfg = load_spec(src / SPEC).model
     try:
         tensors = load_file(str(src / TENSORS), device=str(device))

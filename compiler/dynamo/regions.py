@@ -227,7 +227,6 @@ def _build(
     dump_dir: Path | None,
     overrides: dict[str, bool] | None,
 ) -> tuple[Callable, list[str], list[str]]:
-
     gm = _fast_graph(ref, frozen, names)
     compiled = compile_model(gm, None, use_kernels=use_kernels, dump_dir=dump_dir, overrides=overrides)
     kernels = [f"{k.template}:{k.params.get('op', k.name)}" for k in compiled.kernels]

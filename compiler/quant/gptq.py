@@ -43,7 +43,6 @@ def calibration_ids(scheme: QuantScheme, vocab: int, tokenizer=None) -> torch.Te
         if not path.is_file():
             raise KilnError(f"quantize: calibration file {path} does not exist; give a text file or use tokens = N")
         if tokenizer is None:
-
             tokenizer = ByteTokenizer(vocab)
         ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8"))[: scheme.tokens], dtype=torch.long)
         if ids.numel() == 0:

@@ -35,6 +35,11 @@ def load_routers(path: str | os.PathLike) -> tuple[ModConfig, dict[str, torch.Te
     return _read(path)[:2]
 
 
+def check_routers_file(path: str | os.PathLike) -> None:
+    """KilnError unless `path` is a readable routers file (a small file: reading it whole is the check)."""
+    _read(path)
+
+
 def _read(path: str | os.PathLike) -> tuple[ModConfig, dict[str, torch.Tensor], str | None]:
     """(routing, router tensors, the name of the model they were trained for) of a routers file."""
     path = Path(path)

@@ -36,6 +36,13 @@ class LoadedModel:
     tokenizer: object  # kiln.tokenizer.Tokenizer
     device: torch.device
     source: str  # where the model description came from (spec path or checkpoint dir)
+    # Weights stored quantized (a `kiln quantize` checkpoint's scheme, "gguf" for a GGUF's kept linears): the
+    # compile config then asks for no quantize pass, since there is nothing left to quantize.
+    stored_quantize: str | None = None
+
+    def quantize_label(self) -> str | None:
+        """The weights' quantization as run: the compile config's scheme, else how they were stored."""
+        return quantize_label(self.compile) or self.stored_quantize
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -185,7 +192,8 @@ def _load_quantized(
         )
     comp = dataclasses.replace(loaded.compile, dtype=stored)
     tokenizer = load_tokenizer(weights_dir, vocab=loaded.model.vocab)
-    return LoadedModel(loaded.model, comp, gm, tokenizer, dev, source=str(weights_dir))
+    return LoadedModel(loaded.model, comp, gm, tokenizer, dev, source=str(weights_dir),
+                       stored_quantize=stored_scheme(weights_dir).label)
 
 
 def describe_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None) -> ModelConfig:
@@ -279,4 +287,5 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
     if routers is not None:
         cfg, comp, gm = _with_routers(cfg, comp, gm, routers)
     say(f"{path.name}: {w.summary()}")
-    return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source)
+    return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source,
+                       stored_quantize="gguf" if w.quantized else None)

@@ -29,9 +29,9 @@ class BatchSample:
             self.logprobs = [None] * len(self.tokens)
 
 
-NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; likely causes: non-finite weights in the "
-                    "checkpoint, or an extreme spec or config value (a norm eps, rope theta, a scale); run "
-                    "`kiln check` on the spec and check the checkpoint for NaN/inf")
+NONFINITE_LOGITS = ("the model produced NaN or inf logits for this request; likely causes: fp16 overflow (try "
+                    "dtype bf16 or fp32), non-finite weights in the checkpoint, or an extreme spec or config value (a "
+                    "norm eps, rope theta, a scale); run `kiln check` on the spec and check the checkpoint for NaN/inf")
 
 
 def nonfinite_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import gc
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import load_model, quantize_label, say
+    from kiln.build import load_model, say
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.run_info import run_metadata
@@ -52,7 +52,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         "output_tokens": sum(r.output_len for r in trace)},
               "config": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                          "block_size": args.block_size, "num_blocks": args.num_blocks, "dtype": m.compile.dtype,
-                         "kv_cache_dtype": args.kv_cache_dtype, "quantize": quantize_label(m.compile)}}
+                         "kv_cache_dtype": args.kv_cache_dtype, "quantize": m.quantize_label()}}
     step = step_model(args, m)  # compiled once; each policy gets its own engine and KV pool over it
     plan = getattr(args, "draft_plan", None)
     result["config"]["speculation"] = describe(plan.config) if plan is not None else "off"

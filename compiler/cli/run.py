@@ -27,7 +27,7 @@ def _ids(text: str) -> list[int]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import load_model, quantize_label, say
+    from kiln.build import load_model, say
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.sampler import SamplingParams
@@ -47,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
     engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
-    quant = quantize_label(m.compile)
+    quant = m.quantize_label()
     say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}{', ' + quant if quant else ''}) "
         f"in {time.perf_counter() - t0:.2f}s")
     st = engine.stats
@@ -62,8 +62,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         final = out
     assert final is not None and final.finished
-    if final.outputs[0].finish_reason == "error":  # e.g. NaN logits: the engine says why; no traceback
-        raise KilnError(final.error or "generation failed")
+    if final.outputs[0].finish_reason == "error":  # e.g. NaN logits: the engine has logged why; no traceback
+        raise KilnError(f"generation stopped after {len(final.outputs[0].token_ids)} token(s) (the reason is above)")
     gen, metrics = final.outputs[0], final.metrics
     n = len(gen.token_ids)
     decode_s = metrics.finish_time - metrics.first_token_time

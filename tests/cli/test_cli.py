@@ -192,6 +192,7 @@ def test_quantize_once_then_run_from_the_saved_checkpoint(capsys, tmp_path):
     assert saved == fresh  # loading reproduces the calibrated weights exactly; nothing is calibrated again
     code, _, err = run_cli(capsys, "run", "--weights", str(out), *argv)
     assert "calibrating" not in err
+    assert "(fp32, int4-gptq-g32)" in err  # the load line names the stored scheme
 
 
 def test_run_with_int8_kv_cache_and_the_specs_block_size(capsys, tmp_path):

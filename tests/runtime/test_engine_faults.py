@@ -240,3 +240,4 @@ def test_kiln_run_reports_nan_logits_as_one_message(monkeypatch, capsys):
                  "--device", "cpu", "--json"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and "NaN or inf logits" in err and "eps" in err and "Traceback" not in err
+    assert err.count("NaN or inf logits") == 1 and "generation stopped after 0 token(s)" in err

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.chat_template import ChatTemplate, ChatTemplateError, chat_template_of
 from kiln.errors import RequestError
@@ -26,7 +28,7 @@ from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kiln.server.streaming import Choices, completion_body, sse_stream
 
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming request looks for its client having gone
+_GONE = object()  # put in a non-streaming request's sink when its client disconnects
 
 
 @dataclass
@@ -76,16 +78,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}",
                                        "invalid_request_error"), status_code=405)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            # RFC 9110: the scheme name is case-insensitive ("bearer" is as good as "Bearer")
-            scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-                return JSONResponse(error_body("invalid or missing API key; send the header 'Authorization: "
-                                               "Bearer <key>' with the key the server was started with",
-                                               "authentication_error", code="invalid_api_key"), status_code=401)
-        return await call_next(request)
+    if config.api_key:
+        app.add_middleware(_BearerAuth, api_key=config.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -128,9 +122,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             text = chat.render(msgs)
         except ChatTemplateError as e:  # the template's raise_exception, or a message it cannot take
             raise APIError(400, str(e), param="messages") from None
-        if req.max_completion_tokens is not None and req.max_tokens is None:
+        if req.max_completion_tokens is not None:  # as in OpenAI and vLLM, it overrides the deprecated max_tokens
             req.max_tokens = req.max_completion_tokens
-        ids = await asyncio.to_thread(_tokens, engine, text, max_prompt)
+        ids = await asyncio.to_thread(_tokens, engine, text, max_prompt, "messages")
         return await _generate(request, req, [ids], "chat.completion", None)
 
     async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None):
@@ -142,9 +136,15 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                            code="engine_stopped")
         jobs = []  # (request id, prompt ids, params)
         base = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        chat = kind == "chat.completion"
         for p, ids in enumerate(prompts):
             room = engine.max_model_len - len(ids)
-            max_tokens = req.max_tokens or (default_max if default_max is not None else max(room, 1))
+            if req.max_tokens is None and default_max is None and room < 1:
+                raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, and "
+                               f"your request has {len(ids)} input tokens, which leaves no room for the completion; "
+                               "reduce the length of the messages", param="messages",
+                               code="context_length_exceeded")
+            max_tokens = req.max_tokens or (default_max if default_max is not None else room)
             for i in range(req.n):
                 jobs.append((f"{base}-{p * req.n + i}", ids, req.sampling_params(max_tokens, i)))
         if len(jobs) > config.max_waiting:
@@ -164,7 +164,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 added.append(rid)
         except RequestError as e:
             loop.abort(added)
-            raise APIError(400, str(e), param=_param_of(str(e))) from None
+            param = _param_of(str(e))
+            if chat and param == "prompt":  # chat has no prompt: it was made from the messages
+                param = "messages"
+            elif chat and param == "max_tokens" and req.max_completion_tokens is not None:
+                param = "max_completion_tokens"
+            raise APIError(400, str(e), param=param) from None
         except BaseException:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
@@ -175,7 +180,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return _AbortingStream(sse_stream(sink, choices, usage), lambda: loop.abort(rids),
                                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
-            await _collect(request, sink, choices)
+            await _collect(request, sink, choices)  # returns early when the client disconnects
         finally:
             loop.abort(rids)  # a no-op once they finished; frees their KV blocks when the client left early
         return JSONResponse(completion_body(choices))
@@ -184,19 +189,46 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
 
 async def _collect(request: Request, sink: asyncio.Queue, choices: Choices) -> None:
-    """Fill `choices` from the sink until every one finished, or the client went away (checked at least every
-    DISCONNECT_POLL_S, also while outputs keep coming: a decoding request outputs every step)."""
-    loop = asyncio.get_running_loop()
-    checked = loop.time()
-    while not choices.done:
-        try:
-            choices.update(await asyncio.wait_for(sink.get(), timeout=DISCONNECT_POLL_S))
-        except asyncio.TimeoutError:
-            pass
-        if loop.time() - checked >= DISCONNECT_POLL_S:
-            if await request.is_disconnected():
+    """Fill `choices` from the sink until every one finished, or the client went away.
+
+    The body has been read, so the next ASGI message is http.disconnect: a task waits for it and wakes the loop
+    below through the sink at once (no polling; and Request.is_disconnected() never sees the disconnect behind a
+    middleware that wraps `receive`, such as Starlette's BaseHTTPMiddleware)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, sink))
+    try:
+        while not choices.done:
+            item = await sink.get()
+            if item is _GONE:
                 return
-            checked = loop.time()
+            choices.update(item)
+    finally:
+        watcher.cancel()
+
+
+async def _watch_disconnect(request: Request, sink: asyncio.Queue) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass  # a body chunk after the end (none is expected): keep waiting
+    sink.put_nowait(_GONE)
+
+
+class _BearerAuth:
+    """`--api-key`: /v1 routes need 'Authorization: Bearer KEY'. A plain ASGI middleware, not @app.middleware:
+    Starlette's BaseHTTPMiddleware wraps `receive`, and the handlers behind it never see a client disconnect."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            # RFC 9110: the scheme name is case-insensitive ("bearer" is as good as "Bearer")
+            scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                response = JSONResponse(error_body("invalid or missing API key; send the header 'Authorization: "
+                                                   "Bearer <key>' with the key the server was started with",
+                                                   "authentication_error", code="invalid_api_key"), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _AbortingStream(StreamingResponse):
@@ -231,27 +263,30 @@ async def _json(request: Request, limit: int) -> object:
                        code="invalid_json") from None
 
 
-def _tokens(engine: Engine, prompt: str | list[int], limit: int) -> list[int]:
+def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "prompt") -> list[int]:
+    """The prompt's token ids; `param` names the field it came from in errors (chat: "messages")."""
     if isinstance(prompt, str):
         if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer; send prompt as token ids", param="prompt")
+            raise APIError(400, "this model has no tokenizer; send prompt as token ids", param=param)
         try:
             ids = engine.tokenizer.encode(prompt)
         except Exception as e:
-            raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+            raise APIError(400, f"the prompt cannot be tokenized: {e}", param=param) from None
     else:
         ids = list(prompt)
     if not ids:
-        raise APIError(400, "the prompt is empty; give at least one token", param="prompt")
+        raise APIError(400, "the prompt is empty; give at least one token", param=param)
     if len(ids) > limit:
         raise APIError(400, f"the prompt has {len(ids)} tokens, over the limit of {limit} (the model's context or "
-                       "--max-prompt-tokens); shorten it", param="prompt", code="context_length_exceeded")
+                       f"--max-prompt-tokens); shorten {'the messages' if param == 'messages' else 'it'}",
+                       param=param, code="context_length_exceeded")
     return ids
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
-                 "logprobs", "prompt"):
+    # stop_token_ids before stop, which is a part of its name
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+                 "stop_token_ids", "stop", "logprobs", "prompt"):
         if name in message:
             return name
     return None

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.errors import KilnError
-from kiln.runtime.sampler import MAX_LOGPROBS, SamplingParams
+from kiln.runtime.sampler import MAX_LOGPROBS, SEED_MAX, SamplingParams
 
 
 class APIError(KilnError):
@@ -84,8 +84,11 @@ class _Sampling(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
-        # n > 1 with a seed: choice i uses seed + i, so the choices differ and the request stays reproducible.
-        seed = None if self.seed is None else self.seed + choice
+        # n > 1 with a seed: choice i uses seed + i (mod 2**64, seeds are 64-bit: 2**64 - 1 is followed by 0), so
+        # the choices differ and the request stays reproducible. A seed out of range is left for the engine to refuse.
+        seed = self.seed
+        if seed is not None and 0 <= seed <= SEED_MAX:
+            seed = (seed + choice) % (SEED_MAX + 1)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
                               seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos,

@@ -71,10 +71,12 @@ class Choices:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+    def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> str:
+        """One event; with_usage (include_usage asked) puts "usage" on every chunk, null but on the last, as OpenAI
+        and vLLM do."""
         obj = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-        if usage is not None:
+        if usage is not None or with_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -117,7 +119,7 @@ async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> As
             choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": finish}
         if c.return_token_ids:
             choice["token_ids"] = ids
-        yield c.chunk([choice], None)
+        yield c.chunk([choice], None, include_usage)
     if include_usage and c.done:
         yield c.chunk([], c.usage())
     yield "data: [DONE]\n\n"

@@ -61,6 +61,14 @@ def recording(record: Callable[..., None]) -> Iterator[None]:
         _recorder = prev
 
 
+def dot_consts(dtype: torch.dtype) -> dict[str, Any]:
+    """The constexprs of a kernel's tl.dot: fp32 inputs take exact products ("ieee"; tf32 would be ~1e-3 off the
+    reference), 16-bit inputs the backend default. DOT_FP32: cast the operands to fp32 first, in Triton's CPU
+    interpreter, which computes a 16-bit tl.dot wrongly (bf16 products off by orders of magnitude)."""
+    dot_fp32 = dtype == torch.float32 or env.triton_interpret()
+    return {"INPUT_PRECISION": "ieee" if dot_fp32 else None, "DOT_FP32": dot_fp32}
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 

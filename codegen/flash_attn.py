@@ -6,7 +6,15 @@ from __future__ import annotations
 import torch
 
 from kiln import env
-from kiln.codegen._host import cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
+from kiln.codegen._host import (
+    cdiv,
+    check_out,
+    check_same_device,
+    check_tensor,
+    dot_consts,
+    launch,
+    next_power_of_2,
+)
 from kiln.codegen.tiles import TileConfig, default_tile
 from kiln.errors import CodegenError
 
@@ -123,8 +131,7 @@ def flash_attention_varlen(
         "CAUSAL": bool(causal),
         "HAS_WINDOW": window > 0,
         "EVEN_D": head_dim == block_d,  # no head-dim bound on the K/V loads
-        # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
-        "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else None,
+        **dot_consts(q.dtype),
     }
     num_seqs = cu_seqlens_q.shape[0] - 1
     if max_seqlen_q <= 0 or q.shape[0] == 0:  # no queries (descriptors need positive shapes)

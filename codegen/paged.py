@@ -20,7 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_out, check_same_device, check_tensor, launch, next_power_of_2
+from kiln.codegen._host import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_out,
+    check_same_device,
+    check_tensor,
+    dot_consts,
+    launch,
+    next_power_of_2,
+)
 from kiln.codegen.paged_tiles import MIN_SPLIT_KEYS, decode_splits, decode_tile, prefill_tile
 from kiln.codegen.tiles import TileConfig
 from kiln.errors import CodegenError
@@ -148,11 +157,6 @@ def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start
     return q, k_cache, v_cache, head_dim, num_heads // kv_heads
 
 
-def _precision(dtype: torch.dtype) -> str | None:
-    # fp32 inputs: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
-    return "ieee" if dtype == torch.float32 else None
-
-
 def paged_attention_decode(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
     query_start_loc: torch.Tensor, max_context_len: int, num_heads: int, window: int, scale: float,
@@ -188,7 +192,7 @@ def paged_attention_decode(
     part_lse = torch.empty(n, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, next_power_of_2(head_dim))
     consts = {"BLOCK_G": rows, "BLOCK_N": block_n, "BLOCK_D": block_d,
-              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, "INPUT_PRECISION": _precision(q.dtype),
+              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, **dot_consts(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     (stride_pt, stride_ph, stride_ps), (stride_lt, stride_lh) = part_o.stride()[:3], part_lse.stride()[:2]
     partials = dict(part_o_ptr=part_o, part_lse_ptr=part_lse, stride_pt=stride_pt, stride_ph=stride_ph,
@@ -230,7 +234,7 @@ def paged_attention_prefill(
         return out
     block_d = max(16, next_power_of_2(head_dim))
     consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": block_d, "CAUSAL": bool(causal),
-              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, "INPUT_PRECISION": _precision(q.dtype),
+              "HAS_WINDOW": window > 0, "EVEN_D": head_dim == block_d, **dot_consts(q.dtype),
               "KV_QUANT": kv_scales is not None}  # fmt: skip
     args = dict(q_ptr=q, **_cache_args(k_cache, v_cache), **scale_args, o_ptr=out, block_tables_ptr=block_tables,
                 context_lens_ptr=context_lens, query_start_loc_ptr=query_start_loc, stride_qt=q.stride(0),

@@ -12,8 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from kiln import env
-from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_same_device, check_tensor, launch
+from kiln.codegen._host import FLOAT_DTYPES, cdiv, check_same_device, check_tensor, dot_consts, launch
 from kiln.codegen.quant_tiles import GEMV_MAX_M, QuantTile, choose_tile, min_block_k
 from kiln.errors import CodegenError
 
@@ -119,11 +118,7 @@ def _launch(
         consts |= {"BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}
         launch("quant_gemv", op, (m, cdiv(n, tile.block_n), split), args, consts, options)
     else:
-        # fp32 activations: exact products (tf32 would be ~1e-3 off the reference); 16-bit: the backend default.
-        # Triton's CPU interpreter computes tl.dot on an in-kernel bf16/fp16 cast wrongly: it dots in fp32.
-        dot_fp32 = x.dtype == torch.float32 or env.triton_interpret()
-        consts |= {"INPUT_PRECISION": "ieee" if dot_fp32 else None, "DOT_FP32": dot_fp32,
-                   "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}  # fmt: skip
+        consts |= {**dot_consts(x.dtype), "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k}
         args["M"] = m
         grid = (cdiv(m, tile.block_m), cdiv(n, tile.block_n), split)
         launch("quant_gemm", op, grid, args, consts, options)

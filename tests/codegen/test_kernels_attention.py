@@ -5,7 +5,6 @@ Each case is one interpreted launch, so the matrix is chosen, not a full product
 longer than the sequence, cached prefixes (S > T), several tiles per sequence (block skipping) and varlen.
 """
 
-import os
 
 import pytest
 import torch
@@ -82,12 +81,7 @@ def test_flash_attention_varlen_matches_per_sequence_reference(causal, window):
     "dtype",
     [
         torch.float16,
-        pytest.param(
-            torch.bfloat16,
-            marks=pytest.mark.skipif(
-                os.environ.get("TRITON_INTERPRET") == "1", reason="triton's interpreter computes bf16 tl.dot wrongly"
-            ),
-        ),
+        torch.bfloat16,
     ],
 )
 def test_flash_attention_16bit_on_fused_qkv_views(dtype):

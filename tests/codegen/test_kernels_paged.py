@@ -113,6 +113,25 @@ def test_prefill_matches_reference(case):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_decode_and_prefill_match_the_fp32_reference(dtype):
+    """16-bit q and cache (the interpreter dots them in fp32: its 16-bit tl.dot is wrong, see dot_consts)."""
+    from kiln.codegen.paged import paged_attention_decode, paged_attention_prefill
+    from kiln.codegen.tiles import TileConfig
+
+    heads, kv_heads, d, bs = 4, 2, 32, 16
+    for q_lens, ctx in (([1, 1], [37, 5]), ([9, 2], [9, 21])):
+        q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(ctx), dtype=dtype)
+        if max(q_lens) == 1:
+            got = paged_attention_decode(q, cache, LAYER, bt, cl, qsl, max(ctx), heads, 0, d**-0.5, num_splits=2)
+        else:
+            got = paged_attention_prefill(q, cache, LAYER, bt, cl, qsl, max(q_lens), heads, True, 0, d**-0.5,
+                                          TileConfig(16, 16, 4, 1))  # fmt: skip
+        want = _expected(q, cache, tables, q_lens, ctx, heads, kv_heads, True, 0, d**-0.5)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_write_equals_index_put_and_skips_padding(block_size):
     from kiln.codegen.paged import paged_kv_write

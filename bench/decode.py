@@ -17,7 +17,9 @@ bytes on the device, compile_step and engine start (kernel warm-up) times, and t
 first and of the second request (issue 9 asks for the first within 2x of the second). Each row also decodes the
 same request once more with the engine's async scheduling flipped (`async_scheduling`: the setting of the main
 figure, on by default on CUDA; `kiln_tok_s_async_flipped` and whether its tokens agree).
-Writes bench/results/decode-<specs>-<device>-<date>.json (metadata: bench_meta.py).
+Writes bench/results/decode-<specs>-<device>-<date>.json (metadata: bench_meta.py), rewritten after every row so
+a run cut off keeps the rows measured. A row that raises is recorded as {"spec", "prompt_len", "error"} (and in
+"errors"), the next row still runs, and the script exits 1 at the end.
 
 On a CPU only the plumbing is meaningful (kiln runs its reference ops there); tests/test_bench_decode.py runs
     python bench/decode.py tiny-llama --prompt-lens 8 --new-tokens 6 --dtype fp32 --device cpu --copy-mib 8
@@ -82,7 +84,7 @@ def kiln_decode(m, prompt: list[int], new_tokens: int) -> tuple[float, list[int]
     t = time.perf_counter()
     step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda")
     compiled = time.perf_counter()
-    max_len = len(prompt) + new_tokens
+    max_len = len(prompt) + max(new_tokens, 4)  # the two TTFT requests below ask for 4 tokens
     bs = getattr(step, "block_size", 16)
     engine = Engine(step, m.tokenizer, m.model, max_num_seqs=1, max_model_len=max_len,
                     num_blocks=-(-max_len // bs) + 2)  # one sequence's blocks: the rest stays for the baseline
@@ -147,54 +149,52 @@ def baseline_decode(dec: StaticDecoder, prompt: list[int], new_tokens: int, mode
     return (new_tokens - 1) / elapsed, torch.cat(out).tolist()
 
 
-def run_one(spec: str, prompt_lens: list[int], new_tokens: int, dtype: str, device: str, mode: str,
-            copy_bw: float, seed: int = 0) -> list[dict]:
-    rows = []
-    for p in prompt_lens:
-        # A fresh model per prompt length: compile_step rewrites the graph in place (same seed: same weights).
-        t = time.perf_counter()
-        m = load_model(spec, dtype=dtype, device=device, seed=seed)
-        _sync(m.device)
-        load_s = time.perf_counter() - t
-        weight_bytes = sum(p.numel() * p.element_size() for p in m.gm.parameters())
-        check_llama_family(m.model)
-        if p + new_tokens > m.model.context:
-            raise SystemExit(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {m.model.context}")
-        rng = random.Random(seed + p)
-        prompt = [rng.randrange(m.model.vocab) for _ in range(p)]
-        dec = StaticDecoder(m.model, dict(m.gm.named_parameters()), p + new_tokens)  # kiln's tensors, shared
-        base_tps, base_toks = baseline_decode(dec, prompt, new_tokens, mode)
-        per_step = dec.bytes_per_step(p + new_tokens // 2)
-        del dec
-        torch._dynamo.reset()  # drop the baseline's graphs (and their memory pool) before kiln runs
-        gc.collect()
-        kiln_tps, kiln_toks, startup = kiln_decode(m, prompt, new_tokens)
-        m_device = str(m.device)
-        del m
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        agree = next((i for i, (a, b) in enumerate(zip(kiln_toks, base_toks, strict=False)) if a != b),
-                     min(len(kiln_toks), len(base_toks)))  # fmt: skip
-        row = {"spec": spec, "prompt_len": p, "new_tokens": new_tokens, "bytes_per_step": per_step,
-               "kiln_tok_s": round(kiln_tps, 2), "baseline_tok_s": round(base_tps, 2),
-               "kiln_over_baseline": round(kiln_tps / base_tps, 3),
-               "kiln_bandwidth_share": round(kiln_tps * per_step / copy_bw, 4),
-               "baseline_bandwidth_share": round(base_tps * per_step / copy_bw, 4),
-               "bandwidth_limit_tok_s": round(copy_bw / per_step, 1),
-               "greedy_tokens_agree": agree,
-               # issue 9: random weights load no slower than writing the same bytes; no compile on the first request
-               "load_random_weights_s": round(load_s, 3), "weight_bytes": weight_bytes,
-               "write_same_bytes_s": round(write_time(torch.device(m_device), weight_bytes), 6),
-               **startup}  # fmt: skip
-        print(f"{spec} prompt {p}: kiln {kiln_tps:.1f} tok/s ({row['kiln_bandwidth_share']:.0%} of copy bw), "
-              f"compiled baseline {base_tps:.1f} tok/s ({row['baseline_bandwidth_share']:.0%}), "
-              f"ratio {row['kiln_over_baseline']:.2f}x; first {agree} greedy tokens agree; TTFT first "
-              f"{row['ttft_first_s'] * 1e3:.0f} ms, second {row['ttft_second_s'] * 1e3:.0f} ms; load "
-              f"{row['load_random_weights_s']:.2f} s (writing the bytes: {row['write_same_bytes_s']:.2f} s)",
-              file=sys.stderr)
-        rows.append(row)
-    return rows
+def run_row(spec: str, p: int, new_tokens: int, dtype: str, device: str, mode: str, copy_bw: float,
+            seed: int = 0) -> dict:
+    """One (spec, prompt length) row: kiln and the baseline on a freshly loaded model."""
+    # A fresh model per prompt length: compile_step rewrites the graph in place (same seed: same weights).
+    t = time.perf_counter()
+    m = load_model(spec, dtype=dtype, device=device, seed=seed)
+    _sync(m.device)
+    load_s = time.perf_counter() - t
+    weight_bytes = sum(p.numel() * p.element_size() for p in m.gm.parameters())
+    check_llama_family(m.model)
+    if p + new_tokens > m.model.context:
+        raise SystemExit(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {m.model.context}")
+    rng = random.Random(seed + p)
+    prompt = [rng.randrange(m.model.vocab) for _ in range(p)]
+    dec = StaticDecoder(m.model, dict(m.gm.named_parameters()), p + new_tokens)  # kiln's tensors, shared
+    base_tps, base_toks = baseline_decode(dec, prompt, new_tokens, mode)
+    per_step = dec.bytes_per_step(p + new_tokens // 2)
+    del dec
+    torch._dynamo.reset()  # drop the baseline's graphs (and their memory pool) before kiln runs
+    gc.collect()
+    kiln_tps, kiln_toks, startup = kiln_decode(m, prompt, new_tokens)
+    m_device = str(m.device)
+    del m
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    agree = next((i for i, (a, b) in enumerate(zip(kiln_toks, base_toks, strict=False)) if a != b),
+                 min(len(kiln_toks), len(base_toks)))  # fmt: skip
+    row = {"spec": spec, "prompt_len": p, "new_tokens": new_tokens, "bytes_per_step": per_step,
+           "kiln_tok_s": round(kiln_tps, 2), "baseline_tok_s": round(base_tps, 2),
+           "kiln_over_baseline": round(kiln_tps / base_tps, 3),
+           "kiln_bandwidth_share": round(kiln_tps * per_step / copy_bw, 4),
+           "baseline_bandwidth_share": round(base_tps * per_step / copy_bw, 4),
+           "bandwidth_limit_tok_s": round(copy_bw / per_step, 1),
+           "greedy_tokens_agree": agree,
+           # issue 9: random weights load no slower than writing the same bytes; no compile on the first request
+           "load_random_weights_s": round(load_s, 3), "weight_bytes": weight_bytes,
+           "write_same_bytes_s": round(write_time(torch.device(m_device), weight_bytes), 6),
+           **startup}  # fmt: skip
+    print(f"{spec} prompt {p}: kiln {kiln_tps:.1f} tok/s ({row['kiln_bandwidth_share']:.0%} of copy bw), "
+          f"compiled baseline {base_tps:.1f} tok/s ({row['baseline_bandwidth_share']:.0%}), "
+          f"ratio {row['kiln_over_baseline']:.2f}x; first {agree} greedy tokens agree; TTFT first "
+          f"{row['ttft_first_s'] * 1e3:.0f} ms, second {row['ttft_second_s'] * 1e3:.0f} ms; load "
+          f"{row['load_random_weights_s']:.2f} s (writing the bytes: {row['write_same_bytes_s']:.2f} s)",
+          file=sys.stderr)
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -215,14 +215,33 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     copy_bw = copy_bandwidth(device, args.copy_mib << 20, iters=10)
     print(f"copy bandwidth on {device}: {copy_bw / 1e9:.1f} GB/s", file=sys.stderr)
-    rows = [r for spec in args.specs for r in run_one(spec, args.prompt_lens, args.new_tokens, args.dtype,
-                                                       args.device, args.compile_mode, copy_bw)]  # fmt: skip
+    rows: list[dict] = []
+    errors: list[str] = []
     result = {"bench": "decode", **run_metadata(), "dtype": args.dtype, "compile_mode": args.compile_mode,
-              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "rows": rows}  # fmt: skip
-    path = write_json(result_path(args.out_dir, "decode-" + "-".join(args.specs)), result)
-    print(f"wrote {path}", file=sys.stderr)
+              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "rows": rows, "errors": errors}  # fmt: skip
+    path = result_path(args.out_dir, "decode-" + "-".join(args.specs))
+    for spec in args.specs:
+        for p in args.prompt_lens:
+            try:
+                rows.append(run_row(spec, p, args.new_tokens, args.dtype, args.device, args.compile_mode, copy_bw))
+            except Exception as e:  # recorded: the next row reloads the model and may still run
+                error = f"{type(e).__name__}: {e}"[:1000]
+                rows.append({"spec": spec, "prompt_len": p, "error": error})
+                errors.append(f"{spec} prompt {p}: {error}")
+                print(f"ERROR {errors[-1]}", file=sys.stderr)
+                torch._dynamo.reset()  # a baseline that failed mid-compile leaves its graphs behind
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            write_json(path, result)  # after every row: a timeout or a crash later keeps what was measured
+    print(f"wrote {path}" + (f"; {len(errors)} row(s) failed" if errors else ""), file=sys.stderr)
     return result
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """main's exit code: 1 when a row failed (its error is in the JSON), so the session's status shows it."""
+    return 1 if main(argv)["errors"] else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

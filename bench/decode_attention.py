@@ -8,11 +8,14 @@ the K/V gathered into contiguous [B, Hkv, ctx, D] tensors outside the timed regi
 the K/V bytes each reads per call over its time as a share of the copy bandwidth (dst.copy_(src): bytes read
 + written) measured in the same run. Issue 10's target: kiln at least 70% of copy bandwidth at batch 64,
 context 4096. Points whose cache would exceed --max-tokens (batch x context) are skipped and listed. Needs
-CUDA; writes bench/results/decode_attention-<device>-<date>.json.
+CUDA; writes bench/results/decode_attention-<device>-<date>.json, rewritten after every row (a run cut off keeps
+what it measured). A row whose output differs from SDPA (or that raises) is recorded as {"batch", "context",
+"head_dim", "error"}, the run goes on, and it exits 1 at the end.
 
     python bench/decode_attention.py [--batches 1,16,64,256] [--contexts 512,...,32768] [--head-dims 64,128]
                                      [--dtype bf16] [--max-tokens 2097152] [--out bench/results]
     python bench/decode_attention.py --smoke    # CPU, Triton's interpreter, tiny shapes: correctness only
+                                                # (--save-smoke: the file too, as the GPU run writes it)
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def measure(cfg: dict, batch: int, ctx: int, tile, time_ms, copy_bw: float, devi
     ref = sdpa().reshape(batch, h * d).float()
     err = (kiln().float() - ref).abs().max().item()
     if not err <= 2e-2 * max(ref.abs().max().item(), 1.0):
-        raise SystemExit(f"kiln's decode output differs from SDPA by {err} at batch {batch} ctx {ctx} {cfg}")
+        # recorded for this row by _run (exit 1 at the end), not timed
+        return {"batch": batch, "context": ctx, "head_dim": d, "error": f"mismatch {err}"}
     t_kiln, t_sdpa = time_ms(kiln), time_ms(sdpa)
     kv_bytes = 2 * batch * ctx * hkv * d * q.element_size()
     return {
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", "--out", dest="out", default="bench/results", help="where the JSON goes")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton's interpreter, tiny shapes: checks kiln against SDPA, writes nothing")
+    p.add_argument("--save-smoke", action="store_true", help="with --smoke: write the JSON too (for tests)")
     args = p.parse_args(argv)
     if args.smoke:
         args.batches, args.contexts, args.head_dims, args.heads, args.kv_heads = "1,3", "40,77", "64", 4, 2
@@ -118,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, device: str, time_ms) -> int:
-    from kiln.codegen import autotune
     from kiln.codegen.paged_tiles import decode_tile
 
     copy_bw = copy_bandwidth(device, args.copy_mib << 20)
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
     rows, skipped, tiles = [], [], {}
+    save, path, meta = not args.smoke or args.save_smoke, result_path(args.out, "decode_attention"), run_metadata()
     tune_at = (3, 77) if args.smoke else (64, 4096)  # the issue's target point
     for d in _ints(args.head_dims):
         cfg = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": d, "block_size": args.block_size,
@@ -140,17 +145,41 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
                 if batch * ctx > args.max_tokens:
                     skipped.append({"batch": batch, "context": ctx, "head_dim": d})
                     continue
-                row = measure(cfg, batch, ctx, tile, time_ms, copy_bw, device)
+                try:
+                    row = measure(cfg, batch, ctx, tile, time_ms, copy_bw, device)
+                except Exception as e:  # recorded (exit 1 at the end): the other points may still run
+                    row = {"batch": batch, "context": ctx, "head_dim": d, "error": f"{type(e).__name__}: {e}"[:500]}
                 rows.append(row)
+                if save:  # after every row: a timeout or a crash later keeps what was measured
+                    write_json(path, _result(args, meta, tiles, tune_at, rows, skipped, copy_bw))
+                if "error" in row:
+                    print(f"d{d} batch {batch:3d} ctx {ctx:5d}: FAILED {row['error']}", file=sys.stderr, flush=True)
+                    continue
                 print(f"d{d} batch {batch:3d} ctx {ctx:5d}: kiln {row['kiln_ms'] * 1e3:8.1f} us "
                       f"({row['kiln_of_copy_bw']:.0%} of copy BW, {row['num_splits']} splits)  sdpa "
                       f"{row['sdpa_ms'] * 1e3:8.1f} us ({row['sdpa_of_copy_bw']:.0%})  {row['kiln_vs_sdpa']:.2f}x",
                       flush=True)  # fmt: skip
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    target_rows = [r for r in rows if r["batch"] == 64 and r["context"] == 4096]
-    result = {
-        **run_metadata(),
+    result = _result(args, meta, tiles, tune_at, rows, skipped, copy_bw)
+    failed = [r for r in rows if "error" in r]
+    if args.smoke:
+        print(f"smoke: {len(rows) - len(failed)} rows equal SDPA ({len(skipped)} skipped); {result['autotune']}; "
+              + (f"wrote {path}" if save else "no figure written"))
+    else:
+        print(f"wrote {path}")
+    if failed:
+        print(f"FAILED: {len(failed)} of {len(rows)} rows (their error is in the JSON)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _result(args: argparse.Namespace, meta: dict, tiles: dict, tune_at: tuple[int, int], rows: list[dict],
+            skipped: list[dict], copy_bw: float) -> dict:
+    from kiln.codegen import autotune
+
+    target_rows = [r for r in rows if r["batch"] == 64 and r["context"] == 4096 and "error" not in r]
+    return {
+        **meta,
         "benchmark": "decode_attention",
         "config": {"heads": args.heads, "kv_heads": args.kv_heads, "block_size": args.block_size,
                    "dtype": args.dtype, "sdpa": "enable_gqa over K/V gathered contiguously",
@@ -161,13 +190,8 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
         "skipped_over_max_tokens": skipped,
         "target": "kiln_of_copy_bw >= 0.7 at batch 64, context 4096",
         "target_met": bool(target_rows) and all(r["kiln_of_copy_bw"] >= 0.7 for r in target_rows),
+        "errors": [r for r in rows if "error" in r],
     }
-    if args.smoke:
-        print(f"smoke: {len(rows)} rows equal SDPA ({len(skipped)} skipped); {result['autotune']}; no figure written")
-        return 0
-    path = write_json(result_path(args.out, "decode_attention"), result)
-    print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

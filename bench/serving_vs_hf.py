@@ -7,7 +7,9 @@
 The spec (llama family only) becomes a transformers LlamaConfig; that model is built with seeded random
 weights and saved to a temporary checkpoint, which kiln then loads like `--weights DIR`. Prints output
 tokens/s and requests/s of both and the ratio; on CUDA the target is a ratio of at least 3 (exit 1 when
-missed). Writes bench/results/serving_vs_hf-<model>-<device>-<date>.json (--out-dir to change where).
+missed). Writes bench/results/serving_vs_hf-<model>-<device>-<date>.json (--out-dir to change where): first
+once HF's half is measured (`"status": "partial: ..."`, so a run stopped during kiln's half keeps it), then
+complete (`"status": "complete"`).
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def kiln_engine(m, step, args: argparse.Namespace, max_model_len: int) -> Engine
                   gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=max_model_len)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save=None) -> dict:
+    """Both halves; save(result), when given, is called with the partial result once HF's half is measured."""
     from transformers import __version__ as transformers_version
 
     input_len, output_len = parse_range(args.input_len), parse_range(args.output_len)
@@ -162,6 +165,8 @@ def run(args: argparse.Namespace) -> dict:
             hf_generate(model, warm, args.batch_size, device, progress=False)
         say(f"hf: {len(trace)} requests in static batches of {args.batch_size}")
         result["hf"] = hf_generate(model, trace, args.batch_size, device)
+        if save is not None:  # HF's half is most of the time: kept if kiln's half fails or is cut off
+            save(result | {"status": "partial: hf measured; kiln, ratio and target not yet"})
         del model  # the HF model leaves the device before kiln's KV pool sizes itself from free memory
         _free(device)
 
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace) -> dict:
     on_cuda = device.type == "cuda"
     result["target"] = {"min_ratio": TARGET_RATIO, "applies": on_cuda,
                         "met": result["ratio"]["output_tokens_per_s"] >= TARGET_RATIO if on_cuda else None}
+    result["status"] = "complete"
     return result
 
 
@@ -229,13 +235,18 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+
+    def save(r: dict) -> Path:
+        path = write_json(result_path(args.out_dir, f"serving_vs_hf-{r['model']}"), r)
+        say(f"wrote {path} ({r['status']})")
+        return path
+
     try:
-        r = run(args)
+        r = run(args, save)
     except KilnError as e:
         raise SystemExit(f"serving_vs_hf: {e}") from None
     print(json.dumps(r, indent=2) if args.json else report(r))
-    path = write_json(result_path(args.out_dir, f"serving_vs_hf-{r['model']}"), r)
-    say(f"wrote {path}")
+    save(r)
     return 1 if r["target"]["met"] is False else 0
 
 

@@ -18,7 +18,8 @@ DEFAULT_SPECULATION_MAX_BATCH is chosen from it). Token outputs of the three mod
 tokens/s = generated tokens / wall time of the run, the best of --repeats interleaved runs; a warm-up run of
 2 tokens per request first puts the prompts in the prefix cache, so the timed runs are mostly decode. The
 verifier is the reference op torch.ops.kiln.spec_verify (the step model's `verify`, when it has one, wins).
-Writes bench/results/speculative-<device>-<date>.json with the run metadata (bench_meta.py).
+Writes bench/results/speculative-<spec>-<device>-<date>.json with the run metadata (bench_meta.py): the spec in
+the name, so runs of two specs on one day (the GPU session's `compare`) keep both files.
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt_lens = [len(p) for p in prompts(m.tokenizer, len(PASSAGES), m.model.vocab)]
     random_weights = m.tokenizer is None or isinstance(m.tokenizer, ByteTokenizer)
     data = {
-        "benchmark": "speculative", "spec": args.spec, "weights": args.weights or "bundled", "dtype": args.dtype,
+        "benchmark": "speculative", "spec": args.spec, "dtype": args.dtype,
+        # a spec with no bundled weights and none given ran on seeded random weights
+        "weights": args.weights or ("random" if random_weights else "bundled"),
         "new_tokens": args.new_tokens, "k": args.k, "ngram_n": args.ngram, "self_layers": args.self_layers,
         "self_k": args.self_k,
         "prompt_tokens": prompt_lens,
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         "crossover_note": "largest batch where the drafter's tokens/s beat plain decoding (0: none)",
         "meta": run_metadata(m.device),
     }
-    path = write_json(result_path(args.out_dir, "speculative"), data)
+    path = write_json(result_path(args.out_dir, f"speculative-{args.spec}"), data)
     print(f"wrote {path}", file=sys.stderr)
     return 0
 

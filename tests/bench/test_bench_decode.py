@@ -61,3 +61,36 @@ def test_decode_bench_runs_end_to_end_on_cpu(bench, tmp_path):
     assert row["async_flipped_tokens_agree"] is True
     saved = json.loads(next(tmp_path.glob("decode-tiny-llama-*.json")).read_text())
     assert saved["rows"] == result["rows"] and saved["copy_bandwidth_gb_s"] > 0 and saved["torch"]
+
+
+def test_a_failing_row_is_recorded_and_every_row_is_saved_as_it_ends(bench, tmp_path, monkeypatch):
+    real, calls = bench.kiln_decode, []
+
+    def flaky(m, prompt, new_tokens):  # row 1 measures, row 2 raises, row 3 is "killed" (not an Exception)
+        calls.append(len(prompt))
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if len(calls) == 3:
+            saved = json.loads(next(tmp_path.glob("decode-tiny-llama-*.json")).read_text())
+            assert [r["prompt_len"] for r in saved["rows"]] == [5, 6]  # on disk before row 3 ends
+            raise KeyboardInterrupt  # as a timeout's kill would: nothing after this point runs
+        return real(m, prompt, new_tokens)
+
+    monkeypatch.setattr(bench, "kiln_decode", flaky)
+    argv = ["tiny-llama", "--prompt-lens", "5", "6", "7", "--new-tokens", "3", "--dtype", "fp32", "--device", "cpu",
+            "--copy-mib", "4", "--compile-mode", "none", "--out-dir", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    saved = json.loads(next(tmp_path.glob("decode-tiny-llama-*.json")).read_text())
+    good, bad = saved["rows"]
+    assert good["prompt_len"] == 5 and good["kiln_tok_s"] > 0 and "error" not in good
+    assert bad == {"spec": "tiny-llama", "prompt_len": 6,
+                   "error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert saved["errors"] == ["tiny-llama prompt 6: " + bad["error"]]
+
+
+def test_the_script_exits_1_when_a_row_failed(bench, monkeypatch):
+    monkeypatch.setattr(bench, "main", lambda argv=None: {"errors": ["tiny-llama prompt 6: boom"]})
+    assert bench.cli([]) == 1
+    monkeypatch.setattr(bench, "main", lambda argv=None: {"errors": []})
+    assert bench.cli([]) == 0

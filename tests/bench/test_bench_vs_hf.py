@@ -49,6 +49,21 @@ def test_runs_both_sides_on_the_same_trace(bench, tmp_path, capsys):
     assert r["ratio"]["output_tokens_per_s"] > 0
     assert r["target"] == {"min_ratio": 3.0, "applies": False, "met": None}
     assert "hf: 3/3 requests done" in err
+    assert r["status"] == "complete"
+
+
+def test_hf_half_is_written_before_kiln_half_runs(bench, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("kiln's half broke")
+
+    monkeypatch.setattr(bench, "load_model", broken)  # the first thing kiln's half does
+    with pytest.raises(RuntimeError, match="kiln's half broke"):
+        bench.main(["tiny-llama", "--num-requests", "2", "--input-len", "4:6", "--output-len", "2:3",
+                    "--batch-size", "2", "--warmup", "0", "--device", "cpu", "--out-dir", str(tmp_path)])
+    [path] = tmp_path.glob("serving_vs_hf-tiny-llama-*.json")
+    r = json.loads(path.read_text())
+    assert r["status"].startswith("partial") and "kiln" in r["status"]
+    assert r["hf"]["output_tokens"] == r["trace"]["output_tokens"] and "kiln" not in r and "ratio" not in r
 
 
 def test_hf_config_mirrors_a_llama_spec(bench):

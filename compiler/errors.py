@@ -58,7 +58,13 @@ class CodegenError(KilnError):
 
 
 class RequestError(KilnError):
-    """A generation request with a bad parameter; names the parameter and the allowed range."""
+    """A generation request with a bad parameter; names the parameter and the allowed range. param: the request
+    field at fault where there is one (the server's 400 names it), code: a machine-readable reason (e.g.
+    "context_length_exceeded", OpenAI's code for a prompt too long for the context)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class UsageError(KilnError):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from kiln.build import LoadedModel, load_model, say
+from kiln.build import LoadedModel, describe_model, load_model, say
 from kiln.compile.step import compile_step
 from kiln.errors import InternalError, KilnError, UsageError
 from kiln.ir.attrs import owner
@@ -52,8 +52,34 @@ def resolve_speculation(value: object, loaded: LoadedModel, source: str = "specu
     the spec's `speculation` key; None takes the spec's. A self drafter is checked against the model's layers."""
     cfg = loaded.compile.extra.get("speculation") if value is None else speculation_config(value, source)
     if cfg is not None:
+        if loaded.model.route is not None:
+            raise UsageError(f"{source} {describe(cfg)}: {NOT_FOR_MOD}; serve {loaded.model.name} with speculation "
+                             "off (--speculation off, LLM(speculation='off'))")
         check_layers(cfg, loaded.model, source)
     return cfg
+
+
+NOT_FOR_MOD = ("speculative decoding is not built for Mixture-of-Depths models (its rejected drafts would have to be "
+               "taken back out of every routed layer's cache)")
+
+
+def check_draft(cfg: SpeculationConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model's config, read without its weights (a spec, config.json or GGUF metadata), or a KilnError
+    saying why it cannot draft for `target` (it cannot be read, it routes layers, its vocabulary differs): found
+    before any weight loads, and by `kiln check`."""
+    where = f"speculation {describe(cfg)}"
+    try:
+        draft = describe_model(cfg.spec or None, cfg.weights or None)
+    except KilnError as e:
+        raise UsageError(f"{where}: cannot load the draft model: {e}") from None
+    if draft.route is not None:
+        raise UsageError(f"{where}: the draft model {draft.name!r} routes layers (route = mod(...)), and "
+                         f"{NOT_FOR_MOD}; use its dense form as the draft")
+    if draft.vocab != target.vocab:
+        raise UsageError(f"{where}: the draft model {draft.name!r} and the target {target.name!r} have different "
+                         f"vocabularies: {draft.vocab} ids in the draft's, {target.vocab} in the target's; "
+                         + _SAME_TOKENIZER)
+    return draft
 
 
 def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 0) -> DraftPlan:
@@ -65,11 +91,12 @@ def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 
         check_layers(cfg, loaded.model, "speculation")
         graph = self_draft_graph(loaded.gm, cfg.layers)
         return DraftPlan(cfg, loaded, graph=graph, model=dataclasses.replace(loaded.model, layers=cfg.layers))
+    check_draft(cfg, loaded.model)  # before the draft's weights load
     try:
         draft = load_model(cfg.spec or None, cfg.weights or None, dtype=loaded.compile.dtype,
                            device=str(loaded.device), seed=seed)
-    except UsageError as e:  # no such file, a directory, ...: say which setting named it
-        raise UsageError(f"speculation {describe(cfg)}: cannot load the draft model: {e}") from None
+    except KilnError as e:  # no such file, a directory, a spec that does not match its weights...: say who named it
+        raise type(e)(f"speculation {describe(cfg)}: cannot load the draft model: {e}") from None
     check_same_tokenizer(loaded, draft)
     say(f"draft model {draft.model.name} ({draft.model.layers} layers) from {draft.source}")
     return DraftPlan(cfg, loaded, model=draft.model, draft=draft)
@@ -143,8 +170,7 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
     t, d = target.model, draft.model
     t_tokens, d_tokens = _tokens(target.tokenizer), _tokens(draft.tokenizer)
     where = f"the draft model {d.name!r} ({draft.source}) and the target {t.name!r} ({target.source})"
-    fix = ("speculation compares token ids, so the draft model needs the target's tokenizer: use a smaller model of "
-           "the same family, or ngram(...) / self(...)")
+    fix = _SAME_TOKENIZER
     if d.vocab != t.vocab:
         raise KilnError(f"{where} have different vocabularies: {d.vocab} ids in the draft's, {t.vocab} in the "
                         f"target's; {fix}")
@@ -158,6 +184,10 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
                 f"{where} have different tokenizers: token {i} is {_shown(a)} in the draft's vocabulary "
                 f"({len(d_tokens)} tokens, {type(draft.tokenizer).__name__}) and {_shown(b)} in the target's "
                 f"({len(t_tokens)} tokens, {type(target.tokenizer).__name__}); {fix}")
+
+
+_SAME_TOKENIZER = ("speculation compares token ids, so the draft model needs the target's tokenizer: use a smaller "
+                   "model of the same family, or ngram(...) / self(...)")
 
 
 def _tokens(tok: object) -> list[str | None] | None:

@@ -262,7 +262,7 @@ class Engine:
         bad = [t for t in params.stop_token_ids if t >= vocab]  # never sampled, so the stop could never fire
         if bad:
             raise RequestError(f"stop_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
-                               f"token ids 0 .. {vocab - 1}")
+                               f"token ids 0 .. {vocab - 1}", param="stop_token_ids")
         bm = self.block_manager
         if params.max_tokens is None:  # the pool always holds one max_model_len sequence (choose_num_blocks)
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
@@ -271,7 +271,7 @@ class Engine:
             raise RequestError(
                 f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} needs {bm.blocks_for(total)} KV "
                 f"blocks but the pool has {bm.num_usable_blocks}; lower max_tokens or raise num_blocks "
-                "(--num-blocks)")
+                "(--num-blocks)", param="max_tokens")
         return ids, params
 
     def abort(self, request_id: str, notify: bool = True) -> bool:

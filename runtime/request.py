@@ -237,18 +237,19 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, *, voc
         raise RequestError(f"prompt_token_ids holds a bool at position {[type(t) for t in items].index(bool)}, "
                            "not a token id; give integers")
     if not ids:
-        raise RequestError("the prompt is empty; give at least one token")
+        raise RequestError("the prompt is empty; give at least one token", param="prompt")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"prompt_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
-                           f"0 <= id < {vocab} (was the prompt encoded with this model's tokenizer?)")
+                           f"0 <= id < {vocab} (was the prompt encoded with this model's tokenizer?)", param="prompt")
     total = len(ids) + (1 if max_tokens is None else max_tokens)
     if max_tokens is None and total > limit:
         raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate in the {limit_name} of {limit}; "
-                           "shorten the prompt")
+                           "shorten the prompt", param="prompt", code="context_length_exceeded")
     if total > limit:
         raise RequestError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds the {limit_name} "
-                           f"of {limit}; shorten the prompt or lower max_tokens")
+                           f"of {limit}; shorten the prompt or lower max_tokens", param="max_tokens",
+                           code="context_length_exceeded")
     return ids
 
 

@@ -164,8 +164,9 @@ class SamplingParams:
                 kind, bad = wrong
                 got = type(bad).__name__ if bad is value else f"{type(bad).__name__} {bad!r}"
                 raise RequestError(f"sampling parameter {name} = {value!r} must be {kind}, not {got}; "
-                                   f"allowed: {allowed}")
-            raise RequestError(f"sampling parameter {name} = {value!r} is out of range; allowed: {allowed}")
+                                   f"allowed: {allowed}", param=name)
+            raise RequestError(f"sampling parameter {name} = {value!r} is out of range; allowed: {allowed}",
+                               param=name)
         return self
 
     @property

@@ -10,6 +10,7 @@ import time
 from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, routers_flag, seed_arg, serving_engine
 from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError
+from kiln.spec.validate import describe_route
 
 
 def _ids(text: str) -> list[int]:
@@ -52,8 +53,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"in {time.perf_counter() - t0:.2f}s")
     st = engine.stats
     if st.routed_blocks:  # Mixture-of-Depths: routed layers cache only their routed tokens
-        say(f"routed KV cache: {st.kv_bytes / 2**20:.1f} MiB, {st.kv_bytes_saved / 2**20:.1f} MiB "
-            f"({st.kv_bytes_saved / st.kv_bytes_dense:.0%}) less than caching every token in every layer")
+        say(f"{describe_route(m.model)}, served in the causal form (router score > threshold, or predictor logit "
+            f"> 0); routed KV cache: {st.kv_bytes / 2**20:.1f} MiB" + (
+                f", {st.kv_bytes_saved / 2**20:.1f} MiB ({st.kv_bytes_saved / st.kv_bytes_dense:.0%}) less than "
+                "caching every token in every layer" if st.kv_bytes_saved > 0 else
+                " (a routed layer's pool holds at least one full-length sequence, so one request saves no memory; "
+                "with many, e.g. in `kiln serve`, each routed layer caches about its capacity's share)"))
     engine.add_request(prompt_token_ids=prompt_ids, params=params)
     final = None
     for out in engine.stream():

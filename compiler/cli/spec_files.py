@@ -81,6 +81,16 @@ def serving_problems(loaded: LoadedSpec) -> list[Diagnostic]:
                                "mod(...)) is not built: rejected drafts would have to be taken back out of every "
                                "routed layer's cache", "remove the speculation setting (or run with --speculation "
                                "off), or the route setting"))
+    draft = extra.get("speculation")
+    if draft is not None and draft.kind == "draft" and model.route is None:
+        # lazy: reading a checkpoint's config goes through kiln.build, which loads torch (only for a draft model)
+        from kiln.speculation import check_draft
+
+        try:
+            check_draft(draft, model)
+        except KilnError as e:
+            out.append(_diagnostic(loaded, settings["speculation"], str(e), "give a draft model of the target's "
+                                   "family (the same tokenizer), dense; a relative path starts at the spec's folder"))
     quantize = extra.get("quantize")
     if quantize and quantize["bits"] == 4 and not quantize.get("auto_group"):
         scheme = SchemeView.of(quantize)

@@ -11,6 +11,7 @@ from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 
 DEFAULT_SEQ_LEN = 256  # tokens per window, or the model's context when that is shorter
+DEFAULT_HIDDEN = 128  # the predictor's width (--decide predictor)
 
 
 def _capacity(text: str) -> float:
@@ -54,7 +55,11 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     seq_len, note = fit_window(args.seq_len, cfg.context, "--seq-len", DEFAULT_SEQ_LEN)
     if note:
         say(f"note: {note}")
-    opts = RouterTraining(capacity=args.capacity, every=args.every, decide=args.decide, hidden=args.hidden,
+    if args.hidden is not None and args.decide != "predictor":
+        raise UsageError(f"--hidden {args.hidden} sets the width of a predictor, which --decide {args.decide} has none "
+                         "of; add --decide predictor, or leave --hidden out")
+    hidden = args.hidden if args.hidden is not None else DEFAULT_HIDDEN
+    opts = RouterTraining(capacity=args.capacity, every=args.every, decide=args.decide, hidden=hidden,
                           steps=args.steps, batch=args.batch, seq_len=seq_len, lr=args.lr, seed=args.seed,
                           init=args.init, calib_windows=args.calib_windows)
     opts.mod()  # bad settings fail before the model loads
@@ -104,7 +109,8 @@ def add_train_router_parser(sub: argparse._SubParsersAction) -> None:
                    help="route layers i with (i + 1) %% every == 0 (default 2)")
     p.add_argument("--decide", choices=("threshold", "predictor"), default="threshold",
                    help="how generation decides per token (default threshold)")
-    p.add_argument("--hidden", type=at_least(1), default=128, help="predictor width (decide = predictor)")
+    p.add_argument("--hidden", type=at_least(1), help=f"predictor width, with --decide predictor (default "
+                   f"{DEFAULT_HIDDEN})")
     p.add_argument("--init", choices=("auto", "fit", "flat"), default="auto",
                    help="how the routers start: fit (to the tokens the dense model attends to most), flat (every "
                    "score 1), auto (default: fit below capacity 1)")

@@ -164,12 +164,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 added.append(rid)
         except RequestError as e:
             loop.abort(added)
-            param = _param_of(str(e))
+            param = e.param
             if chat and param == "prompt":  # chat has no prompt: it was made from the messages
                 param = "messages"
             elif chat and param == "max_tokens" and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=param, code=e.code) from None
         except BaseException:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
@@ -281,15 +281,6 @@ def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "p
                        f"--max-prompt-tokens); shorten {'the messages' if param == 'messages' else 'it'}",
                        param=param, code="context_length_exceeded")
     return ids
-
-
-def _param_of(message: str) -> str | None:
-    # stop_token_ids before stop, which is a part of its name
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
-                 "stop_token_ids", "stop", "logprobs", "prompt"):
-        if name in message:
-            return name
-    return None
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}

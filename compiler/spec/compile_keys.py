@@ -15,6 +15,8 @@ COMPILE_KEYS = ("dtype", "quantize", "kv_cache", "attention", "speculation")
 PLANNED_COMPILE_KEYS = {
     "routing": ("Mixture-of-Depths routing is a model setting, `route`, not a compile setting: it changes what the "
                 "model computes", "move it into the model block, e.g. route = mod(capacity = 0.125, every = 2)"),
+    "route": ("`route` (Mixture-of-Depths routing) is a model setting, not a compile setting: it changes what the "
+              "model computes", "move the line into the model block"),
 }
 TILE_WARPS = (1, 2, 4, 8, 16)
 _QUANT_COMMON = ("method", "calibration", "tokens", "lm_head", "embeddings")

@@ -169,8 +169,8 @@ def check_layers(cfg: SpeculationConfig, model: ModelConfig, source: str = "--sp
     """A self drafter given by flag or argument must stay below the loaded model's layers (a spec file's key is
     checked at validation, where the model is known)."""
     if cfg.kind == "self" and cfg.layers >= model.layers:
-        raise UsageError(f"{source} {describe(cfg)}: the self drafter must use fewer layers than model "
-                         f"{model.name!r}'s {model.layers}; {_layers_hint(model.layers)}")
+        raise UsageError(f"{source} {describe(cfg)}: the self drafter must use fewer layers than the "
+                         f"{model.layers} of model {model.name!r}; {_layers_hint(model.layers)}")
 
 
 def describe(cfg: SpeculationConfig) -> str:

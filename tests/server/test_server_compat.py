@@ -155,6 +155,9 @@ def test_errors_name_the_right_param(url):
     long = {"messages": [{"role": "user", "content": "y" * 100}]}
     r = _post(url, "/v1/chat/completions", {**long, "max_tokens": 200})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"  # the engine's RequestError.code
+    r = _post(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
     r = _post(url, "/v1/chat/completions", {**long, "max_completion_tokens": 200})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
 

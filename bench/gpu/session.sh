@@ -73,14 +73,14 @@ phase_tests() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/logs/nvidia-smi.log" 2>&1
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
       > "$OUT/logs/versions.log" 2>&1
-  run pytest-gpu 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$R/gpu-tests-$DEV-$DAY.xml"
+  run pytest-gpu 170 "$PY" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$R/gpu-tests-$DEV-$DAY.xml"
 }
 
 phase_attention() {
-  run attention 180 "$PY" bench/attention.py --out-dir "$R"
+  run attention 170 "$PY" bench/attention.py --out-dir "$R"
   # A second process must tune nothing: its log says "0 tuned ..., N loaded from the cache".
-  run attention-again 60 "$PY" bench/attention.py --seqs 4096 --dtypes bf16 --out-dir "$OUT/again"
-  run decode_attention 120 "$PY" bench/decode_attention.py --out-dir "$R"
+  run attention-again 50 "$PY" bench/attention.py --seqs 4096 --dtypes bf16 --out-dir "$OUT/again"
+  run decode_attention 110 "$PY" bench/decode_attention.py --out-dir "$R"
 }
 
 phase_linear() {

@@ -121,3 +121,17 @@ def test_a_phase_brings_back_few_files_and_collect_reads_the_packed_logs(tmp_pat
         assert mod.main([str(out)]) == 1
         printed = capsys.readouterr().out
         assert "FAILED: attention rc=2" in printed and "bench/attention.py needs a CUDA device" in printed
+
+
+def test_each_readme_call_fits_one_device_call():
+    """A call's command limits (plus `timeout --kill-after=10` each) leave a minute of the device tool's 600 s for
+    set-up and packing: a call it kills brings back neither the summary nor the packed logs."""
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "bench" / "gpu" / "session.sh").read_text()
+    bodies = dict(re.findall(r"^phase_(\w+)\(\) \{.*?\n(.*?)^\}", script, re.S | re.M))
+    calls = re.findall(r"`bash bench/gpu/session.sh ([a-z ]+)`", (root / "bench" / "gpu" / "README.md").read_text())
+    assert len(calls) == 7
+    for call in calls:
+        limits = [int(n) for phase in call.split() for n in re.findall(r"^\s*run \S+ (\d+) ", bodies[phase], re.M)]
+        assert limits, call
+        assert sum(limits) + 10 * len(limits) <= 560, f"{call}: limits {limits}"

@@ -55,6 +55,7 @@ class _Sampling(BaseModel):
     @classmethod
     def _nulls_are_defaults(cls, data: Any) -> Any:
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
@@ -71,6 +72,9 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False  # kiln / vLLM extension: each choice also carries its token ids
     include_stop_str_in_output: bool = False  # vLLM extension: keep the stop string (or stop token's text)
     stop_token_ids: list[int] | None = None  # vLLM extension: token ids that end the choice ("stop")
+    # kiln extension, SamplingParams.speculate: false opts this request out of speculative decoding, true speculates
+    # seeded sampling too; unset, a server started with --speculation speculates all but seeded sampling.
+    speculate: bool | None = None
     user: str | None = None
     # OpenAI fields accepted only at their neutral values (anything else is a 400 naming the field).
     presence_penalty: float = 0.0
@@ -94,7 +98,8 @@ class _Sampling(BaseModel):
                               seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
                               stop_token_ids=tuple(self.stop_token_ids or ()),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              logprobs=self.engine_logprobs(), output_kind="delta")  # see streaming.Choices
+                              logprobs=self.engine_logprobs(), speculate=self.speculate,
+                              output_kind="delta")  # see streaming.Choices
 
     def engine_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None (off) or how many top alternatives each token reports."""

@@ -201,3 +201,24 @@ def test_include_usage_puts_usage_null_on_every_chunk_but_the_last(url, path):
     assert len(chunks) > 2 and all("usage" in c and c["usage"] is None for c in chunks[:-1]), chunks
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     assert all("usage" not in c for c in events({}))  # not asked: no usage key at all, as in OpenAI
+
+
+def test_a_request_can_opt_out_of_speculation(llm):
+    """`speculate: false` (kiln's extension, SamplingParams.speculate) keeps one request out of speculative
+    decoding on a server that speculates: no draft tokens proposed for it, the same tokens either way."""
+    from kiln import LLM
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    eng = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False, speculation="ngram(n = 2, k = 3)").engine
+    body = {"prompt": [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+        off = _post(u, "/v1/completions", {**body, "speculate": False})
+        assert off.status_code == 200, off.text
+        assert eng.stats.spec_proposed == 0
+        on = _post(u, "/v1/completions", body)
+        assert on.status_code == 200 and eng.stats.spec_proposed > 0
+        assert off.json()["choices"][0]["token_ids"] == on.json()["choices"][0]["token_ids"]
+        bad = _post(u, "/v1/completions", {**body, "speculate": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculate", bad.text

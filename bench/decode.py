@@ -159,8 +159,8 @@ def run_row(spec: str, p: int, new_tokens: int, dtype: str, device: str, mode: s
     load_s = time.perf_counter() - t
     weight_bytes = sum(p.numel() * p.element_size() for p in m.gm.parameters())
     check_llama_family(m.model)
-    if p + new_tokens > m.model.context:
-        raise SystemExit(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {m.model.context}")
+    if p + new_tokens > m.model.context:  # a ValueError, not SystemExit: main records it as this row's error
+        raise ValueError(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {m.model.context}")
     rng = random.Random(seed + p)
     prompt = [rng.randrange(m.model.vocab) for _ in range(p)]
     dec = StaticDecoder(m.model, dict(m.gm.named_parameters()), p + new_tokens)  # kiln's tensors, shared

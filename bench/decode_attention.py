@@ -10,7 +10,8 @@ the K/V bytes each reads per call over its time as a share of the copy bandwidth
 context 4096. Points whose cache would exceed --max-tokens (batch x context) are skipped and listed. Needs
 CUDA; writes bench/results/decode_attention-<device>-<date>.json, rewritten after every row (a run cut off keeps
 what it measured). A row whose output differs from SDPA (or that raises) is recorded as {"batch", "context",
-"head_dim", "error"}, the run goes on, and it exits 1 at the end.
+"head_dim", "error"}, a head dim whose tuning raises as {"head_dim", "error"} (in "errors" and as its entry in
+tiles_by_head_dim; its points are not measured), the run goes on, and it exits 1 at the end.
 
     python bench/decode_attention.py [--batches 1,16,64,256] [--contexts 512,...,32768] [--head-dims 64,128]
                                      [--dtype bf16] [--max-tokens 2097152] [--out bench/results]
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--contexts", default="512,1024,2048,4096,8192,16384,32768")
-    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--head-dims", default=None, help="default 64,128 (--smoke: 64)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
@@ -117,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-smoke", action="store_true", help="with --smoke: write the JSON too (for tests)")
     args = p.parse_args(argv)
     if args.smoke:
-        args.batches, args.contexts, args.head_dims, args.heads, args.kv_heads = "1,3", "40,77", "64", 4, 2
+        args.batches, args.contexts, args.heads, args.kv_heads = "1,3", "40,77", 4, 2
         args.dtype, args.copy_mib = "fp32", 8
+    args.head_dims = args.head_dims or ("64" if args.smoke else "64,128")  # a smoke run may name its own (tests)
     return run_on_device(args.smoke, "bench/decode_attention.py", lambda device, time_ms: _run(args, device, time_ms))
 
 
@@ -127,7 +129,7 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
 
     copy_bw = copy_bandwidth(device, args.copy_mib << 20)
     print(f"copy bandwidth: {copy_bw / 1e9:.0f} GB/s", flush=True)
-    rows, skipped, tiles = [], [], {}
+    rows, skipped, tiles, tune_errors = [], [], {}, []
     save, path, meta = not args.smoke or args.save_smoke, result_path(args.out, "decode_attention"), run_metadata()
     tune_at = (3, 77) if args.smoke else (64, 4096)  # the target point
     for d in _ints(args.head_dims):
@@ -137,7 +139,18 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
             dtype = DTYPES[args.dtype]
             tile = decode_tile(torch.device(device), dtype, dtype, d, args.heads // args.kv_heads)
         else:
-            tile = tune(cfg, *tune_at, device)
+            try:
+                tile = tune(cfg, *tune_at, device)
+            except Exception as e:  # recorded (exit 1 at the end); the next head dim may still run
+                # Its points are skipped, not run on the default tile: when every candidate failed, that one
+                # fails too, and a compile error paid again at each point could use up the command's time limit.
+                error = {"head_dim": d, "error": f"tune: {type(e).__name__}: {e}"[:500]}
+                tiles[d] = {"error": error["error"]}  # collect.py reports it from here
+                tune_errors.append(error)
+                print(f"d{d}: FAILED {error['error']}; its points are skipped", file=sys.stderr, flush=True)
+                if save:
+                    write_json(path, _result(args, meta, tiles, tune_at, rows, skipped, copy_bw, tune_errors))
+                continue
         tiles[d] = tile.__dict__
         print(f"d{d}: decode tile {tile}", flush=True)
         for batch in _ints(args.batches):
@@ -151,7 +164,7 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
                     row = {"batch": batch, "context": ctx, "head_dim": d, "error": f"{type(e).__name__}: {e}"[:500]}
                 rows.append(row)
                 if save:  # after every row: a timeout or a crash later keeps what was measured
-                    write_json(path, _result(args, meta, tiles, tune_at, rows, skipped, copy_bw))
+                    write_json(path, _result(args, meta, tiles, tune_at, rows, skipped, copy_bw, tune_errors))
                 if "error" in row:
                     print(f"d{d} batch {batch:3d} ctx {ctx:5d}: FAILED {row['error']}", file=sys.stderr, flush=True)
                     continue
@@ -161,7 +174,7 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
                       flush=True)  # fmt: skip
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    result = _result(args, meta, tiles, tune_at, rows, skipped, copy_bw)
+    result = _result(args, meta, tiles, tune_at, rows, skipped, copy_bw, tune_errors)
     failed = [r for r in rows if "error" in r]
     if args.smoke:
         print(f"smoke: {len(rows) - len(failed)} rows equal SDPA ({len(skipped)} skipped); {result['autotune']}; "
@@ -170,11 +183,14 @@ def _run(args: argparse.Namespace, device: str, time_ms) -> int:
         print(f"wrote {path}")
     if failed:
         print(f"FAILED: {len(failed)} of {len(rows)} rows (their error is in the JSON)", file=sys.stderr)
-    return 1 if failed else 0
+    if tune_errors:
+        print(f"FAILED: tuning for head dim {', '.join(str(e['head_dim']) for e in tune_errors)} (its points were "
+              "not measured; the error is in the JSON)", file=sys.stderr)
+    return 1 if failed or tune_errors else 0
 
 
 def _result(args: argparse.Namespace, meta: dict, tiles: dict, tune_at: tuple[int, int], rows: list[dict],
-            skipped: list[dict], copy_bw: float) -> dict:
+            skipped: list[dict], copy_bw: float, tune_errors: list[dict]) -> dict:
     from kiln.codegen import autotune
 
     target_rows = [r for r in rows if r["batch"] == 64 and r["context"] == 4096 and "error" not in r]
@@ -190,7 +206,7 @@ def _result(args: argparse.Namespace, meta: dict, tiles: dict, tune_at: tuple[in
         "skipped_over_max_tokens": skipped,
         "target": "kiln_of_copy_bw >= 0.7 at batch 64, context 4096",
         "target_met": bool(target_rows) and all(r["kiln_of_copy_bw"] >= 0.7 for r in target_rows),
-        "errors": [r for r in rows if "error" in r],
+        "errors": [r for r in rows if "error" in r] + tune_errors,  # a failed tune: {"head_dim", "error"}
     }
 
 

@@ -19,15 +19,21 @@ tokens/s = generated tokens / wall time of the run, the best of --repeats interl
 2 tokens per request first puts the prompts in the prefix cache, so the timed runs are mostly decode. The
 verifier is the reference op torch.ops.kiln.spec_verify (the step model's `verify`, when it has one, wins).
 Writes bench/results/speculative-<spec>-<device>-<date>.json with the run metadata (bench_meta.py): the spec in
-the name, so runs of two specs on one day (the GPU session's `compare`) keep both files.
+the name, so runs of two specs on one day (the GPU session's `compare`) keep both files. The file is rewritten
+after every (batch, drafter) row with a "status" of "partial: ..." until the run ends ("complete"), so a run cut
+off keeps what it measured. A drafter that raises at a batch (its engine, warm-up or a timed run; the self
+drafter's model not building) is recorded as {"batch", "drafter", "error"} (and in "errors"), the others go on,
+and the script exits 1 at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -101,6 +107,64 @@ def counters(eng: Engine) -> dict[str, int]:
             "draft_decode_replays": draft.graph_stats.decode_replays if draft is not None else 0}
 
 
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:1000]
+
+
+def result_row(b: int, name: str, best: tuple[float, list[list[int]], dict], base: tuple | None,
+               new_tokens: int) -> dict:
+    """One (batch, drafter) row from its best run; base is plain decoding's best (None when it failed)."""
+    secs, outs, st = best
+    tps = b * new_tokens / secs
+    return {"batch": b, "drafter": name, "tokens_per_s": round(tps, 2), "seconds": round(secs, 3),
+            "speedup": round(tps / (b * new_tokens / base[0]), 3) if base else None,
+            "same_tokens_as_plain": outs == base[1] if base else None,
+            "acceptance_rate": round(st["spec_accepted"] / max(st["spec_proposed"], 1), 4),
+            "mean_accepted_length": round(st["spec_emitted"] / max(st["spec_rows"], 1), 3),
+            "proposed": st["spec_proposed"], "accepted": st["spec_accepted"], "steps": st["num_steps"],
+            # CUDA graphs: verification steps run, and of them replayed (0 without graphs: eager)
+            "verify_steps": st["spec_verify_steps"], "verify_replays": st["verify_replays"],
+            "decode_replays": st["decode_replays"], "draft_decode_replays": st["draft_decode_replays"]}
+
+
+def measure_batch(b: int, engines: dict[str, Engine], reqs: list[list[int]], new_tokens: int, repeats: int,
+                  record: Callable[[dict], None]) -> None:
+    """Best of `repeats` interleaved runs of each engine on reqs; a drafter's row is recorded as soon as its last
+    run ends. An engine that raises is recorded as that drafter's error and leaves this batch: the others go on."""
+
+    def fail(name: str, e: Exception) -> None:
+        del engines[name]
+        record({"batch": b, "drafter": name, "error": error_text(e)})
+
+    for name, eng in list(engines.items()):
+        try:
+            run(eng, reqs, 2)  # warm-up: first calls, and the prompts land in the prefix cache
+        except Exception as e:
+            fail(name, e)
+    best: dict[str, tuple[float, list[list[int]], dict]] = {}
+    for rep in range(repeats):  # interleaved, best of: the CPU is shared with other work
+        for name, eng in list(engines.items()):
+            try:
+                before = counters(eng)
+                secs, outs = run(eng, reqs, new_tokens)
+                st = {k: v - before[k] for k, v in counters(eng).items()}
+            except Exception as e:
+                fail(name, e)
+                continue
+            if name not in best or secs < best[name][0]:
+                best[name] = (secs, outs, st)
+            if rep == repeats - 1:  # plain decoding runs first: its row, the others' base, is final by now
+                record(result_row(b, name, best[name], best.get("none") if "none" in engines else None, new_tokens))
+
+
+def crossovers(rows: list[dict], drafters: list[str]) -> dict[str, int]:
+    """The largest batch at which each drafter's tokens/s beat plain decoding's (0: none), from the rows so far."""
+    plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["drafter"] == "none" and "error" not in r}
+    return {name: max((r["batch"] for r in rows if r["drafter"] == name and "error" not in r
+                       and r["batch"] in plain and r["tokens_per_s"] > plain[r["batch"]]), default=0)
+            for name in drafters if name != "none"}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="smollm2-135m")
@@ -118,71 +182,80 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     m = load_model(args.spec, args.weights, device=args.device, dtype=args.dtype)
-    weights = {k: v.detach() for k, v in m.gm.state_dict().items()}
-    cfg_draft = dataclasses.replace(m.model, layers=args.self_layers)
-    draft_gm = build_graph(cfg_draft, {k: weights[k] for k in param_shapes(cfg_draft)}, dtype=weights[
-        "embed.weight"].dtype, device=m.device)
+    # The self drafter's model: a failure is that drafter's error at every batch, the others still run. Its graph
+    # is cut from the weights before the target compiles (compile_step rewrites m.gm in place).
+    draft, draft_error = None, None
+    try:
+        weights = {k: v.detach() for k, v in m.gm.state_dict().items()}
+        cfg_draft = dataclasses.replace(m.model, layers=args.self_layers)
+        draft_gm = build_graph(cfg_draft, {k: weights[k] for k in param_shapes(cfg_draft)},
+                               dtype=weights["embed.weight"].dtype, device=m.device)
+    except Exception as e:
+        draft_error = f"the draft model did not build: {error_text(e)}"
     target = compile_step(m.gm, m.model, m.compile, device=m.device)
     if getattr(target, "verify", None) is None:
         target.verify = reference_verify
-    draft = compile_step(draft_gm, cfg_draft, m.compile, device=m.device)
+    if draft_error is None:
+        try:
+            draft = compile_step(draft_gm, cfg_draft, m.compile, device=m.device)
+        except Exception as e:
+            draft_error = f"the draft model did not compile: {error_text(e)}"
+    if draft_error is not None:
+        print(f"self drafter: {draft_error}", file=sys.stderr, flush=True)
+
+    def self_drafter() -> ModelDrafter:
+        if draft_error is not None:
+            raise RuntimeError(draft_error)
+        return ModelDrafter(draft, k=args.self_k, shares_target_cache=True)
+
     max_len = min(512, m.model.context)  # the copying prompts and their outputs fit in 512 tokens
-    drafters = {
-        "none": lambda: None,
-        "ngram": lambda: NgramDrafter(n=args.ngram, k=args.k),
-        "self": lambda: ModelDrafter(draft, k=args.self_k, shares_target_cache=True),
-    }
-    rows, crossover = [], {}
-    for b in args.batches:
-        reqs = prompts(m.tokenizer, b, m.model.vocab)
-        engines = {name: Engine(target, m.tokenizer, m.model, max_num_seqs=b, max_model_len=max_len,
-                                num_blocks=b * 12 + 40, drafter=make(), speculation_max_batch=10**6)
-                   for name, make in drafters.items()}
-        for eng in engines.values():
-            run(eng, reqs, 2)  # warm-up: first calls, and the prompts land in the prefix cache
-        best: dict[str, tuple[float, list[list[int]], dict]] = {}
-        for _ in range(args.repeats):  # interleaved, best of: the CPU is shared with other work
-            for name, eng in engines.items():
-                before = counters(eng)
-                secs, outs = run(eng, reqs, args.new_tokens)
-                st = {k: v - before[k] for k, v in counters(eng).items()}
-                if name not in best or secs < best[name][0]:
-                    best[name] = (secs, outs, st)
-        base_tps, base_outs = b * args.new_tokens / best["none"][0], best["none"][1]
-        for name, (secs, outs, st) in best.items():
-            tps = b * args.new_tokens / secs
-            row = {"batch": b, "drafter": name, "tokens_per_s": round(tps, 2), "seconds": round(secs, 3),
-                   "speedup": round(tps / base_tps, 3), "same_tokens_as_plain": outs == base_outs,
-                   "acceptance_rate": round(st["spec_accepted"] / max(st["spec_proposed"], 1), 4),
-                   "mean_accepted_length": round(st["spec_emitted"] / max(st["spec_rows"], 1), 3),
-                   "proposed": st["spec_proposed"], "accepted": st["spec_accepted"], "steps": st["num_steps"],
-                   # CUDA graphs: verification steps run, and of them replayed (0 without graphs: eager)
-                   "verify_steps": st["spec_verify_steps"], "verify_replays": st["verify_replays"],
-                   "decode_replays": st["decode_replays"], "draft_decode_replays": st["draft_decode_replays"]}
-            rows.append(row)
-            print(row, file=sys.stderr, flush=True)
-            if name != "none" and tps > base_tps:
-                crossover[name] = max(crossover.get(name, 0), b)
-        del engines
+    drafters = {"none": lambda: None, "ngram": lambda: NgramDrafter(n=args.ngram, k=args.k), "self": self_drafter}
     prompt_lens = [len(p) for p in prompts(m.tokenizer, len(PASSAGES), m.model.vocab)]
     random_weights = m.tokenizer is None or isinstance(m.tokenizer, ByteTokenizer)
-    data = {
-        "benchmark": "speculative", "spec": args.spec, "dtype": args.dtype,
-        # a spec with no bundled weights and none given ran on seeded random weights
-        "weights": args.weights or ("random" if random_weights else "bundled"),
-        "new_tokens": args.new_tokens, "k": args.k, "ngram_n": args.ngram, "self_layers": args.self_layers,
-        "self_k": args.self_k,
-        "prompt_tokens": prompt_lens,
-        "workload": ("greedy; random weights, seeded 64-token passage given twice" if random_weights
-                     else "greedy; chat prompt asking to repeat a passage"),
-        "results": rows,
-        "crossover": {name: crossover.get(name, 0) for name in drafters if name != "none"},
-        "crossover_note": "largest batch where the drafter's tokens/s beat plain decoding (0: none)",
-        "meta": run_metadata(m.device),
-    }
-    path = write_json(result_path(args.out_dir, f"speculative-{args.spec}"), data)
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    path, meta = result_path(args.out_dir, f"speculative-{args.spec}"), run_metadata(m.device)
+    rows: list[dict] = []
+    total = len(args.batches) * len(drafters)
+
+    def save(status: str) -> Path:
+        return write_json(path, {
+            "benchmark": "speculative", "spec": args.spec, "dtype": args.dtype,
+            # a spec with no bundled weights and none given ran on seeded random weights
+            "weights": args.weights or ("random" if random_weights else "bundled"),
+            "new_tokens": args.new_tokens, "k": args.k, "ngram_n": args.ngram, "self_layers": args.self_layers,
+            "self_k": args.self_k,
+            "prompt_tokens": prompt_lens,
+            "workload": ("greedy; random weights, seeded 64-token passage given twice" if random_weights
+                         else "greedy; chat prompt asking to repeat a passage"),
+            "status": status,  # collect.py flags anything but "complete": a run cut off keeps its rows, marked so
+            "results": rows,
+            "errors": [r for r in rows if "error" in r],
+            "crossover": crossovers(rows, list(drafters)),
+            "crossover_note": "largest batch where the drafter's tokens/s beat plain decoding (0: none)",
+            "meta": meta,
+        })
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        print(("FAILED " if "error" in row else "") + str(row), file=sys.stderr, flush=True)
+        save(f"partial: {len(rows)} of {total} (batch, drafter) rows recorded")  # a timeout keeps what ran
+
+    save(f"partial: 0 of {total} (batch, drafter) rows recorded")
+    for b in args.batches:
+        reqs = prompts(m.tokenizer, b, m.model.vocab)
+        engines: dict[str, Engine] = {}
+        for name, make in drafters.items():
+            try:
+                engines[name] = Engine(target, m.tokenizer, m.model, max_num_seqs=b, max_model_len=max_len,
+                                       num_blocks=b * 12 + 40, drafter=make(), speculation_max_batch=10**6)
+            except Exception as e:  # recorded: the other drafters still run at this batch
+                record({"batch": b, "drafter": name, "error": error_text(e)})
+        measure_batch(b, engines, reqs, args.new_tokens, args.repeats, record)
+        del engines
+        gc.collect()
+    failed = [r for r in rows if "error" in r]
+    print(f"wrote {save('complete')}" + (f"; {len(failed)} row(s) failed (their error is in the JSON)"
+                                          if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch
     [path] = tmp_path.glob("speculative-*.json")
     assert path.name.startswith("speculative-tiny-llama-")
     r = json.loads(path.read_text())
+    assert r["status"] == "complete" and r["errors"] == []
     assert "random weights" in r["workload"] and r["prompt_tokens"] == [128] * 4
     assert r["spec"] == "tiny-llama" and r["weights"] == "random"  # tiny-llama bundles no weights
     rows = r["results"]
@@ -88,6 +89,47 @@ def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch
     # Random weights rarely copy, so n-gram lookup may find nothing to propose; the self drafter always drafts.
     assert all(x["proposed"] > 0 for x in rows if x["drafter"] == "self")
     assert all(x["proposed"] == 0 for x in rows if x["drafter"] == "none")
+
+
+def test_speculative_bench_records_a_failing_drafter_and_saves_every_row_as_it_ends(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("speculative_bench", ROOT / "bench" / "speculative.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def no_self_drafter(*args, **kwargs):  # the self drafter's engine fails to build at every batch
+        raise RuntimeError("CUDA graph capture failed")
+
+    real_run, seen = mod.run, []
+
+    def run(engine, reqs, new_tokens):
+        name = type(engine.drafter).__name__
+        if new_tokens > 2 and len(reqs) == 1 and name == "NgramDrafter":
+            raise RuntimeError("illegal memory access")  # n-gram's timed run at batch 1
+        if new_tokens > 2 and len(reqs) == 2 and name == "NoneType":  # batch 2's first timed run: batch 1 is saved
+            saved = json.loads(next(tmp_path.glob("speculative-*.json")).read_text())
+            seen.append((saved["status"], [(r["batch"], r["drafter"], "error" in r) for r in saved["results"]]))
+        return real_run(engine, reqs, new_tokens)
+
+    monkeypatch.setattr(mod, "ModelDrafter", no_self_drafter)
+    monkeypatch.setattr(mod, "run", run)
+    argv = ["--spec", "tiny-llama", "--batches", "1", "2", "--new-tokens", "4", "--self-layers", "1", "--repeats",
+            "1", "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert mod.main(argv) == 1
+    # on disk before batch 2's timed runs, marked partial (collect.py flags a status short of complete)
+    assert seen == [("partial: 4 of 6 (batch, drafter) rows recorded",
+                     [(1, "self", True), (1, "none", False), (1, "ngram", True), (2, "self", True)])]
+    r = json.loads(next(tmp_path.glob("speculative-*.json")).read_text())
+    assert r["status"] == "complete"
+    rows = {(x["batch"], x["drafter"]): x for x in r["results"]}
+    assert len(rows) == len(r["results"]) == 6
+    assert rows[(1, "ngram")] == {"batch": 1, "drafter": "ngram", "error": "RuntimeError: illegal memory access"}
+    for b in (1, 2):
+        assert rows[(b, "self")] == {"batch": b, "drafter": "self", "error": "RuntimeError: CUDA graph capture failed"}
+        assert rows[(b, "none")]["tokens_per_s"] > 0 and rows[(b, "none")]["speedup"] == 1.0
+    assert rows[(2, "ngram")]["tokens_per_s"] > 0 and rows[(2, "ngram")]["same_tokens_as_plain"] is True
+    assert r["errors"] == [x for x in r["results"] if "error" in x] and len(r["errors"]) == 3
+    assert set(r["crossover"]) == {"ngram", "self"} and r["crossover"]["self"] == 0
 
 
 def _host_step(monkeypatch):

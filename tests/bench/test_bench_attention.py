@@ -136,3 +136,26 @@ def test_without_cuda_the_real_runs_refuse(bench_path, capsys):
     assert _load("attention").main([]) == 2
     assert _load("decode_attention").main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_failing_tune_is_recorded_for_its_head_dim_and_the_next_head_dim_runs(bench_path, monkeypatch, capsys):
+    mod = _load("decode_attention")
+    real = mod.tune
+
+    def tune(cfg, *args):
+        if cfg["head_dim"] == 32:
+            raise RuntimeError("CodegenError: every candidate failed")
+        return real(cfg, *args)
+
+    monkeypatch.setattr(mod, "tune", tune)
+    assert mod.main(["--smoke", "--save-smoke", "--head-dims", "32,64", "--out", str(bench_path / "r")]) == 1
+    saved = json.loads(next((bench_path / "r").glob("decode_attention-*.json")).read_text())
+    error = "tune: RuntimeError: CodegenError: every candidate failed"
+    assert saved["config"]["tiles_by_head_dim"]["32"] == {"error": error}
+    assert "block_n" in saved["config"]["tiles_by_head_dim"]["64"]
+    assert saved["errors"] == [{"head_dim": 32, "error": error}]
+    # head dim 64 measured every point; 32 none
+    assert sorted((r["head_dim"], r["batch"], r["context"]) for r in saved["rows"]) == [
+        (64, 1, 40), (64, 1, 77), (64, 3, 40), (64, 3, 77)]
+    assert all(r["kiln_ms"] > 0 for r in saved["rows"])
+    assert "FAILED: tuning for head dim 32" in capsys.readouterr().err

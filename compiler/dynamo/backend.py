@@ -78,7 +78,7 @@ from kiln.dynamo.rules import normalize
 
 # Torch calls that only move data around (views, casts, shape queries): not reported as fallen-back compute.
 _GLUE = {"reshape", "transpose", "contiguous", "clone", "getitem", "unsqueeze", "expand", "cast", "size", "flatten",
-         "unflatten", "dropout", "sym_sum"}  # fmt: skip
+         "unflatten", "permute", "dropout", "sym_sum"}  # fmt: skip
 
 
 @dataclass

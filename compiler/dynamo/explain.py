@@ -18,10 +18,14 @@ kiln region, the mask checks and the rest against the same torch nodes run eager
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
 import inspect
+import logging
+import types
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +41,7 @@ class ExplainReport:
     graphs: list[GraphReport]
     timings: dict[int, list[Timing]] = field(default_factory=dict)  # graph index -> rows (timing=True)
     baselines: tuple[str, ...] = BASELINES
+    limits: list[str] = field(default_factory=list)  # Dynamo's recompile-limit warnings during the run
 
     def counts(self) -> Counter:
         """Claimed kiln ops over all graphs, by op name."""
@@ -68,6 +73,14 @@ class ExplainReport:
             f"kiln explain: {len(self.graphs)} graph(s); kiln ops claimed: {counts}; refused: {refused}; "
             f"kernels: {self._kernels()}"
         ]
+        if not self.graphs:
+            why = "; ".join(self.limits) or (
+                "the model ran no tensor op Dynamo could capture, or Dynamo is disabled (torch._dynamo.config.disable "
+                "/ TORCHDYNAMO_DISABLE)"
+            )
+            lines.append(f"Dynamo compiled no graph, so kiln saw nothing: {why}")
+        elif self.limits:
+            lines.append(f"the rest ran eagerly, not shown: {'; '.join(self.limits)}")
         for g in self.graphs:
             lines.append(
                 f"graph {g.index}: {len(g.claims)} claim(s) in {g.regions} region(s); "
@@ -113,7 +126,79 @@ def _split_kwargs(
                 f"explain: {', '.join(map(repr, unknown))} is neither a backend option (allowed: {', '.join(OPTIONS)}) "
                 f"nor an input of the model ({', '.join(sorted(names)) or 'none by keyword'})"
             )
+        return opts, inputs
+    # forward(**kwargs) (every HF model) takes any name: one that is not a named input but is close to an option
+    # (or to explain's own keywords) is taken for a misspelling rather than handed to the model, which would ignore it.
+    ours = (*OPTIONS, *_EXPLAIN_KEYWORDS)
+    typos = {k: close[0] for k in sorted(inputs) if k not in names and (close := _close(k, ours))}
+    if typos:
+        raise KilnError(
+            "explain: "
+            + "; ".join(f"{k!r} is not an option (did you mean {v!r}?)" for k, v in typos.items())
+            + f" (backend options: {', '.join(OPTIONS)}; explain's: {', '.join(_EXPLAIN_KEYWORDS)}; to pass a model "
+            "input of that name, give the backend options as options={...})"
+        )
     return opts, inputs
+
+
+_EXPLAIN_KEYWORDS = ("generate", "timing", "iters", "baselines", "options")
+
+
+def _close(name: str, candidates: Sequence[str]) -> list[str]:
+    return difflib.get_close_matches(name, candidates, n=1, cutoff=0.8)
+
+
+def _fresh_code(fn: types.FunctionType) -> types.FunctionType:
+    """fn with a code object of its own (same bytecode, closure, defaults and attributes, so inspect.signature and
+    functools.wraps' __wrapped__ still work)."""
+    code = fn.__code__.replace(co_varnames=fn.__code__.co_varnames)  # a new object, equal to the old
+    new = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__, new.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    new.__dict__.update(fn.__dict__)
+    return new
+
+
+@contextlib.contextmanager
+def _own_forward(model: Any) -> Iterator[Callable[..., Any]]:
+    """Yields what explain compiles: model, whose forward is for the duration a copy with its own code object.
+
+    Dynamo keeps compiled graphs, and counts recompiles against config.recompile_limit, per code object; explain's
+    fresh backend never matches the graphs already there, so compiling the model's own forward (HF's `wrapper`,
+    which every HF model shares) would use up one recompile of the user's budget per explain call."""
+    if isinstance(model, types.FunctionType):
+        yield _fresh_code(model)
+        return
+    bound = getattr(model, "forward", None)
+    fn = getattr(bound, "__func__", None)
+    if not isinstance(model, torch.nn.Module) or not isinstance(fn, types.FunctionType) or bound.__self__ is not model:
+        yield model
+        return
+    had, old = "forward" in model.__dict__, model.__dict__.get("forward")
+    model.forward = types.MethodType(_fresh_code(fn), model)
+    try:
+        yield model
+    finally:
+        if had:
+            model.forward = old
+        else:
+            del model.forward
+
+
+class _LimitLog(logging.Handler):
+    """Collects Dynamo's "hit config.recompile_limit" warnings: past the limit a frame silently runs eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        lines = [line.strip() for line in record.getMessage().splitlines()]
+        if lines and lines[0].startswith("torch._dynamo hit config."):
+            where = " ".join(lines[1:2]).removeprefix("function: ")
+            self.hits.append(
+                f"Dynamo hit {lines[0].removeprefix('torch._dynamo hit ')} for {where} and runs it eagerly from then "
+                "on (torch._dynamo.reset() clears its cache; the limit is torch._dynamo.config.recompile_limit)"
+            )
 
 
 def explain(
@@ -155,20 +240,31 @@ def explain(
         compiled.append(what)
 
     _listeners.append(listen)
+    limits = _LimitLog()
+    dynamo_log = logging.getLogger("torch._dynamo.convert_frame")
+    dynamo_log.addHandler(limits)
+    # A fresh backend object: Dynamo recompiles instead of reusing graphs compiled without this report. The
+    # options dict is a fresh one too: the backend numbers graphs per options dict, so this call's from 0.
+    backend = functools.partial(kiln_backend, options=options)
+    # Where torch has it, explain's graphs also count in a recompile bucket of their own for the frames below
+    # forward that a graph break makes Dynamo compile separately (their code objects are the user's).
+    isolate = (
+        {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+    )
     try:
-        # A fresh backend object: Dynamo recompiles instead of reusing graphs compiled without this report. The
-        # options dict is a fresh one too: the backend numbers graphs per options dict, so this call's from 0.
-        backend = functools.partial(kiln_backend, options=options)
-        with torch.no_grad():
+        with torch.no_grad(), _own_forward(model) as target:
             if generate is None:
-                torch.compile(model, backend=backend)(*example_inputs, **inputs)
+                torch.compile(target, backend=backend, **isolate)(*example_inputs, **inputs)
             else:
-                forward = model.forward
-                model.forward = torch.compile(forward, backend=backend)
+                had, old = "forward" in model.__dict__, model.__dict__.get("forward")
+                model.forward = torch.compile(model.forward, backend=backend, **isolate)
                 try:
                     model.generate(*example_inputs, max_new_tokens=generate, do_sample=False, **inputs)
                 finally:
-                    model.forward = forward
+                    if had:  # _own_forward's copy, which it then replaces by the user's own
+                        model.forward = old
+                    else:
+                        del model.forward
     except torch._dynamo.exc.BackendCompilerFailed as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, KilnError):
@@ -176,7 +272,8 @@ def explain(
         raise
     finally:
         _listeners.remove(listen)
-    report = ExplainReport(reports, baselines=tuple(baselines))
+        dynamo_log.removeHandler(limits)
+    report = ExplainReport(reports, baselines=tuple(baselines), limits=limits.hits)
     if timing:
         for g, what in zip(reports, compiled, strict=True):
             if what.last_args is not None:

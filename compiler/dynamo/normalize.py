@@ -62,7 +62,7 @@ _METHODS: dict[str, str] = {
     "view": "reshape", "reshape": "reshape", "to": "cast", "float": "cast", "half": "cast", "bfloat16": "cast",
     "type": "cast", "contiguous": "contiguous", "clone": "clone", "__neg__": "neg",
     **{m: m for m in ("add", "mul", "div", "neg", "pow", "mean", "rsqrt", "tanh", "cos", "sin", "matmul",
-                      "transpose", "unsqueeze", "expand", "softmax", "unflatten", "flatten", "size")},
+                      "transpose", "unsqueeze", "expand", "permute", "softmax", "unflatten", "flatten", "size")},
 }  # fmt: skip
 # Calls whose only effect is their value: safe to drop once nothing reads them (Dynamo graphs hold a few
 # side-effecting calls, e.g. torch._C._log_api_usage_once, which are never touched).
@@ -134,6 +134,13 @@ def equal_guarded(a: Any, b: Any) -> bool:
 
 def same_shape(a: Any, b: Any) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b (of one shape) provably lay their elements out alike: equal strides except where a dim has size 1."""
+    if a.dim() != b.dim():
+        return False
+    return all(same(n, 1) or same(x, y) for n, x, y in zip(a.shape, a.stride(), b.stride(), strict=True))
 
 
 def scalar(x: Any) -> float | None:
@@ -442,22 +449,56 @@ class Normalizer:
             self.reject(node, op, "an input is changed in place between where it is computed and where it is read")
             return node
         new = self.emit(node, getattr(kiln_ops, op).default, args, name=f"kiln_{op}")
-        out, made = new, [new]
+        out, made, forms = new, [new], ["flat"]
         if layout is not None:
             form, h, d = layout
             out = self.emit(node, "unflatten", (new, -1, (h, d)), method=True)
             made.append(out)
+            forms.append("bthd")
             if form == "bhtd":
                 out = self.emit(node, "transpose", (out, 1, 2), method=True)
                 made.append(out)
+                forms.append("bhtd")
+        # The users may rely on the replaced op's strides (a .view; Dynamo's stride guards on a returned KV cache,
+        # which recompile on every mismatch): give them those, copying only when the layouts differ.
+        copy = self.restride(out, node)
+        if copy is None:
+            strides = tuple(tensor(node).stride())
+            self.reject(node, op, f"kiln's output cannot be given the strides of torch's output {strides}")
+            return node  # the inserted nodes are unused: dce removes them
+        if copy is not out:
+            out = copy
+            made.append(out)
+            forms.append(forms[-1])
         if node in self.written:  # the in-place ops that wrote node now write the kiln output (through its views)
             self.written.update(dict.fromkeys(made, self.written[node]))
-        if layout is not None:
-            for view, form in zip(made[1:], ("bthd", "bhtd"), strict=False):
-                self.st[view] = St("heads", new, {"form": form, "H": layout[1], "D": layout[2]})
+        for view, form in zip(made[1:], forms[1:], strict=True):
+            self.st[view] = (
+                St("heads", new, {"form": form, "H": layout[1], "D": layout[2]}) if layout else St("same", new)
+            )
         node.replace_all_uses_with(out)
         self.claims.append(Claim(op, new.name, node.name, site_of(node), detail))
         return new
+
+    def restride(self, out: fx.Node, node: fx.Node) -> fx.Node | None:
+        """out (equal to node's value) with node's strides: out itself when they already agree, else a copy of it
+        made contiguous, or contiguous in node's memory order (static strides); None when neither gives them.
+        The strides of size-1 dims are not compared: no view depends on them, and .contiguous() leaves them."""
+        want, have = tensor(node), tensor(out)
+        if want is None or have is None or same_strides(want, have):
+            return out
+        fix = self.emit(node, "contiguous", (out,), method=True)
+        if same_strides(want, tensor(fix)):
+            return fix
+        strides = want.stride()
+        if not all(isinstance(s, int) for s in (*strides, *want.shape)):
+            return None
+        order = sorted(range(want.dim()), key=lambda i: -strides[i])  # outermost dim first (stable for ties)
+        inverse = tuple(sorted(range(want.dim()), key=order.__getitem__))
+        fix = self.emit(node, "permute", (out, *order), method=True)
+        fix = self.emit(node, "contiguous", (fix,), method=True)
+        fix = self.emit(node, "permute", (fix, *inverse), method=True)
+        return fix if same_strides(want, tensor(fix)) else None
 
     def replace(self, node: fx.Node, by: fx.Node) -> bool:
         """Rewire node's users to `by`, an equal value, when their strides agree too (a later .view may rely on

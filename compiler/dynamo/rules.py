@@ -188,8 +188,17 @@ def _cat(nz: Normalizer, node: fx.Node, op: Op) -> None:
     if not isinstance(parts, (list, tuple)) or t is None:
         return
     nonempty = [p for p in parts if not (tensor(p) is not None and same(tensor(p).numel(), 0))]
-    if len(parts) > 1 and len(nonempty) == 1:  # cat([empty cache, k]) is k
-        _pass(nz, node, nonempty[0])
+    if len(parts) > 1 and len(nonempty) == 1:  # cat([empty cache, k]) is k (unless an empty part promotes it)
+        x = nonempty[0]
+        if tensor(x) is None or tensor(x).dtype != t.dtype:
+            return
+        _pass(nz, node, x)
+        # As a fresh tensor in cat's strides (contiguous): inductor's decomposition clones x keeping its layout,
+        # so a KV cache started from a transposed k would come back non-contiguous and recompile the next step.
+        copy = nz.restride(x, node) if isinstance(x, fx.Node) and node not in nz.written else None
+        if copy is not None and copy is not x and node in nz.st:
+            nz.st[copy] = nz.st[node]
+            node.replace_all_uses_with(copy)
         return
     if len(parts) != 2 or _dim(op.arg(1, "dim", 0), t.dim()) != t.dim() - 1:
         return

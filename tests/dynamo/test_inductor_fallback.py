@@ -180,3 +180,40 @@ def test_reduce_overhead_cuda_graphs_equal_eager():
     assert skips.get("cudagraph_skips", 0) - inductor_skips <= inductor_skips, dict(skips)
     report = STATS.reports[-1]
     assert report.mode == "reduce-overhead" and report.counts()["attention"] == 2 and report.regions >= 3
+
+
+class CacheStart(torch.nn.Module):
+    """HF's DynamicCache.update on its first call: cat([torch.tensor([]), k]) with k a transposed projection."""
+
+    def forward(self, x):
+        k = (x * 2).view(2, 6, 2, 16).transpose(1, 2)
+        return torch.cat([torch.tensor([]), k], dim=-2)
+
+
+def test_a_cache_started_from_an_empty_cat_is_contiguous_as_in_eager():
+    # Inductor decomposes this cat to a clone that keeps k's transposed layout; the next decode step then sees
+    # cache strides that differ from the ones the graph was compiled for, and recompiles.
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        want, got = CacheStart()(x), torch.compile(CacheStart(), backend="kiln")(x)
+    assert got.stride() == want.stride() == (192, 96, 16, 1)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.slow
+def test_generate_compiles_as_many_graphs_as_backend_eager():
+    """Every kiln output has the strides eager gives it, so Dynamo's stride guards on the KV cache fail no more
+    often than with backend="eager" (each extra failure a recompile, up to the recompile limit)."""
+    model = build_hf_model("llama", num_hidden_layers=1)
+    model.set_attn_implementation("sdpa")
+    tokens, forward, counts = prompts(length=6), model.forward, {}
+    for backend in ("eager", "kiln"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model.forward = torch.compile(forward, backend=backend)
+        with torch.no_grad():
+            model.generate(tokens, max_new_tokens=4, do_sample=False)
+            model.generate(tokens[:1, :4], max_new_tokens=3, do_sample=False)
+        counts[backend] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    model.forward = forward
+    assert counts["kiln"] == counts["eager"], counts

@@ -162,3 +162,58 @@ def test_infer_spec():
     padded = causal_bias(4, 4).expand(2, 1, 4, 4).clone()
     padded[0, ..., 0] = torch.finfo(torch.float32).min
     assert "padding" in infer_spec(padded)
+
+
+def rope(q, pos, inv):
+    """rope_attention's rotary embedding alone."""
+    freqs = pos[..., None].float() * inv.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype).unsqueeze(1), emb.sin().to(q.dtype).unsqueeze(1)
+    x1, x2 = q[..., : q.shape[-1] // 2], q[..., q.shape[-1] // 2 :]
+    return q * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def test_claimed_outputs_keep_the_strides_of_the_ops_they_replace():
+    """kiln computes flat [B, T, H * D]: its [B, H, T, D] view has other strides than a contiguous sdpa / rope
+    output, and a .view of that output (which only works on the right strides) must still work."""
+    q, k, v, pos, inv = heads()
+    as_rows = {
+        "attention": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        "rope": lambda q, k, v: rope(q, pos, inv),
+    }
+    for op, fn in as_rows.items():
+        assert fn(q, k, v).is_contiguous()
+        nz, want, got = normalized(lambda q, k, v, fn=fn: fn(q, k, v).view(2, -1), q, k, v)
+        assert claimed(nz) == {op: 1}
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_claimed_outputs_keep_an_uncommon_layout():
+    q = torch.randn(4, 2, 6, 8).permute(1, 0, 2, 3)  # sdpa's output follows q's memory order
+    nz, want, got = normalized(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q)
+    assert claimed(nz) == {"attention": 1}
+    assert got.stride() == want.stride() == (48, 96, 8, 1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_empty_cat_that_promotes_is_not_the_same_value():
+    # cat([empty fp32, k]) is an fp32 copy of a bf16 k (in cat's contiguous layout, whatever k's strides)
+    k = torch.randn(2, 6, 2, 8, dtype=torch.bfloat16).transpose(1, 2)
+    nz, want, got = normalized(lambda k: torch.cat([torch.tensor([]), k], dim=-2), k)
+    assert want.dtype == got.dtype == torch.float32 and got.stride() == want.stride()
+    torch.testing.assert_close(got, want)
+
+
+def test_no_copy_where_the_strides_already_agree():
+    # HF's layout: q projected as [B, T, H * D], viewed as heads and transposed; rope then keeps that layout
+    x, (_, _, _, pos, inv) = torch.randn(2, 6, 32), heads()
+
+    def fn(x):
+        q = x.view(2, 6, 4, 8).transpose(1, 2)
+        out = rope(q, pos, inv)
+        return out.transpose(1, 2).reshape(2, 6, 32)
+
+    nz, want, got = normalized(fn, x)
+    assert claimed(nz) == {"rope": 1}
+    assert not [n for n in nz.gm.graph.nodes if n.target in ("contiguous", "permute")]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -222,10 +222,12 @@ def main(argv: list[str] | None = None) -> dict:
     path = result_path(args.out_dir, "decode-" + "-".join(args.specs))
     for spec in args.specs:
         for p in args.prompt_lens:
+            error = None
             try:
                 rows.append(run_row(spec, p, args.new_tokens, args.dtype, args.device, args.compile_mode, copy_bw))
             except Exception as e:  # recorded: the next row reloads the model and may still run
                 error = f"{type(e).__name__}: {e}"[:1000]
+            if error is not None:  # out of the except block: its traceback held the failed row's model alive
                 rows.append({"spec": spec, "prompt_len": p, "error": error})
                 errors.append(f"{spec} prompt {p}: {error}")
                 print(f"ERROR {errors[-1]}", file=sys.stderr)

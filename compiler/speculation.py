@@ -96,7 +96,7 @@ def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 
         draft = load_model(cfg.spec or None, cfg.weights or None, dtype=loaded.compile.dtype,
                            device=str(loaded.device), seed=seed)
     except KilnError as e:  # no such file, a directory, a spec that does not match its weights...: say who named it
-        raise type(e)(f"speculation {describe(cfg)}: cannot load the draft model: {e}") from None
+        raise UsageError(f"speculation {describe(cfg)}: cannot load the draft model: {e}") from None
     check_same_tokenizer(loaded, draft)
     say(f"draft model {draft.model.name} ({draft.model.layers} layers) from {draft.source}")
     return DraftPlan(cfg, loaded, model=draft.model, draft=draft)

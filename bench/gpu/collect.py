@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ET
@@ -61,6 +62,15 @@ def log_tail(root: Path, name: str, lines: int = 15) -> list[str]:
     return text.splitlines()[-lines:] + [f"(whole log: tar -xzf {root / 'logs.tar.gz'} logs/{name}.log)"]
 
 
+def local_head() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__.strip(), file=sys.stderr)
@@ -71,15 +81,22 @@ def main(argv: list[str]) -> int:
         print(f"{src} does not exist: was the session's $OUT the device tool's $OUT?", file=sys.stderr)
         return 2
     errors = 0
+    head = local_head()
     for f in sorted(src.iterdir()):
         if f.suffix in (".json", ".txt", ".xml") and f.stat().st_size:
             shutil.copy2(f, RESULTS / f.name)
             print(f"copied {f.name}")
         if f.suffix == ".json" and f.stat().st_size:
             try:
-                found = list(recorded_errors(json.loads(f.read_text())))
+                data = json.loads(f.read_text())
+                found = list(recorded_errors(data))
             except json.JSONDecodeError as e:  # a run killed while writing (the scripts write whole files)
-                found = [f"not valid JSON: {e}"]
+                data, found = None, [f"not valid JSON: {e}"]
+            commit = data.get("commit") if isinstance(data, dict) else None
+            if head and commit and commit.removesuffix("-dirty") != head:
+                # .gpu/deps/COMMIT is written by wheels.sh: a commit since then stamps results with the old one
+                print(f"WARNING {f.name}: measured at commit {commit}, but HEAD here is {head}; if the tree changed "
+                      "since `bash bench/gpu/wheels.sh`, run `bash bench/gpu/wheels.sh --commit` before the next call")
             errors += len(found)
             for line in found[:5]:
                 print(f"ERROR in {f.name}: {line[:300]}")

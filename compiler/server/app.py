@@ -7,8 +7,10 @@ come back as {"error": {...}} naming the limit or the field, with the same statu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,6 +30,7 @@ from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from kiln.server.streaming import Choices, completion_body, sse_stream
 
+log = logging.getLogger("kiln.server")
 _GONE = object()  # put in a non-streaming request's sink when its client disconnects
 
 
@@ -203,11 +206,16 @@ async def _collect(request: Request, sink: asyncio.Queue, choices: Choices) -> N
             choices.update(item)
     finally:
         watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 async def _watch_disconnect(request: Request, sink: asyncio.Queue) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass  # a body chunk after the end (none is expected): keep waiting
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # a body chunk after the end (none is expected): keep waiting
+    except Exception as e:  # the connection is in no state to take the response: stop generating for it
+        log.warning("reading from the client failed (%s: %s); aborting its request", type(e).__name__, e)
     sink.put_nowait(_GONE)
 
 

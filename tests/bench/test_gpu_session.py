@@ -135,3 +135,25 @@ def test_each_readme_call_fits_one_device_call():
         limits = [int(n) for phase in call.split() for n in re.findall(r"^\s*run \S+ (\d+) ", bodies[phase], re.M)]
         assert limits, call
         assert sum(limits) + 10 * len(limits) <= 560, f"{call}: limits {limits}"
+
+
+def test_collect_warns_when_a_result_was_measured_at_another_commit(tmp_path, monkeypatch, capsys):
+    """.gpu/deps/COMMIT goes stale when one commits after wheels.sh: collect.py says so (a warning, not a failure)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("collect", ROOT / "bench" / "gpu" / "collect.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "RESULTS", tmp_path / "dest")
+    monkeypatch.setattr(mod, "local_head", lambda: "a" * 40)
+    (tmp_path / "dest").mkdir()
+    src = tmp_path / "at"
+    (src / "results").mkdir(parents=True)
+    (src / "results" / "quant-x.json").write_text(json.dumps({"commit": "a" * 40 + "-dirty", "status": "complete"}))
+    assert mod.main([str(src)]) == 0
+    assert "WARNING" not in capsys.readouterr().out
+    (src / "results" / "quant-x.json").write_text(json.dumps({"commit": "b" * 40, "status": "complete"}))
+    assert mod.main([str(src)]) == 0
+    out = capsys.readouterr().out
+    assert f"WARNING quant-x.json: measured at commit {'b' * 40}, but HEAD here is {'a' * 40}" in out

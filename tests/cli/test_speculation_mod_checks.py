@@ -80,3 +80,17 @@ def test_kiln_run_names_the_served_form_and_why_one_request_saves_no_kv(capsys):
     assert main(["run", "tiny-llama-mod", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "served in the causal form" in err and "one request saves no memory" in err
+
+
+def test_a_spec_error_inside_the_draft_is_reported_as_the_drafts(tmp_path):
+    """A `kiln quantize` dir whose spec.kiln is broken: the SpecError raised while loading the draft becomes one
+    message naming the speculation setting (not an AttributeError from rebuilding the SpecError)."""
+    from kiln.compile.quantized import META, SPEC, TENSORS
+
+    d = tmp_path / "q"
+    d.mkdir()
+    (d / META).write_text("{}")
+    (d / TENSORS).write_bytes(b"")
+    (d / SPEC).write_text("model {{{ broken")
+    with pytest.raises(KilnError, match=r"speculation draft\(.*cannot load the draft model"):
+        LLM("tiny-llama", device="cpu", speculation={"kind": "draft", "spec": "tiny-llama", "weights": str(d)})

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA ba
 # that are multiples of 16 (64, 80, 128), the cache's block and row strides, a block size of 16.
 _DIVISIBLE = ["stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
               "stride_cb", "stride_co", "stride_ch", "HEAD_DIM", "block_size"]
-_FLAGS = {"CAUSAL": True, "HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None}
+# DOT_FP32 False, as dot_consts gives a 16-bit launch on a GPU (this process runs under the interpreter, where it
+# would say True).
+_FLAGS = {"CAUSAL": True, "HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None, "DOT_FP32": False}
 _DESCS = ("q_desc", "k_desc", "v_desc")
 
 
@@ -64,7 +66,7 @@ _DECODE_DEFAULT = TileConfig(16, 64, 4, 2)
 
 def _decode(arch, d, dtype="bf16", quant=False, window=False, tile=_DECODE_DEFAULT):
     consts = {"BLOCK_G": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, "HAS_WINDOW": window, "EVEN_D": True,
-              "INPUT_PRECISION": None, "KV_QUANT": quant}
+              "INPUT_PRECISION": None, "DOT_FP32": False, "KV_QUANT": quant}
     return {"template": "paged_decode", "name": "paged_decode_kernel", "op": "paged_attention_decode",
             "consts": consts, "options": tile.options(), "arch": arch,
             "dtypes": _paged_dtypes(dtype, quant), "divisible": _DIVISIBLE}

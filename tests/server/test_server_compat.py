@@ -121,6 +121,29 @@ def test_collect_returns_when_the_disconnect_message_comes_while_outputs_flow():
     assert 0.25 < elapsed < 1.5 and updates > 10  # outputs were taken until the client left, then it stopped
 
 
+def test_a_failing_receive_ends_the_request_and_says_so(caplog):
+    """The watcher's own failure (receive raising: the connection is broken) is logged and ends the request, rather
+    than dying unseen and leaving the request generating for no one."""
+    import asyncio
+
+    from kiln.server.app import _collect
+
+    class Broken:
+        async def receive(self) -> dict:
+            await asyncio.sleep(0.05)
+            raise OSError("connection reset")
+
+    class Waiting:
+        done = False
+
+    async def run() -> None:
+        await asyncio.wait_for(_collect(Broken(), asyncio.Queue(), Waiting()), timeout=5)
+
+    with caplog.at_level("WARNING", logger="kiln.server"):
+        asyncio.run(run())
+    assert "reading from the client failed (OSError: connection reset)" in caplog.text
+
+
 def test_max_completion_tokens_wins_over_max_tokens(url):
     msgs = [{"role": "user", "content": "Hi"}]
     for max_tokens, max_completion_tokens in ((6, 2), (2, 6)):

@@ -48,6 +48,9 @@ def compile_one(req: dict) -> dict:
     fn = load_kernel(req["template"], req["name"], op=req["op"], **_request(consts, options))
     # Arguments launched as None (unused descriptors) are constexprs to triton.
     consts = {**consts, **{name: None for name in req.get("none", ())}}
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
+    if missing:  # typed i32 below it would compile as a runtime value: a different kernel from a real launch's
+        return {"error": f"the request lacks constexpr(s) {missing} of {req['template']}"}
     sig = _signature(list(fn.arg_names), consts, req["dtypes"])
     # Pointers and row strides 16-byte aligned / divisible by 16, as torch allocations and real shapes give.
     aligned = [i for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n in req.get("divisible", ())]

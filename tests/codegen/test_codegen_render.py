@@ -30,20 +30,22 @@ RENDER_CASES = {
     "flash_attn": dict(
         op="attention",
         tile={"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
-        params={"CAUSAL": True, "HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None, "USE_TMA": False},
+        params={"CAUSAL": True, "HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None, "DOT_FP32": False,
+                "USE_TMA": False},
     ),
     "paged_kv_write": dict(op="paged_kv_write", tile={"BLOCK_H": 8, "BLOCK_D": 128, "num_warps": 1},
                            params={"QUANT": False}),
     "paged_decode": dict(
         op="paged_attention_decode",
         tile={"BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 4, "num_stages": 2},
-        params={"HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None, "KV_QUANT": False},
+        params={"HAS_WINDOW": False, "EVEN_D": True, "INPUT_PRECISION": None, "DOT_FP32": False, "KV_QUANT": False},
     ),
     "paged_merge": dict(op="split_kv_merge", tile={"BLOCK_S": 8, "BLOCK_D": 128, "num_warps": 4}, params={}),
     "paged_prefill": dict(
         op="paged_attention_prefill",
         tile={"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 8, "num_stages": 3},
-        params={"CAUSAL": True, "HAS_WINDOW": True, "EVEN_D": True, "INPUT_PRECISION": None, "KV_QUANT": True},
+        params={"CAUSAL": True, "HAS_WINDOW": True, "EVEN_D": True, "INPUT_PRECISION": None, "DOT_FP32": False,
+                "KV_QUANT": True},
     ),
     "quant_gemv": dict(
         op="linear_w4",

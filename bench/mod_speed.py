@@ -7,7 +7,8 @@ kiln's engine, in the same run.
                               [--calib-prompts 8] [--calib-len 512] [--dtype bf16] [--device auto] [--copy-mib 1024]
                               [--padded-prefill] [--eager] [--prefix-caching] [--extra-decode B:P ...]
                               [--out-dir DIR]
-    python bench/mod_speed.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no figures
+    python bench/mod_speed.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no figures, no file
+                                           # (--save-smoke: the file too)
 
 The dense twin is SPEC (default llama-3.2-1b) with seeded random weights generated on the device; the routed
 model is the same ModelConfig with route = mod(capacity, every, decide = threshold) on the same tensors plus one
@@ -229,11 +230,14 @@ def main(argv: list[str] | None = None) -> dict:
                     help="more decode rows, after the others: batch B with prompts of P tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--smoke", action="store_true", help="tiny-llama on the CPU (plumbing only; figures mean nothing)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny-llama on the CPU (plumbing only; figures mean nothing); writes no file")
+    ap.add_argument("--save-smoke", action="store_true", help="with --smoke: write the JSON too (for tests)")
     args = ap.parse_args(argv)
     if args.smoke:
+        save_smoke = args.save_smoke
         args = ap.parse_args([*SMOKE, "--out-dir", args.out_dir])
-        args.smoke = True
+        args.smoke, args.save_smoke = True, save_smoke
     if not 0 < args.capacity <= 1 or args.every < 1 or args.new_tokens < 2:
         raise SystemExit("need 0 < --capacity <= 1, --every >= 1 and --new-tokens >= 2")
     if args.narrow_min_rows < 1 or args.narrow_bucket < 1:
@@ -255,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for n, p in dense["step"].gm.named_parameters()
                        if "embed" not in n or cfg.tie_embeddings)  # a tied table is read as the lm_head
     name = Path(args.spec).name.removesuffix(".kiln")  # a bundled name, or a spec file's stem
+    save = not args.smoke or args.save_smoke
     path = result_path(args.out_dir, f"mod_speed-{name}" + ("-smoke" if args.smoke else ""))
     result = {"bench": "mod_speed", **run_metadata(), "spec": args.spec, "smoke": args.smoke, "dtype": args.dtype,
               "capacity": args.capacity, "every": args.every, "decide": "threshold", "routed_layers": layers,
@@ -304,8 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
                if "dense_sync" in row else "")
             + f"; routed fraction per layer {row['routed']['routed_fraction']}")
         result["rows"].append(row)
-        write_json(path, result)  # after every workload: a run cut short keeps what it measured
-    say(f"wrote {path}")
+        if save:
+            write_json(path, result)  # after every workload: a run cut short keeps what it measured
+    say(f"wrote {path}" if save else "smoke: no file written (--save-smoke writes it)")
     return result
 
 

@@ -3,7 +3,8 @@ against what the device spends running it.
 
     python bench/step_host_time.py [SPEC] [--batches 1 64] [--context 512] [--steps 50] [--profile-steps 10]
                                    [--dtype bf16] [--device auto] [--tag TAG] [--out-dir DIR]
-    python bench/step_host_time.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only
+    python bench/step_host_time.py --smoke      # CPU, tiny-llama, reference ops: the plumbing only, no file
+                                                # (--save-smoke: the file too)
 
 The step model (default llama-3.2-1b, seeded random weights on the device, generated kernels on CUDA) is called
 eagerly, never replayed from a CUDA graph (a replay hides exactly the launches this measures), on a decode batch
@@ -156,11 +157,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--tag", help="a word for the result file's name, e.g. before")
     ap.add_argument("--out-dir", default=str(RESULTS))
-    ap.add_argument("--smoke", action="store_true", help="tiny-llama on the CPU (plumbing only; figures mean nothing)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny-llama on the CPU (plumbing only; figures mean nothing); writes no file")
+    ap.add_argument("--save-smoke", action="store_true", help="with --smoke: write the JSON too (for tests)")
     args = ap.parse_args(argv)
     if args.smoke:
+        save_smoke = args.save_smoke
         args = ap.parse_args([*SMOKE, "--out-dir", args.out_dir, *(["--tag", args.tag] if args.tag else [])])
-        args.smoke = True
+        args.smoke, args.save_smoke = True, save_smoke
     if min(args.batches) < 1 or args.context < 1 or args.steps < 1 or args.profile_steps < 1:
         raise SystemExit("--batches, --context, --steps and --profile-steps must be >= 1")
     device = resolve_device(args.device)
@@ -187,8 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
               "use_kernels": device.type == "cuda", "steps": args.steps, "profile_steps": args.profile_steps,
               "rows": rows}
     name = "step_host_time" + (f"-{args.tag}" if args.tag else "") + ("-smoke" if args.smoke else "")
-    path = write_json(result_path(args.out_dir, name), result)
-    print(f"wrote {path}", file=sys.stderr)
+    if args.smoke and not args.save_smoke:
+        print("smoke: no file written (--save-smoke writes it)", file=sys.stderr)
+    else:
+        print(f"wrote {write_json(result_path(args.out_dir, name), result)}", file=sys.stderr)
     return result
 
 

@@ -3,7 +3,7 @@
 | variable | effect |
 | --- | --- |
 | KILN_DEBUG | 1: every pass is followed by lint, fake propagation and an IR check; kernel wrappers check every tensor |
-| KILN_DUMP_DIR | a directory: the graph after every pass (and `kiln compile --emit`'s kernels) are written there |
+| KILN_DUMP_DIR | a directory: the graph after every pass is written there (kernels: `kiln compile --emit`) |
 | KILN_CACHE_DIR | where generated kernels are cached (default ~/.cache/kiln/kernels); tuned tiles go to its autotune/ |
 | KILN_AUTOTUNE | 0: tiles from the heuristic table, never timed on the GPU nor read from autotune/ (default 1) |
 | KILN_FLASH_TMA | 1: the flash kernel loads Q/K/V through TMA tensor descriptors on sm90+ (default 0, until measured) |

@@ -54,7 +54,8 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
             f"from {source}), but one sequence of the longest allowed length ({context} tokens) needs {per_seq} "
             f"blocks plus the reserved null block = {need} ({need * per_block / 2**20:.1f} MiB); "
             f"raise num_blocks (--num-blocks) to at least {need}, or gpu_memory_utilization "
-            "(--gpu-memory-utilization), or lower max_model_len (--max-model-len)"
+            "(--gpu-memory-utilization), or lower max_model_len (`kiln serve --max-model-len`, "
+            "`LLM(max_model_len=...)`)"
         )
     return n
 

@@ -6,7 +6,9 @@ import argparse
 import json
 
 from kiln.cli.common import (
-    QUANTIZE_HELP,
+    FULL_PRECISION_WEIGHTS_HELP,
+    LOAD_QUANTIZE_HELP,
+    WEIGHTS_HELP,
     check_input_file,
     dtype_flag,
     engine_flags,
@@ -140,7 +142,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "continuous batching, then with static batching on the same step model, and report "
                         "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
     t.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    t.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    t.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
     t.add_argument("--num-requests", type=positive_int, default=256, help="requests in the trace (default 256)")
     t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
     t.add_argument("--output-len", default="100:1024", metavar="LO:HI", help="output lengths, uniform (100:1024)")
@@ -150,7 +152,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(t)
     t.add_argument("--json", action="store_true", help="print the full result as JSON")
-    t.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    t.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
     routers_flag(t)
     t.add_argument("--profile", metavar="FILE", help="profile the continuous run with cProfile; write the summary "
                    "(top functions by cumulative and own time) to FILE")
@@ -161,7 +163,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                          description="Relative logit error and top-1 agreement of each quantization scheme "
                          "against the unquantized model, over the same evaluation tokens.")
     qb.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    qb.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    qb.add_argument("--weights", metavar="PATH", help=FULL_PRECISION_WEIGHTS_HELP)
     qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,"
                     "int4-gptq-g128, whose group becomes the largest that divides every K when 128 does not)")
     qb.add_argument("--positions", type=positive_int, default=256, help="evaluated positions (default 256)")

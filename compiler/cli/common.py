@@ -19,6 +19,13 @@ from kiln.spec.speculation import OFF, parse_speculation
 
 QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
                  "(overrides the spec's `quantize`)")
+LOAD_QUANTIZE_HELP = (QUANTIZE_HELP[:-1] + "; with GGUF weights also gguf: keep its Q4_0 / Q4_1 / Q8_0 linears "
+                      "quantized, on CPU too, or none: dequantize all)")
+WEIGHTS_HELP = ("a Hugging Face checkpoint dir (config.json + *.safetensors), a .gguf file or a `kiln quantize` "
+                "output (default: a bundled spec's packaged weights, e.g. smollm2-135m's, else seeded random weights)")
+FULL_PRECISION_WEIGHTS_HELP = ("a Hugging Face checkpoint dir or a .gguf file (full precision or GGUF-quantized; "
+                               "not a `kiln quantize` output; default: a bundled spec's packaged weights, else "
+                               "seeded random weights)")
 SPECULATION_HELP = ("speculative decoding: ngram(n = 3, k = 4), self(layers = L, k = 4) or draft(spec = \"...\", "
                     "weights = \"...\", k = 4), in the spec syntax; `off` overrides the spec's `speculation`")
 

@@ -7,7 +7,15 @@ import json
 import sys
 import time
 
-from kiln.cli.common import QUANTIZE_HELP, dtype_flag, engine_flags, routers_flag, seed_arg, serving_engine
+from kiln.cli.common import (
+    LOAD_QUANTIZE_HELP,
+    WEIGHTS_HELP,
+    dtype_flag,
+    engine_flags,
+    routers_flag,
+    seed_arg,
+    serving_engine,
+)
 from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError
 from kiln.spec.validate import describe_route
@@ -94,8 +102,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="compile a spec and generate text", description="Compile a spec and generate.")
     r.add_argument("spec", nargs="?", help="a .kiln file or bundled spec name (default: from --weights, else "
                    "the bundled tiny-llama with seeded random weights)")
-    r.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (config.json + *.safetensors) "
-                   "or a .gguf file")
+    r.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
     r.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (one user turn)")
     g = r.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", metavar="TEXT", help="prompt text (tokenized with the checkpoint's tokenizer)")
@@ -108,7 +115,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
-    r.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    r.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
     routers_flag(r)
     engine_flags(r)
     r.set_defaults(func=cmd_run)

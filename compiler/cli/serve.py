@@ -8,7 +8,8 @@ import json
 import socket
 
 from kiln.cli.common import (
-    QUANTIZE_HELP,
+    LOAD_QUANTIZE_HELP,
+    WEIGHTS_HELP,
     dtype_flag,
     engine_flags,
     routers_flag,
@@ -128,7 +129,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions (streaming "
                        "with SSE), /v1/models, /health and /metrics (Prometheus).")
     s.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    s.add_argument("--weights", metavar="DIR", help="a Hugging Face checkpoint dir (default: seeded random weights)")
+    s.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -143,7 +144,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--seed", type=seed_arg, default=0, help="seed of random weights (default 0)")
     s.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(s)
-    s.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
+    s.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
     routers_flag(s)
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     engine_flags(s)
@@ -164,7 +165,9 @@ def add_bench_serve_parser(bsub: argparse._SubParsersAction) -> None:
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     b.add_argument("--max-concurrency", type=int, help="requests in flight at most (default unbounded)")
     b.add_argument("--seed", type=seed_arg, default=0, help="seed of the trace and the arrivals (default 0)")
-    b.add_argument("--out-dir", default="bench/results", help="where the JSON goes ('' for nowhere)")
+    b.add_argument("--out-dir", default="bench/results",
+                   help="where the JSON goes (default bench/results, relative to the working directory; "
+                   "'' for nowhere)")
     b.add_argument("--json", action="store_true", help="print the full result as JSON")
     b.set_defaults(func=cmd_bench_serve)
 

@@ -193,5 +193,6 @@ def add_spec_file_parsers(sub: argparse._SubParsersAction) -> None:
                        "matching .kiln spec.")
     i.add_argument("hf_dir", metavar="HF_DIR|FILE.gguf")
     i.add_argument("-o", "--output", metavar="FILE.kiln", help="output file (default: stdout)")
-    i.add_argument("--name", help="model name in the spec (default: the directory name)")
+    i.add_argument("--name", help="model name in the spec (default: the checkpoint directory's name; for a GGUF, "
+                   "its general.name metadata, else the file name)")
     i.set_defaults(func=cmd_import)

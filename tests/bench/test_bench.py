@@ -232,10 +232,22 @@ def test_step_host_time_runs_on_cpu_and_builds_a_consistent_decode_batch(tmp_pat
     assert 0 not in b.block_tables.tolist()[0]  # the null block is nobody's
     assert b.slot_mapping.tolist() == [int(t[2]) * 16 + 4 for t in b.block_tables]  # position 36: block 2, slot 4
     assert b.positions.tolist() == [36] * 3 and b.context_lens.tolist() == [37] * 3
-    result = mod.main(["--smoke", "--out-dir", str(tmp_path)])
+    result = mod.main(["--smoke", "--save-smoke", "--out-dir", str(tmp_path)])
     assert [r["batch"] for r in result["rows"]] == [1, 3] and result["smoke"]
     for r in result["rows"]:
         assert 0 < r["host_ms"] <= r["wall_ms"] and r["profiler_cpu_ms_per_step"] > 0
         assert r["device_ms"] is None and r["kernel_launches_per_step"] is None  # no CUDA here
     assert result["kiln_path"] == str(ROOT / "compiler") and "not this checkout" not in result["commit"]
     assert json.loads(next(tmp_path.glob("step_host_time-smoke-*.json")).read_text())["rows"] == result["rows"]
+
+
+def test_step_host_time_smoke_writes_no_file_without_save_smoke(tmp_path, monkeypatch):
+    """Like every bench script's --smoke: nothing is written (bench/results/ included) unless --save-smoke."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("step_host_time_bench", ROOT / "bench" / "step_host_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    written = []
+    monkeypatch.setattr(mod, "write_json", lambda path, data: written.append(path))
+    assert mod.main(["--smoke", "--out-dir", str(tmp_path)])["smoke"]
+    assert written == [] and list(tmp_path.iterdir()) == []

@@ -65,7 +65,7 @@ def test_calibration_routes_the_capacity_share_in_every_layer(bench):
 
 
 def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
-    result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
+    result = bench.main(["--smoke", "--save-smoke", "--out-dir", str(tmp_path)])
     import kiln.passes.kv_cache as kv_cache_pass
 
     assert result["smoke"] and result["capacity"] == 0.125 and result["routed_layers"] == [1]
@@ -109,3 +109,14 @@ def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
     assert prefill["routed_padded"]["routed_fraction"] == prefill["routed"]["routed_fraction"]
     saved = json.loads(next(tmp_path.glob("mod_speed-tiny-llama-smoke-*.json")).read_text())
     assert saved["rows"] == result["rows"] and saved["torch"] and saved["commit"]
+
+
+def test_mod_speed_smoke_writes_no_file_without_save_smoke(bench, tmp_path, monkeypatch):
+    """Like every bench script's --smoke: nothing is written (bench/results/ included) unless --save-smoke. The
+    engine runs are stubbed: the test above runs them."""
+    monkeypatch.setattr(bench, "measure", lambda *a: {"tok_s": 1.0, "kv_bytes_per_token": 1.0, "routed_fraction": {}})
+    written = []
+    monkeypatch.setattr(bench, "write_json", lambda path, data: written.append(path))
+    result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert result["smoke"] and len(result["rows"]) == 4
+    assert written == [] and list(tmp_path.iterdir()) == []

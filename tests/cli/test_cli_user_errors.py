@@ -133,3 +133,28 @@ def test_load_errors_read_right_from_the_python_api(tmp_path):
         load_model("tiny-llama", dtype="fp64", device="cpu")
     with pytest.raises(KilnError, match=r"^weights .*nope \(--weights\): does not exist"):
         load_model("tiny-llama", weights=tmp_path / "nope", device="cpu")
+
+
+def test_a_pool_too_small_names_only_flags_that_kiln_run_has(capsys):
+    code, _, err = run_cli(capsys, "run", "--num-blocks", "1", "--prompt-ids", "1,2", "--max-tokens", "1")
+    assert code == 2 and "raise num_blocks (--num-blocks) to at least" in err
+    # kiln run has no --max-model-len: the message says where max_model_len is set instead
+    assert "(--max-model-len)" not in err and "`kiln serve --max-model-len`" in err
+
+
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse's line breaks undone
+
+
+def test_help_texts_say_what_the_flags_take(capsys):
+    for cmd in (["run"], ["serve"], ["bench", "throughput"]):
+        text = _help(capsys, *cmd)
+        assert "a .gguf file or a `kiln quantize` output" in text, cmd
+        assert "also gguf: keep its Q4_0 / Q4_1 / Q8_0 linears quantized" in text and "none: dequantize all" in text
+    for cmd in (["bench", "quality"], ["bench", "perplexity"]):
+        assert "or a .gguf file" in _help(capsys, *cmd) and "not a `kiln quantize` output" in _help(capsys, *cmd)
+    assert "(default bench/results, relative to the working directory" in _help(capsys, "bench", "serve")
+    assert "for a GGUF, its general.name metadata" in _help(capsys, "import")

@@ -20,7 +20,7 @@ once the variants are timed and again after --explain; a variant (or --explain) 
 
 Needs CUDA for figures: without it this says so and exits 2. --smoke runs a tiny Llama on whatever device there is
 (fp32 on CPU, kernels in Triton's interpreter when TRITON_INTERPRET=1), checks every variant against eager and
-writes no figures (--save-smoke writes its JSON too): what tests/dynamo/test_bench_torch_backend.py runs so that
+writes no figures (--save-smoke writes its JSON too): what tests/bench/test_bench_torch_backend.py runs so that
 the GPU run finds no typo.
 
     python bench/torch_backend.py [--prefill 2048] [--iters 20] [--variants ...] [--explain] [--out-dir DIR]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 
 from kiln.cli.commands import main
 from kiln.runtime.throughput import make_trace, parse_range
+from tests.support.bench_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,10 +54,7 @@ def test_bench_throughput_plain_table_and_bad_flags(capsys):
 
 
 def test_kv_cache_bench_writes_its_json(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta, as when run as a script
-    spec = importlib.util.spec_from_file_location("kv_cache_bench", ROOT / "bench" / "kv_cache.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("kv_cache.py", monkeypatch)
     assert mod.main(["--tokens", "12", "--prompt-len", "5", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
     files = list(tmp_path.glob("kv_cache-tiny-llama-cpu-*.json"))
     assert len(files) == 1
@@ -69,10 +65,7 @@ def test_kv_cache_bench_writes_its_json(tmp_path, monkeypatch):
 
 def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch):
     """The GPU run's form (a spec without a tokenizer: seeded copying prompts), at the tiniest setting."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("speculative_bench", ROOT / "bench" / "speculative.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("speculative.py", monkeypatch)
     argv = ["--spec", "tiny-llama", "--batches", "2", "--new-tokens", "4", "--self-layers", "1", "--repeats",
             "1", "--device", "cpu", "--out-dir", str(tmp_path)]
     assert mod.main(argv) == 0
@@ -92,10 +85,7 @@ def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch
 
 
 def test_speculative_bench_records_a_failing_drafter_and_saves_every_row_as_it_ends(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("speculative_bench", ROOT / "bench" / "speculative.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("speculative.py", monkeypatch)
 
     def no_self_drafter(*args, **kwargs):  # the self drafter's engine fails to build at every batch
         raise RuntimeError("CUDA graph capture failed")
@@ -133,11 +123,7 @@ def test_speculative_bench_records_a_failing_drafter_and_saves_every_row_as_it_e
 
 
 def _host_step(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("host_step_bench", ROOT / "bench" / "host_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "host_step_bench", mod)  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
+    mod = load_script("host_step.py", monkeypatch)
     return mod
 
 
@@ -206,10 +192,7 @@ def test_pipeline_sim_hides_the_host_behind_the_device_only_with_async_schedulin
     """A simulated device step of 40 ms, far longer than a step's host work here: synchronous steps and overlapped
     outputs launch every step onto an idle device (the host schedules it only after reading the last one's ids),
     async scheduling none (each step is queued before the last one ends)."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("pipeline_sim_bench", ROOT / "bench" / "pipeline_sim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("pipeline_sim.py", monkeypatch)
     result = mod.main(["--seqs", "1", "3", "--steps", "6", "--prompt-len", "9", "--vocab", "300", "--detokenize",
                        "--device-ms", "40", "--out-dir", str(tmp_path)])
     rows = {(r["mode"], r["seqs"]): r for r in result["rows"]}
@@ -223,10 +206,7 @@ def test_pipeline_sim_hides_the_host_behind_the_device_only_with_async_schedulin
 
 
 def test_step_host_time_runs_on_cpu_and_builds_a_consistent_decode_batch(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("step_host_time_bench", ROOT / "bench" / "step_host_time.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("step_host_time.py", monkeypatch)
     b = mod.decode_batch(3, 37, 16, 50, torch.device("cpu"))
     assert b.block_tables.shape == (3, 3) and len(set(b.block_tables.flatten().tolist())) == 9
     assert 0 not in b.block_tables.tolist()[0]  # the null block is nobody's
@@ -243,10 +223,7 @@ def test_step_host_time_runs_on_cpu_and_builds_a_consistent_decode_batch(tmp_pat
 
 def test_step_host_time_smoke_writes_no_file_without_save_smoke(tmp_path, monkeypatch):
     """Like every bench script's --smoke: nothing is written (bench/results/ included) unless --save-smoke."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("step_host_time_bench", ROOT / "bench" / "step_host_time.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("step_host_time.py", monkeypatch)
     written = []
     monkeypatch.setattr(mod, "write_json", lambda path, data: written.append(path))
     assert mod.main(["--smoke", "--out-dir", str(tmp_path)])["smoke"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,16 +12,14 @@ import torch
 from kiln.build import load_model
 from kiln.errors import KilnError
 from kiln.spec.loader import load_spec
+from tests.support.bench_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta and static_decode, as when run as a script
-    spec = importlib.util.spec_from_file_location("decode_bench", ROOT / "bench" / "decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("decode.py", monkeypatch)
     yield mod
     sys.modules.pop("static_decode", None)
 

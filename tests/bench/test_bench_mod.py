@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from tests.support.bench_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mod_scratch_bench_writes_json_and_plot(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta and plot_svg, as when run as a script
-    spec = importlib.util.spec_from_file_location("mod_routers_bench", ROOT / "bench" / "mod_routers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("mod_routers.py", monkeypatch)
     assert mod.main(["scratch", "--capacities", "0.5", "--steps", "2", "--batch", "2", "--seq-len", "32",
                      "--window", "64", "--eval-tokens", "200", "--out-dir", str(tmp_path)]) == 0
     [path] = tmp_path.glob("mod-scratch-*.json")

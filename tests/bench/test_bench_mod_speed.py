@@ -4,7 +4,6 @@ for shape, never speed)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,17 +14,14 @@ from torch import fx
 
 from kiln.ir.frontend import build_graph, random_weights
 from kiln.spec.loader import load_spec
+from tests.support.bench_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta, ceilings, mod_twins, as when run as a script
-    spec = importlib.util.spec_from_file_location("mod_speed_bench", ROOT / "bench" / "mod_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
+    mod = load_script("mod_speed.py", monkeypatch)
     yield mod
     sys.modules.pop("mod_twins", None)
 

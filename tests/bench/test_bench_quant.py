@@ -3,21 +3,19 @@ profile, no figures) and the shapes it times, so a GPU session does not discover
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.bench_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # for bench_meta and quant_step, as when run as a script
-    spec = importlib.util.spec_from_file_location("quant_bench", ROOT / "bench" / "quant.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("quant.py", monkeypatch)
     return mod
 
 

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from kiln.spec.loader import load_spec
+from tests.support.bench_scripts import load_script
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,10 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     mp = pytest.MonkeyPatch()
-    mp.syspath_prepend(str(ROOT / "bench"))  # for bench_meta, as when run as a script
-    spec = importlib.util.spec_from_file_location("serving_vs_hf_bench", ROOT / "bench" / "serving_vs_hf.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("serving_vs_hf.py", mp)
     yield mod
     mp.undo()
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bench_scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SESSION = ROOT / "bench" / "gpu" / "session.sh"
 
@@ -35,11 +37,8 @@ def test_every_benchmark_the_session_runs_takes_its_flags(script):
 
 
 def test_collect_copies_results_and_names_failures(tmp_path, monkeypatch):
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("collect", ROOT / "bench" / "gpu" / "collect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("gpu/collect.py", monkeypatch)
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "dest")
     (tmp_path / "dest").mkdir()
     src = tmp_path / "at"
@@ -62,12 +61,9 @@ def test_serving_vs_hf_runs_a_trace_that_fits_its_limit():
 
 def test_collect_names_errors_recorded_in_result_files(tmp_path, monkeypatch, capsys):
     """A script that records a failing row and goes on exits 1, and collect.py names the error from its JSON."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("collect", ROOT / "bench" / "gpu" / "collect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("gpu/collect.py", monkeypatch)
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "dest")
     (tmp_path / "dest").mkdir()
     src = tmp_path / "at"
@@ -97,7 +93,6 @@ def test_collect_names_errors_recorded_in_result_files(tmp_path, monkeypatch, ca
 def test_a_phase_brings_back_few_files_and_collect_reads_the_packed_logs(tmp_path, monkeypatch, capsys):
     """The device tool brings back at most 8 files from $OUT: session.sh packs its logs into one archive (here the
     `attention` phase on a CPU, where each benchmark exits 2), and collect.py shows a failed command's log from it."""
-    import importlib.util
     import os
     import tarfile
 
@@ -110,9 +105,7 @@ def test_a_phase_brings_back_few_files_and_collect_reads_the_packed_logs(tmp_pat
     assert sorted(p.relative_to(out).as_posix() for p in files) == ["logs.tar.gz", "status.txt"]
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert {"logs/attention.log", "logs/decode_attention.log", "logs/setup.log"} <= set(tar.getnames())
-    spec = importlib.util.spec_from_file_location("collect", ROOT / "bench" / "gpu" / "collect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("gpu/collect.py", monkeypatch)
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "dest")
     (tmp_path / "dest").mkdir()
     import torch
@@ -139,12 +132,9 @@ def test_each_readme_call_fits_one_device_call():
 
 def test_collect_warns_when_a_result_was_measured_at_another_commit(tmp_path, monkeypatch, capsys):
     """.gpu/deps/COMMIT goes stale when one commits after wheels.sh: collect.py says so (a warning, not a failure)."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("collect", ROOT / "bench" / "gpu" / "collect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("gpu/collect.py", monkeypatch)
     monkeypatch.setattr(mod, "RESULTS", tmp_path / "dest")
     monkeypatch.setattr(mod, "local_head", lambda: "a" * 40)
     (tmp_path / "dest").mkdir()

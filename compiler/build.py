@@ -24,6 +24,7 @@ from kiln.model_config import DTYPES, CompileConfig, ModelConfig
 from kiln.quant.formats import as_scheme, dequantize, parse_scheme
 from kiln.quant.sizing import resolve_group
 from kiln.spec.loader import DEFAULT_SPEC, load_spec
+from kiln.spec.route import describe_route
 from kiln.tokenizer import load_tokenizer
 from kiln.train.router_files import attach_routers, check_routers_file
 
@@ -172,8 +173,9 @@ def _load_quantized(
     loaded = load_spec(spec if spec is not None else weights_dir / SPEC)
     if spec is not None:  # the stored spec.kiln is what the weights were quantized as
         check_spec_matches(loaded.model, load_spec(weights_dir / SPEC).model, loaded.path, str(weights_dir / SPEC))
+    have = stored_scheme(weights_dir)
     if quantize is not None:
-        want, have = resolve_group(parse_scheme(quantize), loaded.model)[0], stored_scheme(weights_dir)
+        want = resolve_group(parse_scheme(quantize), loaded.model)[0]
         if want.label != have.label:  # calibration options do not matter once the weights are stored
             raise KilnError(
                 f"quantize {quantize!r} (--quantize): {weights_dir} was quantized by `kiln quantize` with "
@@ -193,7 +195,7 @@ def _load_quantized(
     comp = dataclasses.replace(loaded.compile, dtype=stored)
     tokenizer = load_tokenizer(weights_dir, vocab=loaded.model.vocab)
     return LoadedModel(loaded.model, comp, gm, tokenizer, dev, source=str(weights_dir),
-                       stored_quantize=stored_scheme(weights_dir).label)
+                       stored_quantize=have.label)
 
 
 def describe_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None) -> ModelConfig:
@@ -218,10 +220,8 @@ def _with_routers(cfg: ModelConfig, comp: CompileConfig, gm: torch.fx.GraphModul
     """The routed model: its config, its compile config (extra["route"] turns the mod_routing pass on, as a routed
     spec's validation does) and its Level-1 graph."""
     cfg, gm = attach_routers(cfg, gm, routers)
-    r = cfg.route
-    decide = f"predictor(hidden = {r.hidden})" if r.decide == "predictor" else r.decide
-    say(f"routers from {routers}: route = mod(capacity = {r.capacity}, every = {r.every}, decide = {decide})")
-    return cfg, dataclasses.replace(comp, extra={**comp.extra, "route": r}), gm
+    say(f"routers from {routers}: {describe_route(cfg)}")
+    return cfg, dataclasses.replace(comp, extra={**comp.extra, "route": cfg.route}), gm
 
 
 def fit_quantize(comp: CompileConfig, cfg: ModelConfig) -> CompileConfig:

@@ -31,7 +31,7 @@ from kiln.ir.attrs import owner
 from kiln.model_config import ModelConfig, SpeculationConfig
 from kiln.passes.speculative import self_draft_graph
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
-from kiln.spec.speculation import check_layers, describe, speculation_config
+from kiln.spec.speculation import NOT_FOR_MOD, check_layers, describe, speculation_config
 from kiln.step import StepModel
 
 
@@ -57,10 +57,6 @@ def resolve_speculation(value: object, loaded: LoadedModel, source: str = "specu
                              "off (--speculation off, LLM(speculation='off'))")
         check_layers(cfg, loaded.model, source)
     return cfg
-
-
-NOT_FOR_MOD = ("speculative decoding is not built for Mixture-of-Depths models (its rejected drafts would have to be "
-               "taken back out of every routed layer's cache)")
 
 
 def check_draft(cfg: SpeculationConfig, target: ModelConfig) -> ModelConfig:

@@ -16,6 +16,7 @@ from kiln.spec.ast import Call, Setting
 from kiln.spec.formatter import format_spec
 from kiln.spec.loader import LoadedSpec, bundled_spec, bundled_specs, load_spec, read_spec_file
 from kiln.spec.parser import parse_spec
+from kiln.spec.speculation import NOT_FOR_MOD
 from kiln.spec.speculation import describe as describe_speculation
 from kiln.spec.validate import DTYPE_BYTES, describe_route, format_bytes, format_count, param_count
 
@@ -78,9 +79,8 @@ def serving_problems(loaded: LoadedSpec) -> list[Diagnostic]:
                                "as it is)"))
     if model.route is not None and extra.get("speculation") is not None:
         out.append(_diagnostic(loaded, settings["speculation"], "speculation with a Mixture-of-Depths model (route = "
-                               "mod(...)) is not built: rejected drafts would have to be taken back out of every "
-                               "routed layer's cache", "remove the speculation setting (or run with --speculation "
-                               "off), or the route setting"))
+                               f"mod(...)): {NOT_FOR_MOD}", "remove the speculation setting (or run with "
+                               "--speculation off), or the route setting"))
     draft = extra.get("speculation")
     if draft is not None and draft.kind == "draft" and model.route is None:
         # lazy: reading a checkpoint's config goes through kiln.build, which loads torch (only for a draft model)

@@ -25,6 +25,10 @@ from kiln.spec.formatter import format_expr
 from kiln.spec.parser import parse_expr
 from kiln.spec.values import _config_call, _int, _Report, _suggest
 
+# Why a routed model (route = mod(...)) gets no drafter: kiln check, the flags and the draft-model check say it alike.
+NOT_FOR_MOD = ("speculative decoding is not built for Mixture-of-Depths models (its rejected drafts would have to be "
+               "taken back out of every routed layer's cache)")
+
 K_MAX = 16  # drafted tokens per step at most: acceptance decays geometrically, and the verifier's chunk grows with k
 FUNCS = {"ngram": ("n", "k"), "self": ("layers", "k"), "draft": ("spec", "weights", "k")}
 OFF = "off"

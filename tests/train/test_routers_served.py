@@ -58,7 +58,7 @@ def test_kiln_run_routers_flag(tmp_path, capsys):
     assert rc == 0
     cap = capsys.readouterr()
     assert json.loads(cap.out)["token_ids"] == want
-    assert "route = mod(capacity = 0.5, every = 2, decide = threshold)" in cap.err
+    assert "routers.safetensors: Mixture-of-Depths routes layers 1 (capacity 0.5, decide = threshold)" in cap.err
     assert "routed KV cache" in cap.err
 
 

@@ -39,7 +39,7 @@ from bench_meta import result_path, run_metadata, write_json
 from ceilings import copy_bandwidth
 from static_decode import StaticDecoder, check_llama_family
 
-from kiln.build import load_model
+from kiln.build import describe_model, load_model
 from kiln.compile.step import compile_step
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampler import SamplingParams
@@ -152,15 +152,18 @@ def baseline_decode(dec: StaticDecoder, prompt: list[int], new_tokens: int, mode
 def run_row(spec: str, p: int, new_tokens: int, dtype: str, device: str, mode: str, copy_bw: float,
             seed: int = 0) -> dict:
     """One (spec, prompt length) row: kiln and the baseline on a freshly loaded model."""
+    # Checked from the spec before loading: a row that cannot run costs no 8B load (a ValueError, not SystemExit:
+    # main records it as this row's error).
+    cfg = describe_model(spec)
+    check_llama_family(cfg)
+    if p + new_tokens > cfg.context:
+        raise ValueError(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {cfg.context}")
     # A fresh model per prompt length: compile_step rewrites the graph in place (same seed: same weights).
     t = time.perf_counter()
     m = load_model(spec, dtype=dtype, device=device, seed=seed)
     _sync(m.device)
     load_s = time.perf_counter() - t
     weight_bytes = sum(p.numel() * p.element_size() for p in m.gm.parameters())
-    check_llama_family(m.model)
-    if p + new_tokens > m.model.context:  # a ValueError, not SystemExit: main records it as this row's error
-        raise ValueError(f"prompt {p} + {new_tokens} new tokens exceeds {spec}'s context {m.model.context}")
     rng = random.Random(seed + p)
     prompt = [rng.randrange(m.model.vocab) for _ in range(p)]
     dec = StaticDecoder(m.model, dict(m.gm.named_parameters()), p + new_tokens)  # kiln's tensors, shared

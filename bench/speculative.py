@@ -33,6 +33,7 @@ import dataclasses
 import gc
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -165,6 +166,17 @@ def crossovers(rows: list[dict], drafters: list[str]) -> dict[str, int]:
             for name in drafters if name != "none"}  # fmt: skip
 
 
+def target_failed(args: argparse.Namespace, what: str, e: Exception, device: object = None) -> int:
+    """No row can run without the target: the run is written as failed (with the error) rather than left unwritten."""
+    path = result_path(args.out_dir, f"speculative-{args.spec}")
+    error = f"{what}: {error_text(e)}"
+    write_json(path, {"benchmark": "speculative", "spec": args.spec, "dtype": args.dtype, "status": f"failed: {error}",
+                      "results": [], "errors": [{"error": error}], "meta": run_metadata(device)})
+    traceback.print_exc()
+    print(f"wrote {path}; {error}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="smollm2-135m")
@@ -181,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(RESULTS))
     args = ap.parse_args(argv)
 
-    m = load_model(args.spec, args.weights, device=args.device, dtype=args.dtype)
+    try:
+        m = load_model(args.spec, args.weights, device=args.device, dtype=args.dtype)
+    except Exception as e:  # written, so a GPU session's collect.py reports it next to the other results
+        return target_failed(args, "the target model did not load", e)
     # The self drafter's model: a failure is that drafter's error at every batch, the others still run. Its graph
     # is cut from the weights before the target compiles (compile_step rewrites m.gm in place).
     draft, draft_error = None, None
@@ -192,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                                dtype=weights["embed.weight"].dtype, device=m.device)
     except Exception as e:
         draft_error = f"the draft model did not build: {error_text(e)}"
-    target = compile_step(m.gm, m.model, m.compile, device=m.device)
+    try:
+        target = compile_step(m.gm, m.model, m.compile, device=m.device)
+    except Exception as e:
+        return target_failed(args, "the target model did not compile", e, m.device)
     if getattr(target, "verify", None) is None:
         target.verify = reference_verify
     if draft_error is None:

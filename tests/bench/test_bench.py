@@ -122,6 +122,22 @@ def test_speculative_bench_records_a_failing_drafter_and_saves_every_row_as_it_e
     assert set(r["crossover"]) == {"ngram", "self"} and r["crossover"]["self"] == 0
 
 
+@pytest.mark.parametrize("broken", ["load_model", "compile_step"])
+def test_speculative_bench_writes_a_failed_run_when_the_target_cannot_run(tmp_path, monkeypatch, broken):
+    mod = load_script("speculative.py", monkeypatch)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(mod, broken, fail)
+    argv = ["--spec", "tiny-llama", "--batches", "1", "--device", "cpu", "--out-dir", str(tmp_path)]
+    assert mod.main(argv) == 1
+    r = json.loads(next(tmp_path.glob("speculative-tiny-llama-*.json")).read_text())
+    what = {"load_model": "did not load", "compile_step": "did not compile"}[broken]
+    assert r["status"] == f"failed: the target model {what}: RuntimeError: CUDA out of memory"
+    assert r["results"] == [] and r["meta"]["commit"]
+
+
 def _host_step(monkeypatch):
     mod = load_script("host_step.py", monkeypatch)
     return mod

@@ -93,8 +93,11 @@ def test_the_script_exits_1_when_a_row_failed(bench, monkeypatch):
     assert bench.cli([]) == 0
 
 
-def test_a_prompt_longer_than_the_context_is_that_rows_error_and_the_next_row_runs(bench, tmp_path):
-    # tiny-llama's context is 256: 254 + 3 new tokens do not fit, 5 + 3 do
+def test_a_prompt_longer_than_the_context_is_that_rows_error_and_the_next_row_runs(bench, tmp_path, monkeypatch):
+    # tiny-llama's context is 256: 254 + 3 new tokens do not fit, 5 + 3 do; the row that cannot run loads nothing
+    loads = []
+    real_load = bench.load_model
+    monkeypatch.setattr(bench, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     argv = ["tiny-llama", "--prompt-lens", "254", "5", "--new-tokens", "3", "--dtype", "fp32", "--device", "cpu",
             "--copy-mib", "4", "--compile-mode", "none", "--out-dir", str(tmp_path)]
     assert bench.cli(argv) == 1
@@ -104,3 +107,4 @@ def test_a_prompt_longer_than_the_context_is_that_rows_error_and_the_next_row_ru
                    "error": "ValueError: prompt 254 + 3 new tokens exceeds tiny-llama's context 256"}
     assert saved["errors"] == ["tiny-llama prompt 254: " + bad["error"]]
     assert good["prompt_len"] == 5 and good["kiln_tok_s"] > 0 and "error" not in good
+    assert len(loads) == 1

@@ -225,15 +225,15 @@ class LLM:
         with self._lock:
             try:
                 for i, ((kind, item), p) in enumerate(zip(items, params, strict=True)):
-                    if output_kind is not None and p.output_kind != output_kind:
-                        p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is still named
                     try:
+                        if output_kind is not None and p.output_kind != output_kind:
+                            p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is named
                         rid = (self.engine.add_request(item, p) if kind == "text"
                                else self.engine.add_request(params=p, prompt_token_ids=item))
                     except RequestError as e:
                         if len(items) == 1:
                             raise
-                        raise RequestError(f"prompt {i}: {e}") from None
+                        raise RequestError(f"prompt {i}: {e}", param=e.param, code=e.code) from None
                     self._queues[rid] = deque()
                     ids.append(rid)
             except BaseException:

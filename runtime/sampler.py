@@ -295,9 +295,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         logits = logits / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
-        kth = logits.topk(params.top_k, dim=-1).indices
-        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, kth, True)
-        logits = logits.masked_fill(~keep, float("-inf"))
+        # Below the k-th largest value, as HF and vLLM: every token tied with the k-th is kept (keeping exactly k
+        # would let topk's tie order decide which of them can be drawn).
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)

@@ -171,6 +171,8 @@ INPUT_TABLE = [
     ("a float id in a batch is named", lambda: {"prompt_token_ids": [[1, 2], [3.5]]},
      (RequestError, "prompt 1: prompt_token_ids must be a sequence of integer token ids (a list, a 1-D numpy "
       "array or 1-D integer tensor), not list (position 0 is float 3.5)")),
+    ("a bad parameter of a batch is named by its prompt", lambda: {"prompts": ["a", "b", "c"], "sampling_params": [
+        _params(), _params(top_k=-5), _params()]}, (RequestError, "prompt 1: sampling parameter top_k = -5")),
     ("a bad output_kind is named, not replaced", lambda: {"prompts": "a",
                                                           "sampling_params": _params(output_kind="bogus")},
      (RequestError, "output_kind = 'bogus'")),

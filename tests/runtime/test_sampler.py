@@ -96,6 +96,17 @@ def test_top_k_and_top_p_restrict_support():
     assert draws == {0, 1}
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth_as_hf_does():
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0], [0.0, 5.0, 1.0, 1.0, 1.0, 5.0]])
+    for k in (1, 2, 3, 4):
+        hf = TopKLogitsWarper(top_k=k)(None, logits.clone()).softmax(-1)
+        ours = process_logits(logits, SamplingParams(top_k=k)).softmax(-1)
+        torch.testing.assert_close(ours, hf)
+    assert torch.isfinite(process_logits(logits, SamplingParams(top_k=2))).sum(-1).tolist() == [4, 2]
+
+
 def test_sampling_follows_distribution():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     draws = sample(logits.expand(4000, 3), SamplingParams(), make_generator(0))

@@ -42,7 +42,7 @@ prefill, the first decode step, then one dynamic decode graph) whatever the numb
 when the batch size changes; pass dynamic=True to start symbolic, or mark dims with
 torch._dynamo.mark_dynamic to skip the static first graph. In a decode graph the cached keys and values are
 separate inputs with their own length (and batch) symbols: attention claims them equal behind a Dynamo guard
-(kiln.dynamo.normalize.equal_guarded), as sdpa requires them equal anyway. Under dynamic=True Dynamo also passes float
+(kiln.dynamo.fx_query.equal_guarded), as sdpa requires them equal anyway. Under dynamic=True Dynamo also passes float
 constants (eps, the attention scale) as inputs; a claim specializes them with a guard on their value, and
 inductor may make Dynamo restart the frame once to specialize the rest (the backend works on a copy of
 Dynamo's graph, which Dynamo then clears, so kiln simply builds that graph again).
@@ -70,8 +70,10 @@ import torch
 from torch import fx
 from torch.utils._pytree import tree_leaves
 
+from kiln.dynamo.fx_query import canon, is_kiln, site_of, val
 from kiln.dynamo.masks import MaskGuard, MaskOracle
-from kiln.dynamo.normalize import Claim, Rejection, canon, is_kiln, site_of, val, writes
+from kiln.dynamo.mutation import writes
+from kiln.dynamo.normalize import Claim, Rejection
 from kiln.dynamo.options import FALLBACKS, MODES, OPTIONS, Options, parse_options  # noqa: F401  (re-exported)
 from kiln.dynamo.regions import INFERENCE_ONLY, Region, extract_regions, retarget
 from kiln.dynamo.rules import normalize

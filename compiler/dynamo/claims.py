@@ -9,18 +9,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.dynamo.normalize import (
-    Normalizer,
-    St,
-    canon,
-    equal_guarded,
-    kiln_ops,
-    resolve,
-    same,
-    same_shape,
-    scalar,
-    tensor,
-)
+from kiln.dynamo.fx_query import canon, equal_guarded, same, same_shape, scalar, tensor
+from kiln.dynamo.normalize import Normalizer, St, kiln_ops, resolve
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 CLAIMABLE = ("attention", "rms_norm", "layer_norm", "rope", "gated_act", "act", "linear", "add")

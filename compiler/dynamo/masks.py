@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kiln.dynamo.normalize import mutated, writes
+from kiln.dynamo.mutation import mutated, writes
 from kiln.ir.ops import attention_mask
 
 

@@ -6,7 +6,8 @@ and every node carries a FakeTensor (`meta["example_value"]`) with its (possibly
 In aten, sdpa is already dispatched to a device-specific kernel (`_scaled_dot_product_flash_attention_for_cpu`,
 `_efficient_attention`, ...) and linear / matmul are decomposed into view + mm + expand chains, so the same
 model would need different patterns on CPU and CUDA. The cost of the torch level is surface variety (methods,
-functions and operators for one op; `.to` / `.float` / `.type` for one cast): `canon` maps each to one name.
+functions and operators for one op; `.to` / `.float` / `.type` for one cast): `canon` maps each to one name
+(kiln.dynamo.fx_query).
 
 How it matches: one forward walk over the nodes keeps a small abstract state per node ("this is x cast to
 fp32", "this is the flat tensor src viewed as [B, H, T, D]", "this is q * cos", ...; see kiln.dynamo.rules).
@@ -18,295 +19,36 @@ reason is recorded and the torch nodes stay. Dead torch nodes are then removed. 
 replaced by an equal value, so whatever is not claimed simply runs as torch.
 
 In-place ops (`h += x` unless nothing else could see h, `y[:, 0] = 0`, `.mul_`, ReLU(inplace=True)) stay torch
-calls where they are, and are never dropped. The values they change are found up front (`mutated`: the written
-tensors and whatever shares their memory, read off the storages of the example values); a state relating such a
-value is dropped at the first in-place op that changes it, and a claim never reads a value, other than its own
-node's inputs, across such an op. kiln.dynamo.regions then never moves a kiln op past one.
+calls where they are, and are never dropped. The values they change are found up front (kiln.dynamo.mutation's
+`mutated`: the written tensors and whatever shares their memory, read off the storages of the example values); a
+state relating such a value is dropped at the first in-place op that changes it, and a claim never reads a value,
+other than its own node's inputs, across such an op. kiln.dynamo.regions then never moves a kiln op past one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import guard_float, guard_or_false, statically_known_true
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
-from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 import kiln.ir.ops  # noqa: F401  (registers torch.ops.kiln.*)
+from kiln.dynamo.fx_query import canon, is_kiln, same_shape, same_strides, site_of, tensor, val
+from kiln.dynamo.mutation import as_out_of_place, mutated, writes
 
 kiln_ops = torch.ops.kiln
 
-_FUNCS: dict[Any, str] = {
-    operator.add: "add", torch.add: "add", operator.mul: "mul", torch.mul: "mul", operator.truediv: "div",
-    torch.div: "div", operator.neg: "neg", torch.neg: "neg",
-    operator.getitem: "getitem", torch.rsqrt: "rsqrt", torch.pow: "pow", torch.mean: "mean", torch.tanh: "tanh",
-    torch.cat: "cat", torch.concat: "cat", torch.matmul: "matmul", operator.matmul: "matmul", torch.cos: "cos",
-    torch.sin: "sin", torch.transpose: "transpose", torch.reshape: "reshape", torch.unsqueeze: "unsqueeze",
-    torch._C._nn.linear: "linear", F.linear: "linear", F.silu: "silu", F.gelu: "gelu", F.relu: "relu",
-    torch.relu: "relu", F.softmax: "softmax", torch.softmax: "softmax", F.dropout: "dropout",
-    F.layer_norm: "layer_norm", torch.layer_norm: "layer_norm", F.scaled_dot_product_attention: "sdpa",
-    torch._C._nn.scaled_dot_product_attention: "sdpa", torch.sym_sum: "sym_sum",
-}  # fmt: skip
-_METHODS: dict[str, str] = {
-    "view": "reshape", "reshape": "reshape", "to": "cast", "float": "cast", "half": "cast", "bfloat16": "cast",
-    "type": "cast", "contiguous": "contiguous", "clone": "clone", "__neg__": "neg",
-    **{m: m for m in ("add", "mul", "div", "neg", "pow", "mean", "rsqrt", "tanh", "cos", "sin", "matmul",
-                      "transpose", "unsqueeze", "expand", "permute", "softmax", "unflatten", "flatten", "size")},
-}  # fmt: skip
 # Calls whose only effect is their value: safe to drop once nothing reads them (Dynamo graphs hold a few
 # side-effecting calls, e.g. torch._C._log_api_usage_once, which are never touched).
 _PURE_EXTRA = {torch.arange, torch.where, torch.zeros, torch.full, torch.tensor, operator.le, operator.lt,
                operator.ge, operator.gt, operator.and_, operator.or_, torch.ops.aten.sym_size.int,
                torch._sym_sqrt}  # fmt: skip
-
-
-@dataclass
-class Op:
-    """A call in canonical form: method and function spellings share one name; args[0] is the subject."""
-
-    name: str
-    args: tuple
-    kwargs: dict
-
-    def arg(self, i: int, key: str, default: Any = None) -> Any:
-        return self.args[i] if len(self.args) > i else self.kwargs.get(key, default)
-
-
-def canon(node: fx.Node) -> Op | None:
-    if node.op == "call_function":
-        try:
-            name = _FUNCS.get(node.target)
-        except TypeError:  # unhashable target
-            name = None
-    elif node.op == "call_method":
-        name = _METHODS.get(node.target)
-    else:
-        return None
-    return Op(name, tuple(node.args), dict(node.kwargs)) if name else None
-
-
-def is_kiln(node: object, op: Any = None) -> bool:
-    if not (isinstance(node, fx.Node) and node.op == "call_function"):
-        return False
-    t = node.target
-    return t == op if op is not None else isinstance(t, torch._ops.OpOverload) and t.namespace == "kiln"
-
-
-def val(node: object) -> Any:
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else node
-
-
-def tensor(node: object) -> torch.Tensor | None:
-    v = val(node) if isinstance(node, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def same(a: Any, b: Any) -> bool:
-    """a == b provably (SymInts included) without adding a guard."""
-    try:
-        return bool(statically_known_true(a == b))
-    except Exception:
-        return False
-
-
-def equal_guarded(a: Any, b: Any) -> bool:
-    """a == b, provably or else by a Dynamo guard when both sizes are equal in this call (then a call where they
-    differ recompiles instead of reusing the claim). For sizes that only two independent inputs share, such as
-    the past keys' and past values' lengths of a KV cache: Dynamo gives each its own symbol."""
-    if same(a, b):
-        return True
-    try:
-        return guard_or_false(a == b)
-    except Exception:
-        return False
-
-
-def same_shape(a: Any, b: Any) -> bool:
-    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-
-
-def same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """a and b (of one shape) provably lay their elements out alike: equal strides except where a dim has size 1."""
-    if a.dim() != b.dim():
-        return False
-    return all(same(n, 1) or same(x, y) for n, x, y in zip(a.shape, a.stride(), b.stride(), strict=True))
-
-
-def scalar(x: Any) -> float | None:
-    """x as a Python number, or None. Under dynamic=True Dynamo passes float constants (an RMSNorm's eps, an
-    attention scale, math.pi in HF's tanh-GELU) as inputs read with .item(), and arithmetic on them stays in the
-    graph (sqrt(2 / pi)): such a float, computed from float inputs only, is specialized with a guard on its value
-    (a call with another value recompiles). Anything that involves a size (a SymInt) is never specialized."""
-    if isinstance(x, fx.Node):
-        v = val(x)
-        if not isinstance(v, torch.SymFloat):
-            return None
-        symbols = v.node.expr.free_symbols
-        if not all(symbol_is_type(s, SymT.FLOAT) for s in symbols):
-            return None
-        try:
-            return float(guard_float(v))
-        except Exception:  # no hint (data-dependent): not a constant
-            return None
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
-# ---- in-place ops ---------------------------------------------------------------------------------------------
-# Dynamo's graph keeps in-place ops as they were written: `h += x` is operator.iadd(h, x), `y[:, 0] = 0` is
-# operator.setitem, `y.mul_(2)` a method call, nn.ReLU(inplace=True) F.relu(..., inplace=True). Each writes the
-# memory of its subject and of every view of it, and the graph's order is what says which reads see the write.
-_INPLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift,
-}  # fmt: skip
-_INPLACE_DUNDERS = {f"__i{n}__" for n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and",
-                                          "or", "xor", "lshift", "rshift")} | {"__setitem__"}  # fmt: skip
-
-
-@functools.lru_cache(maxsize=256)
-def _inplace_signature(target: Any) -> inspect.Signature | None:
-    """target's signature when it has an `inplace` parameter (F.relu, F.silu, F.dropout, ...), else None."""
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):  # a builtin without one
-        return None
-    return sig if "inplace" in sig.parameters else None
-
-
-def _inplace_kwarg(target: Any, args: tuple, kwargs: dict) -> bool:
-    """F.relu(x, inplace=True) and its kin (the flag by keyword or by position)."""
-    if kwargs.get("inplace") is True:
-        return True
-    try:
-        sig = _inplace_signature(target)
-    except TypeError:  # unhashable target
-        return False
-    try:
-        return sig is not None and sig.bind(*args, **kwargs).arguments.get("inplace") is True
-    except TypeError:
-        return False
-
-
-def writes(node: fx.Node) -> list[fx.Node]:
-    """The tensor nodes whose memory `node` writes: an in-place op's subject, an `out=` tensor, the mutable
-    arguments of an op overload; [] for a call that only returns a value."""
-    if node.op not in ("call_function", "call_method"):
-        return []
-    args, out = node.args, node.kwargs.get("out")
-    hit: list[Any] = [out] if isinstance(out, fx.Node) else list(out) if isinstance(out, (tuple, list)) else []
-    t = node.target
-    if node.op == "call_method":
-        name = str(t)
-        if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__")):
-            hit.append(args[0] if args else None)
-    elif isinstance(t, torch._ops.OpOverload):
-        for i, a in enumerate(t._schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                hit.append(args[i] if i < len(args) else node.kwargs.get(a.name))
-    else:
-        try:
-            operator_write = t in _INPLACE_OPERATORS
-        except TypeError:  # unhashable target
-            operator_write = False
-        name = getattr(t, "__name__", "")
-        # torch.relu_, F.relu_, Tensor.add_ (not operator.and_ / or_: there the underscore only avoids a keyword)
-        torch_inplace = name.endswith("_") and not name.startswith("_") and getattr(t, "__module__", "") != "_operator"
-        if operator_write or torch_inplace or _inplace_kwarg(t, args, node.kwargs):
-            hit.append(args[0] if args else node.kwargs.get("input"))
-    return [a for a in hit if isinstance(a, fx.Node)]
-
-
-def _storages(v: Any) -> set:
-    keys = set()
-    for t in tree_leaves(v):
-        if isinstance(t, torch.Tensor):
-            try:
-                keys.add(StorageWeakRef(t.untyped_storage()))
-            except Exception:  # a tensor without storage (a subclass): it has no aliases to track
-                pass
-    return keys
-
-
-def mutated(graph: fx.Graph) -> dict[fx.Node, tuple[int, ...]]:
-    """The nodes whose values some in-place op of the graph changes, each with the positions (indices in the
-    graph's node order) of those ops: the written tensors and everything sharing memory with them (views both ways,
-    a .contiguous() / .to() that returned its input), read off the storages of Dynamo's example values. Such a
-    value depends on where in the graph it is read."""
-    nodes = list(graph.nodes)
-    direct: dict[fx.Node, set[int]] = {}
-    by_storage: dict = {}
-    for i, n in enumerate(nodes):
-        for w in writes(n):
-            for m in (w, n):
-                direct.setdefault(m, set()).add(i)
-            for key in _storages(val(w)):
-                by_storage.setdefault(key, set()).add(i)
-    out = {}
-    for n in nodes:
-        points = set(direct.get(n, ()))
-        for key in _storages(val(n)):
-            points |= by_storage.get(key, set())
-        if points:
-            out[n] = tuple(sorted(points))
-    return out
-
-
-def _as_out_of_place(graph: fx.Graph) -> None:
-    """Rewrite `h += x` / `h *= x` as h + x / h * x where nothing can see the difference: h is computed in the
-    graph (not a graph input or a weight), nothing else reads it or shares its memory, and the out-of-place result
-    has the same dtype, shape and strides. Such an op can then be matched like any add / mul; the others stay
-    in-place calls that run as torch (never claimed, never dropped)."""
-    owners: dict = {}
-    for n in graph.nodes:
-        for key in _storages(val(n)):
-            owners.setdefault(key, set()).add(n)
-    plain = {operator.iadd: operator.add, operator.imul: operator.mul}
-    if any(n.op == "get_attr" and not _storages(val(n)) for n in graph.nodes):
-        return  # a constant whose memory is unknown: any h might be a view of it
-    for n in graph.nodes:
-        if n.op != "call_function" or n.target not in plain or len(n.args) != 2 or n.kwargs:
-            continue
-        h, y = n.args
-        th, tn, ty = tensor(h), tensor(n), tensor(y)
-        if th is None or tn is None or h.op not in ("call_function", "call_method") or set(h.users) != {n}:
-            continue
-        if any(owners.get(k, set()) - {h, n} for k in _storages(th)):
-            continue
-        same_dtype = ty.dtype == th.dtype if ty is not None else isinstance(y, (int, float))  # a Python number
-        if not (th.dtype.is_floating_point and same_dtype):
-            continue
-        mode = th.fake_mode if isinstance(th, FakeTensor) else None
-        with mode if mode is not None else contextlib.nullcontext():
-            fresh = plain[n.target](th, val(y))
-        same_layout = same_shape(fresh.shape, tn.shape) and same_shape(fresh.stride(), tn.stride())
-        if fresh.dtype != tn.dtype or not same_layout:
-            continue
-        n.target = plain[n.target]
-        n.meta["example_value"] = fresh
-        for key in _storages(fresh):
-            owners.setdefault(key, set()).add(n)
-
-
-def site_of(node: fx.Node) -> str:
-    """Where a node comes from: the innermost nn.Module path, else the source line Dynamo recorded."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path = str(list(stack.values())[-1][0])
-        return path.replace("L['self'].", "").replace("L['self']", "<root>")
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    return trace[-2].strip() if len(trace) >= 2 else node.name
 
 
 @dataclass
@@ -358,7 +100,7 @@ class Normalizer:
         self.mask_spec = mask_spec
         self.created: set[fx.Node] = set()
         self.memo: dict[tuple, fx.Node] = {}
-        _as_out_of_place(self.graph)
+        as_out_of_place(self.graph)
         # Where each node stands (a node inserted by a claim stands where the claimed node stood), and for the
         # values that in-place ops change, where those ops stand: a state relates values as they are at one point
         # of the graph, so it is dropped at the first op that changes one of them.
@@ -530,7 +272,7 @@ class Normalizer:
 
 
 def _pure(node: fx.Node) -> bool:
-    if node.op == "call_method" and node.target == "item":  # a float constant read by a claim (see scalar)
+    if node.op == "call_method" and node.target == "item":  # a float constant read by a claim (see fx_query.scalar)
         return True
     try:
         return node.op == "call_function" and node.target in _PURE_EXTRA

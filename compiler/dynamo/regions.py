@@ -35,7 +35,8 @@ from torch.library import custom_op
 
 from kiln.compile.driver import compile_model
 from kiln.compile.pipeline import propagate
-from kiln.dynamo.normalize import is_kiln, val, writes
+from kiln.dynamo.fx_query import is_kiln, val
+from kiln.dynamo.mutation import writes
 from kiln.errors import KilnError
 from kiln.ir.registry import bind_references
 from kiln.passes._graph import set_param

@@ -29,20 +29,9 @@ from kiln.dynamo.claims import (
     claim_rms,
     claim_rope,
 )
-from kiln.dynamo.normalize import (
-    MaskSpec,
-    Normalizer,
-    Op,
-    St,
-    is_kiln,
-    kiln_ops,
-    resolve,
-    same,
-    same_shape,
-    scalar,
-    tensor,
-    writes,
-)
+from kiln.dynamo.fx_query import Op, is_kiln, same, same_shape, scalar, tensor
+from kiln.dynamo.mutation import writes
+from kiln.dynamo.normalize import MaskSpec, Normalizer, St, kiln_ops, resolve
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _ACTS = {"silu": "silu", "relu": "relu"}

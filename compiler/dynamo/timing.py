@@ -26,7 +26,7 @@ import torch
 from torch import fx
 
 from kiln.dynamo.backend import Compiled, GraphReport
-from kiln.dynamo.normalize import val
+from kiln.dynamo.fx_query import val
 from kiln.dynamo.regions import _REGIONS, CALLS, Region, new_region_id
 
 BASELINES = ("eager", "inductor")

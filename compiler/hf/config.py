@@ -368,8 +368,9 @@ def check_spec_matches(spec: ModelConfig, checkpoint: ModelConfig, spec_source: 
     """KilnError naming every field where a spec given with a checkpoint computes something else than the
     checkpoint's config (its config.json, a GGUF's metadata, a `kiln quantize` output's spec.kiln) says (a window, a
     rope theta, an eps...): those run without any shape error, so they would give wrong tokens silently."""
-    served = min(spec.context, checkpoint.context)
-    have, want = _words(spec, served), _words(checkpoint, served)
+    # Windows compare at the context the spec serves: one that spans it masks nothing, but a spec that serves beyond
+    # the checkpoint's context must keep the checkpoint's window, however long that context is.
+    have, want = _words(spec, spec.context), _words(checkpoint, spec.context)
     diffs, differ = [], []
     for key in dict.fromkeys([*want, *have]):
         if any(key.startswith(k + " ") for k in differ):  # rope theta when one side has no rope at all, ...

@@ -243,6 +243,11 @@ def _layer_types(r: Reader, layers: int) -> list[str] | None:
     return types
 
 
+# The config classes' sliding_window when config.json has no such key, as transformers reads it (an explicit null
+# means no window; Qwen2 slides only with use_sliding_window)
+DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "ministral": 4096, "qwen2": 4096}
+
+
 def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
     """The sliding window shared by every layer, or None; kiln's layer body is the same for all layers.
 
@@ -254,7 +259,11 @@ def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
     types = _layer_types(r, layers)
     if model_type == "qwen2" and not r.bool("use_sliding_window", False):
         return None
-    window = r.int("window", "sliding_window", default=None)
+    if "sliding_window" not in r.hf and model_type in DEFAULT_SLIDING_WINDOW:  # absent: the config class's default
+        window = DEFAULT_SLIDING_WINDOW[model_type]
+        r.origins.setdefault("window", []).append("sliding_window")
+    else:  # null: no window
+        window = r.int("window", "sliding_window", default=None)
     if window is None:
         return None
     if types is None and model_type == "qwen2":
@@ -265,8 +274,10 @@ def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
     if set(types) == {"full_attention"}:
         return None
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    fix = ("set max_window_layers to 0 or >= num_hidden_layers" if model_type == "qwen2" and "layer_types" not in r.hf
+           else "a checkpoint trained with mixed layers cannot be served with one setting")
     raise KilnError(
         f"{r.source}: {model_type} with a sliding window on some layers only (config key `layer_types`: layers "
         f"{sliding} slide, the others attend fully) is not supported; kiln applies one attention setting to every "
-        "layer. For qwen2 set max_window_layers to 0 or >= num_hidden_layers"
+        f"layer ({fix})"
     )

@@ -236,12 +236,44 @@ def _check(plan: list[Source], found: dict, names: dict[str, str], cfg: ModelCon
             )
     if problems:
         routers = [src.hf for src in plan if ".router." in src.hf and src.hf not in names]
-        hint = (f"\n  hint: the spec routes layers (route = mod(...)) and the checkpoint lacks {len(routers)} router "
-                "tensor(s): save them next to the layer's (kiln.model_config.ModConfig names them), or remove the "
-                "route setting to run the dense model" if routers else "")
+        if routers:
+            hint = (f"\n  hint: the spec routes layers (route = mod(...)) and the checkpoint lacks {len(routers)} "
+                    "router tensor(s): save them next to the layer's (kiln.model_config.ModConfig names them), or "
+                    "remove the route setting to run the dense model")
+        elif any(src.hf == "lm_head.weight" and src.hf not in names for src in plan):
+            hint = ("\n  hint: without lm_head.weight the head is the embedding: config.json should say "
+                    "tie_word_embeddings: true")
+        elif any(p.startswith("tensor ") for p in problems):
+            hint = ("\n  hint: config.json does not describe these tensors (its hidden_size, intermediate_size, "
+                    "num_attention_heads, num_key_value_heads, head_dim or vocab_size differ from the weights'): use "
+                    "the config.json saved with these weights")
+        else:
+            hint = ""
         raise WeightError(
             f"checkpoint does not match model {cfg.name!r} ({len(problems)} problems):\n  " + "\n  ".join(problems)
             + hint
+        )
+
+
+def _check_tied_head(found: dict, names: dict[str, str], embed: str) -> None:
+    """config.json ties the head to the embedding but the checkpoint also stores a head: serving the embedding is
+    right only when the two are equal. transformers 5 serves a different stored head (it unties), 4.x the embedding,
+    so a difference is refused rather than guessed."""
+    from safetensors import SafetensorError, safe_open
+
+    tensors = []
+    for name in (names["lm_head.weight"], names[embed]):
+        try:
+            with safe_open(str(found[name][0]), framework="pt") as f:
+                tensors.append(f.get_tensor(name))
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(found[name][0], e) from None
+    head, emb = tensors
+    if head.shape != emb.shape or not torch.equal(head, emb.to(head.dtype)):
+        raise WeightError(
+            f"config.json says tie_word_embeddings: true, but the checkpoint's {names['lm_head.weight']} differs from "
+            f"the embedding {names[embed]}; to serve the stored head set tie_word_embeddings to false in config.json, "
+            "to serve the embedding delete lm_head.weight from the checkpoint"
         )
 
 
@@ -274,6 +306,8 @@ def load_hf_weights(
     found = _scan(checkpoint_files(hf_dir))
     names = {_canonical(n, _PREFIX[model_type]): n for n in found}
     _check(plan, found, names, cfg)
+    if cfg.tie_embeddings and "lm_head.weight" in names:
+        _check_tied_head(found, names, next(src.hf for src in plan if src.targets == ("embed.weight",)))
 
     total = sum(found[names[src.hf]][2] for src in plan)
     show = progress if progress is not None else total > PROGRESS_THRESHOLD

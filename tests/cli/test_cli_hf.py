@@ -111,6 +111,9 @@ def test_equivalent_specs_are_not_refused():
     check_spec_matches(no_window, mistral, "spec", "checkpoint")  # 4096 served: Mistral's window 4096 is no window
     with pytest.raises(KilnError, match="window: none in the spec, 4096 in the checkpoint"):
         check_spec_matches(dataclasses.replace(no_window, context=8192), mistral, "spec", "checkpoint")
+    # a checkpoint whose window spans its own short context still slides when a spec serves more
+    with pytest.raises(KilnError, match="window: none in the spec, 4096 in the checkpoint"):
+        check_spec_matches(dataclasses.replace(no_window, context=8192), short, "spec", "checkpoint")
     gpt2 = load_spec("gpt2").model
     no_rope_flag = dataclasses.replace(gpt2, body=tuple(
         dataclasses.replace(a, value=_set_rope(a.value, False)) for a in gpt2.body))

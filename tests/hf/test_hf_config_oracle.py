@@ -117,3 +117,21 @@ def test_ministral_checkpoint_matches(tmp_path):
     model.save_pretrained(tmp_path)
     assert config_from_hf(load_hf_config(tmp_path)).sites()[1].window == MISTRAL_WINDOW
     assert_same_logits(tmp_path)
+
+
+@pytest.mark.parametrize(("family", "extra"), [("mistral", {}), ("qwen2", {"use_sliding_window": True,
+                                                                           "max_window_layers": 0})])
+def test_an_absent_sliding_window_key_is_the_config_class_default_and_null_is_none(tmp_path, family, extra):
+    import transformers as tf
+
+    save_hf_model(family, tmp_path, **extra)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    del hf["sliding_window"]  # a hand-written or older config.json: transformers reads its class default
+    hf.pop("layer_types", None)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    want = tf.AutoConfig.from_pretrained(tmp_path).sliding_window
+    assert want == 4096
+    assert config_from_hf(load_hf_config(tmp_path)).sites()[1].window == want
+    edit_config(tmp_path, sliding_window=None)
+    assert tf.AutoConfig.from_pretrained(tmp_path).sliding_window is None
+    assert config_from_hf(load_hf_config(tmp_path)).sites()[1].window is None

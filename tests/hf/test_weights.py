@@ -136,12 +136,42 @@ def test_errors_are_collected(ckpt, tmp_path):
     assert "unexpected tensor model.layers.0.extra.weight (shape [3])" in msg
 
 
-def test_tied_model_ignores_a_present_lm_head(ckpt):
+def test_tied_model_ignores_a_present_lm_head_equal_to_the_embedding(ckpt, tmp_path):
     # Some tied checkpoints still carry lm_head.weight (a copy of the embedding); it is skipped, not an error.
     d, sd, cfg = ckpt["llama"]
     tied = config_from_hf({**load_hf_config(d), "tie_word_embeddings": True})
-    w = load_hf_weights(d, tied, model_type="llama")
+
+    def copy_head(t):
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+
+    w = load_hf_weights(rewrite(ckpt, "llama", tmp_path, copy_head), tied, model_type="llama")
     assert "lm_head.weight" not in w and torch.equal(w["embed.weight"], sd["model.embed_tokens.weight"])
+
+
+def test_tied_config_with_a_different_stored_head_is_refused(ckpt):
+    # transformers 5 would serve the stored head (it unties), 4.x the embedding: kiln names the conflict instead
+    d, sd, cfg = ckpt["llama"]
+    assert not torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"])
+    tied = config_from_hf({**load_hf_config(d), "tie_word_embeddings": True})
+    with pytest.raises(WeightError, match="tie_word_embeddings: true, but the checkpoint's lm_head.weight differs "
+                                          "from the embedding model.embed_tokens.weight; to serve the stored head"):
+        load_hf_weights(d, tied, model_type="llama")
+
+
+def test_a_missing_head_and_a_wrong_shape_say_what_to_fix(ckpt, tmp_path):
+    def no_head(t):
+        del t["lm_head.weight"]
+
+    with pytest.raises(WeightError, match="missing tensor lm_head.weight(.|\n)*hint: without lm_head.weight the head "
+                                          "is the embedding: config.json should say tie_word_embeddings: true"):
+        load(ckpt, "llama", rewrite(ckpt, "llama", _mkdir(tmp_path / "a"), no_head))
+
+    def wide_up(t):
+        t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(65, 32)
+
+    with pytest.raises(WeightError, match="(?s)has shape \\[65, 32\\].*hint: config.json does not describe these "
+                                          "tensors.*intermediate_size"):
+        load(ckpt, "llama", rewrite(ckpt, "llama", _mkdir(tmp_path / "b"), wide_up))
 
 
 def test_spec_that_cannot_match_the_family(ckpt):
@@ -191,3 +221,8 @@ def test_a_tensor_in_two_unindexed_files_is_refused(ckpt, tmp_path):
     (tmp_path / "b.safetensors").unlink()
     save_file({name: tensors[name]}, str(tmp_path / "b.safetensors"))
     assert torch.equal(load(ckpt, "llama", tmp_path)["layers.0.attn0.q.weight"], tensors[name])
+
+
+def _mkdir(d):
+    d.mkdir()
+    return d

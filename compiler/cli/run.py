@@ -44,7 +44,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # speculate=True: in a batch of one whether speculation runs never depends on other requests, so a seeded
     # request stays reproducible with it (SamplingParams.speculate leaves seeded sampling out only for that reason).
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, speculate=True)
+                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop), speculate=True)
     params.validate()
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,
@@ -85,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     timings = {"ttft_s": metrics.ttft_s, "decode_tokens_per_s": rate}
     if args.json:
         out = {"token_ids": gen.token_ids, "text": gen.text, "prompt_token_ids": list(prompt_ids),
-               "finish_reason": gen.finish_reason, "model": m.model.name, "device": str(m.device), **timings}
+               "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason, "model": m.model.name, "device": str(m.device), **timings}
         print(json.dumps(out))
     else:
         print()
@@ -111,6 +111,8 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
     r.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
     r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
+    r.add_argument("--stop", metavar="TEXT", action="append", default=[],
+                   help="end generation at this text, left out of the output (repeat the flag for several)")
     r.add_argument("--seed", type=seed_arg, default=None, help="seed for sampling and random weights")
     r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(r)

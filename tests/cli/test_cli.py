@@ -49,6 +49,18 @@ def test_run_greedy_is_deterministic_and_seeded_sampling_repeats(capsys):
     assert a == b
 
 
+def test_run_stop_text_ends_generation_before_it(capsys):
+    argv = ["run", "tiny-llama", "--prompt-ids", "104,105", "--max-tokens", "24", "--temperature", "0", "--json"]
+    full = json.loads(run_cli(capsys, *argv)[1])
+    text = full["text"]
+    # two characters of the greedy output after its first one (none a byte the tokenizer could not decode)
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    assert full["finish_reason"] == "length"
+    cut = json.loads(run_cli(capsys, *argv, "--stop", "never-there", "--stop", stop)[1])
+    assert cut["text"] == full["text"][: full["text"].index(stop)]
+    assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop)
+
+
 def test_run_plain_text_goes_to_stdout(capsys):
     code, out, err = run_cli(capsys, "run", "--prompt", "ab", "--max-tokens", "3", "--temperature", "0")
     assert code == 0

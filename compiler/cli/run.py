@@ -85,7 +85,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     timings = {"ttft_s": metrics.ttft_s, "decode_tokens_per_s": rate}
     if args.json:
         out = {"token_ids": gen.token_ids, "text": gen.text, "prompt_token_ids": list(prompt_ids),
-               "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason, "model": m.model.name, "device": str(m.device), **timings}
+               "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason, "model": m.model.name,
+               "device": str(m.device), **timings}
         print(json.dumps(out))
     else:
         print()

@@ -15,6 +15,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 from kiln.build import load_model
 from kiln.chat_template import ChatTemplateError, chat_template_of
@@ -22,7 +23,7 @@ from kiln.compile.step import compile_step
 from kiln.errors import KilnError, RequestError
 from kiln.model_config import SpeculationConfig
 from kiln.runtime.engine import Engine
-from kiln.runtime.request import RequestOutput
+from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.runtime.sampler import SEED_MAX, SamplingParams
 from kiln.speculation import build_drafter, prepare_drafter, resolve_speculation
 
@@ -107,23 +108,24 @@ class LLM:
         A prompt is a str, a {"prompt": str} or {"prompt_token_ids": [...]} dict (vLLM's forms), or token ids
         through prompt_token_ids. use_tqdm: a progress bar of finished requests on stderr. A request that fails
         alone ends with finish_reason "error" (the message in RequestOutput.error). If generate itself raises (or
-        is interrupted), every request it added is aborted, so the LLM stays usable.
+        is interrupted), every request it added is aborted, so the LLM stays usable. SamplingParams(n=k): each
+        prompt's RequestOutput has k CompletionOutputs, index 0 .. k - 1 (see SamplingParams.choices for seeds).
         """
         # Only the final outputs are returned: the engine makes no others (no per-step copy of every output).
-        ids = self._add(prompts, sampling_params, prompt_token_ids, output_kind="final_only")
-        bar = _progress(len(ids)) if use_tqdm else None
+        groups = self._add(prompts, sampling_params, prompt_token_ids, output_kind="final_only")
+        bar = _progress(len(groups)) if use_tqdm else None
         final: dict[str, RequestOutput] = {}
         try:
-            for out in self._drain(ids):
+            for out in self._merged(groups):
                 if out.finished:
                     final[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
         finally:
-            self._release(ids)
+            self._release(groups)
             if bar is not None:
                 bar.close()
-        return [final[i] for i in ids]
+        return [final[g.request_id] for g in groups]
 
     def chat(
         self,
@@ -164,14 +166,43 @@ class LLM:
         """Yield each request's output every step it grows (outputs[0].delta_text / delta_token_ids are new; with
         SamplingParams(output_kind="delta") the outputs carry only what is new, "final_only" yields one each).
 
+        With SamplingParams(n=k) a prompt's k choices are k engine requests under one request_id (the first
+        choice's): each output carries the choice that grew, with its index, and `finished` is set on the output
+        after which all k have finished (final_only: one output with all k, when they have).
+
         Streams and generate calls may interleave freely. Closing the generator early aborts the requests still
         running.
         """
-        ids = self._add(prompts, sampling_params, prompt_token_ids)
+        groups = self._add(prompts, sampling_params, prompt_token_ids)
         try:
-            yield from self._drain(ids)
+            yield from self._merged(groups)
         finally:
-            self._release(ids)
+            self._release(groups)
+
+    def _merged(self, groups: list[_Prompt]) -> Iterator[RequestOutput]:
+        """_drain's outputs as the caller sees them: a prompt with one choice as the engine made them, one with n
+        choices under its request_id, each choice's CompletionOutput indexed (see generate_stream)."""
+        owner = {rid: (g, i) for g in groups for i, rid in enumerate(g.rids)}
+        for out in self._drain(list(owner)):
+            g, i = owner[out.request_id]
+            if len(g.rids) == 1:
+                yield out
+                continue
+            comp = dataclasses.replace(out.outputs[0], index=i)
+            if g.final_only:
+                g.latest[i] = comp
+            if out.finished:
+                g.metrics[i] = out.metrics
+                if out.error is not None:
+                    g.errors[i] = f"choice {i}: {out.error}"
+            done = len(g.metrics) == len(g.rids)
+            if g.final_only and not done:
+                continue
+            comps = [g.latest[j] for j in range(len(g.rids))] if g.final_only else [comp]
+            errors = "; ".join(g.errors[j] for j in sorted(g.errors)) or None  # the failed choices' so far
+            yield RequestOutput(g.request_id, out.prompt, out.prompt_token_ids, comps, done,
+                                _merge_metrics([g.metrics[j] for j in sorted(g.metrics)]) if done else out.metrics,
+                                errors)
 
     def _drain(self, ids: list[str]) -> Iterator[RequestOutput]:
         """This caller's outputs: what is queued first, and a step of the engine whenever nothing is."""
@@ -198,13 +229,14 @@ class LLM:
             if q is not None:  # requests added through LLM.engine directly are not ours to keep
                 q.append(out)
 
-    def _release(self, ids: list[str]) -> None:
+    def _release(self, groups: list[_Prompt]) -> None:
         with self._lock:
-            for rid in ids:
-                self.engine.abort(rid, notify=False)  # no-op for the finished ones
-                self._queues.pop(rid, None)
+            for g in groups:
+                for rid in g.rids:
+                    self.engine.abort(rid, notify=False)  # no-op for the finished ones
+                    self._queues.pop(rid, None)
 
-    def _add(self, prompts, sampling_params, prompt_token_ids, output_kind: str | None = None) -> list[str]:
+    def _add(self, prompts, sampling_params, prompt_token_ids, output_kind: str | None = None) -> list[_Prompt]:
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts (text) and prompt_token_ids")
         if prompts is not None:
@@ -221,25 +253,61 @@ class LLM:
         else:
             raise RequestError(f"sampling_params must be a SamplingParams, a dict of its fields or a list of those "
                                f"(one per prompt), not {type(sampling_params).__name__}")
-        ids: list[str] = []
+        groups: list[_Prompt] = []
         with self._lock:
             try:
                 for i, ((kind, item), p) in enumerate(zip(items, params, strict=True)):
                     try:
                         if output_kind is not None and p.output_kind != output_kind:
                             p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is named
-                        rid = (self.engine.add_request(item, p) if kind == "text"
-                               else self.engine.add_request(params=p, prompt_token_ids=item))
+                        group = _Prompt([], p.output_kind == "final_only")
+                        groups.append(group)
+                        for choice in p.choices():  # n > 1: one engine request per choice
+                            rid = (self.engine.add_request(item, choice) if kind == "text"
+                                   else self.engine.add_request(params=choice, prompt_token_ids=item))
+                            self._queues[rid] = deque()
+                            group.rids.append(rid)
                     except RequestError as e:
                         if len(items) == 1:
                             raise
                         raise RequestError(f"prompt {i}: {e}", param=e.param, code=e.code) from None
-                    self._queues[rid] = deque()
-                    ids.append(rid)
             except BaseException:
-                self._release(ids)  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                self._release(groups)  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 raise
-        return ids
+        return groups
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a generate / generate_stream call: its engine requests, one per choice (SamplingParams.n),
+    and, with n > 1, what _merged keeps of them: each choice's final output (final_only), and its metrics and error
+    once finished."""
+
+    rids: list[str]
+    final_only: bool
+    latest: dict[int, CompletionOutput] = field(default_factory=dict)
+    metrics: dict[int, RequestMetrics] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.rids[0]
+
+
+def _merge_metrics(ms: list[RequestMetrics]) -> RequestMetrics:
+    """One prompt's metrics over its choices: from the first arrival to the last finish, the first token of any
+    choice (as vLLM reports a request with n > 1), counts summed."""
+    def first(name: str) -> float | None:
+        vals = [getattr(m, name) for m in ms if getattr(m, name) is not None]
+        return min(vals) if vals else None
+
+    finishes = [m.finish_time for m in ms if m.finish_time is not None]
+    return RequestMetrics(min(m.arrival_time for m in ms), first_scheduled_time=first("first_scheduled_time"),
+                          first_token_time=first("first_token_time"), finish_time=max(finishes) if finishes else None,
+                          num_preemptions=sum(m.num_preemptions for m in ms),
+                          num_cached_tokens=sum(m.num_cached_tokens for m in ms),
+                          num_draft_tokens=sum(m.num_draft_tokens for m in ms),
+                          num_accepted_tokens=sum(m.num_accepted_tokens for m in ms))
 
 
 def _progress(total: int):

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from kiln.runtime.request import check_prompt
-from kiln.runtime.sampler import SamplingParams, make_generator, sample
+from kiln.runtime.sampler import SamplingParams, TokenHistory, make_generator, sample
 
 
 @dataclass
@@ -60,7 +60,8 @@ def generate(
     sequence each step.
 
     Stops early (finish_reason "stop") on a token in params.stop_token_ids, or in eos_token_ids unless
-    params.ignore_eos. With params.seed set the result is reproducible.
+    params.ignore_eos. With params.seed set the result is reproducible. Penalties, logit_bias and min_tokens apply
+    as in the engine (sampler.apply_penalties); stop strings are the engine's alone (this path has no text).
     """
     _check_request(prompt_ids, params, context, vocab_size(gm))
     max_tokens = context - len(prompt_ids) if params.max_tokens is None else params.max_tokens
@@ -75,7 +76,8 @@ def generate(
     with torch.inference_mode():
         for _ in range(max_tokens):
             logits = forward_logits(gm, ids[None])[0, -1]
-            tok = sample(logits, params, generator, prev_tokens=ids)
+            history = TokenHistory(ids[: len(prompt_ids)], out, tuple(eos_token_ids))
+            tok = sample(logits, params, generator, prev_tokens=history)
             if not out:
                 first_at = time.perf_counter()
             out.append(tok)

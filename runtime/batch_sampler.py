@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.sampler import SamplingParams, sample_rows, to_device
+from kiln.runtime.sampler import SamplingParams, TokenHistory, sample_rows, to_device
 
 
 @dataclass
@@ -44,19 +44,20 @@ def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    prev_tokens: Sequence[Sequence[int]],
+    prev_tokens: Sequence[TokenHistory | Sequence[int]],
 ) -> BatchSample:
-    """One token per row of [R, V] logits, each row with its own request's parameters and generator.
+    """One token per row of [R, V] logits, each row with its own request's parameters and generator. prev_tokens:
+    per row a TokenHistory (what the penalties and min_tokens read), or the tokens seen so far (see sample_rows).
 
-    Greedy rows without a repetition penalty share one argmax; every other row is drawn alone with its own
-    generator, so a seeded request gives the same tokens whatever else is in the batch. Every row's token and
-    its finite flag stay on the device until one host copy at the end (the tokens are needed there anyway). A
-    row whose logits are not finite, or whose sampling raises, gets an error instead of a token; the others are
-    unaffected.
+    Greedy rows whose logits no penalty, logit_bias or min_tokens changes share one argmax; every other row is
+    drawn alone with its own generator, so a seeded request gives the same tokens whatever else is in the batch.
+    Every row's token and its finite flag stay on the device until one host copy at the end (the tokens are
+    needed there anyway). A row whose logits are not finite, or whose sampling raises, gets an error instead of a
+    token; the others are unaffected.
 
     Rows whose params ask for logprobs also get log-probabilities, reported as vLLM v1 does: from the raw model
-    distribution, log_softmax of the logits before penalties, temperature and top-k/p filtering. They are
-    computed batched for just those rows and ride in the same host copy, so other rows pay nothing.
+    distribution, log_softmax of the logits before logit_bias, penalties, temperature and top-k/p filtering. They
+    are computed batched for just those rows and ride in the same host copy, so other rows pay nothing.
 
     It is launch_batch(...).result(): the engine calls the two halves apart, to do host work in between.
     """
@@ -106,7 +107,7 @@ def launch_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    prev_tokens: Sequence[Sequence[int]],
+    prev_tokens: Sequence[TokenHistory | Sequence[int]],
 ) -> LaunchedSample:
     """sample_batch's tensor work without its host copy: on CUDA nothing here waits for the device."""
     rows = logits.float()
@@ -120,7 +121,10 @@ def launch_batch(
     finite = best.isfinite()
     argmax = torch.where(finite, argmax, 0)
     toks = argmax
-    plain = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
+    # argmax alone serves a greedy row unless its logits are processed first (penalties, logit_bias, min_tokens)
+    direct = [p.greedy and not p.processes_logits(h.num_output if isinstance(h, TokenHistory) else 0)
+              for p, h in zip(params, prev_tokens, strict=True)]
+    plain = all(direct)
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if plain and not asked:  # the usual decode batch: nothing reads the rows again
         return LaunchedSample(torch.stack([toks, finite.long()]), errors, _unpack_plain, toks)
@@ -129,9 +133,8 @@ def launch_batch(
         parts: list[torch.Tensor] = []
         for i, p in enumerate(params):
             try:
-                greedy = p.greedy and p.repetition_penalty == 1.0
-                parts.append(argmax[i : i + 1] if greedy else sample_rows(rows[i : i + 1], p, generators[i],
-                                                                          [prev_tokens[i]]))
+                parts.append(argmax[i : i + 1] if direct[i] else sample_rows(rows[i : i + 1], p, generators[i],
+                                                                             [prev_tokens[i]]))
             except Exception as e:  # one request's failure must not take down the batch
                 errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
                 parts.append(argmax[i : i + 1])

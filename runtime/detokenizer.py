@@ -24,13 +24,16 @@ MAX_PENDING = 8  # tokens an incomplete character may wait for before its replac
 
 class Detokenizer:
     def __init__(self, tokenizer: TokenizerLike | None, stop: Sequence[str] = (),
-                 token_text: dict[int, str] | None = None, include_stop: bool = False):
+                 token_text: dict[int, str] | None = None, include_stop: bool = False, min_tokens: int = 0):
         """token_text: a cache of decode([id]) that detokenizers of one tokenizer share (the engine's), filled as
         they go: a one-token context, what most windows start from, is then decoded once per id, not per use.
-        include_stop: a stop string found stays at the end of the text (else the text ends before it)."""
+        include_stop: a stop string found stays at the end of the text (else the text ends before it).
+        min_tokens: stop strings are searched only from the token after the min_tokens-th on (vLLM's rule, the
+        one eos follows too: it can be sampled once min_tokens tokens are out), in the text that token completes."""
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
+        self.min_tokens = min_tokens
         self._token_text = token_text
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
@@ -47,14 +50,15 @@ class Detokenizer:
         self._pending.append(token_id)
         before = len(self.text)
         self.text += self._delta(final=False)
-        return self._find_stop(before) if self.stop else None
+        return self._find_stop(before) if self.stop and len(self.tokens) > self.min_tokens else None
 
     def flush(self) -> None:
         """At the end of the request: emit what the window held back (an incomplete character included)."""
         if self.tokenizer is not None and self._pending:
             before = len(self.text)
             self.text += self._delta(final=True)
-            self._find_stop(before)
+            if len(self.tokens) > self.min_tokens:
+                self._find_stop(before)
 
     def visible_text(self, final: bool) -> str:
         if final or not self._hold:

@@ -224,6 +224,10 @@ class Engine:
         """Queue one request and return its id. A prompt is text (tokenized here) or token ids: a sequence of
         ints, a 1-D numpy array or a 1-D integer tensor. params: a SamplingParams or a dict of its fields."""
         params = SamplingParams.coerce(params, "params").validate()
+        if params.n != 1:
+            raise RequestError(f"sampling parameter n = {params.n}: an engine request is one sequence; LLM.generate "
+                               "and the server fan n out (SamplingParams.choices()), or add each choice yourself",
+                               param="n")
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
             prompt_token_ids = prompt
@@ -240,7 +244,8 @@ class Engine:
             rid = str(next(self._ids))
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
-        det = Detokenizer(self.tokenizer, params.stop, self.output.token_text, params.include_stop_str_in_output)
+        det = Detokenizer(self.tokenizer, params.stop, self.output.token_text, params.include_stop_str_in_output,
+                          params.min_tokens)
         req = Request(rid, text, ids, params, det, make_generator(params.seed, self.model.device), order)
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -263,9 +268,17 @@ class Engine:
         if bad:
             raise RequestError(f"stop_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
                                f"token ids 0 .. {vocab - 1}", param="stop_token_ids")
+        bad = [t for t in (params.logit_bias or ()) if t >= vocab]  # an index past the logits: fail it here
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is out of range for a vocabulary of {vocab}; allowed: "
+                               f"token ids 0 .. {vocab - 1}", param="logit_bias")
         bm = self.block_manager
         if params.max_tokens is None:  # the pool always holds one max_model_len sequence (choose_num_blocks)
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+            if params.min_tokens > params.max_tokens:
+                raise RequestError(f"sampling parameter min_tokens = {params.min_tokens} is more than the "
+                                   f"{params.max_tokens} tokens the {limit} leaves after the prompt (max_tokens = "
+                                   "None); allowed: min_tokens <= max_tokens", param="min_tokens")
         total = len(ids) + params.max_tokens
         if bm.blocks_for(total) > bm.num_usable_blocks:
             raise RequestError(
@@ -319,7 +332,7 @@ class Engine:
         and makes the outputs while the device computes. The host's scheduling and step preparation then hide
         behind the device too. A request that did stop on its token in flight (eos, a stop id or string, an
         error) had one more row computed, which is dropped; where the next step cannot be known without the ids
-        (a prompt that needs a partial chunk, a block is missing, a repetition penalty), the call takes the step
+        (a prompt that needs a partial chunk, a block is missing, a penalty, min_tokens), the call takes the step
         in flight in first and schedules as without it. The outputs are the same as with overlap_outputs alone,
         one call after their step, request for request; an admission may come a step later (the seats and
         blocks of requests that stop on a token in flight are freed only when it comes in). abort() takes the
@@ -349,7 +362,7 @@ class Engine:
         self.num_batched_tokens += sched.num_tokens
         logits, sampled = self.runner.execute(sched)
         plain, rows, spec = self._split_rows(sched, sampled, drafts)
-        launched = launch_plain(plain, rows, logits) if plain else None
+        launched = launch_plain(plain, rows, logits, self.eos_token_ids) if plain else None
         # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
         outputs += output.emit_deferred()  # host work while the device runs this step (on CUDA)
         made: Made = []

@@ -12,7 +12,7 @@ import torch
 
 from kiln.runtime.batch_sampler import BatchSample, LaunchedSample, launch_batch
 from kiln.runtime.outputs import Made, OutputMaker
-from kiln.runtime.sampler import to_device
+from kiln.runtime.sampler import TokenHistory, to_device
 from kiln.runtime.scheduler import ScheduledSeq
 
 
@@ -20,16 +20,21 @@ class _BatchLost(Exception):
     """The sampler failed for the whole batch before its host copy (the message says why)."""
 
 
-def launch_plain(plain: list[ScheduledSeq], rows: list[int], logits: torch.Tensor) -> LaunchedSample | str:
+def launch_plain(plain: list[ScheduledSeq], rows: list[int], logits: torch.Tensor,
+                 eos_token_ids: tuple[int, ...] = ()) -> LaunchedSample | str:
     """The sampler's device work for the plain rows (chunk plain[i]'s logits are row rows[i]), or why it failed
-    (then every plain row fails)."""
+    (then every plain row fails). eos_token_ids: the ids min_tokens holds back besides each request's stop ids."""
     reqs = [s.request for s in plain]
     try:
         # A list index would be a synchronous host -> device copy (the host would wait for the model call).
         rows = logits if len(plain) == logits.shape[0] else logits.index_select(
             0, to_device(torch.tensor(rows), logits.device))
+        # The request's own lists, not copies: the sampler reads them before any token is appended. Under async
+        # scheduling they lack the token in flight, so Scheduler.schedule_ahead never launches a request whose
+        # sampling reads them (a penalty, or min_tokens not reached) ahead.
         return launch_batch(rows, [r.params for r in reqs], [r.generator for r in reqs],
-                            [r.all_token_ids if r.params.repetition_penalty != 1.0 else () for r in reqs])
+                            [TokenHistory(r.prompt_token_ids, r.output_token_ids, eos_token_ids)
+                             if r.params.processes_logits(len(r.output_token_ids)) else () for r in reqs])
     except Exception as e:  # not one row's fault (launch_batch isolates rows): the batch is lost, not the engine
         return f"sampling the batch failed ({type(e).__name__}: {e})"
 

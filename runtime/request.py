@@ -113,10 +113,13 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether a drafter may propose for this request: not opted out (params.speculate; by default seeded
-        sampling is), and no repetition penalty or logprobs, whose per-position processing the verification does
-        not reproduce."""
+        sampling is), and no logprobs, penalty (repetition, presence, frequency) or logit_bias, whose per-position
+        processing the verification does not reproduce, nor fewer outputs than min_tokens (its mask moves with
+        each draft position; once min_tokens is reached there is nothing to reproduce and it speculates)."""
         p = self.params
-        if p.speculate is False or p.repetition_penalty != 1.0 or p.logprobs is not None:
+        if p.speculate is False or p.logprobs is not None or p.reads_history or p.logit_bias:
+            return False
+        if len(self.output_token_ids) < p.min_tokens:
             return False
         return p.speculate or p.seed is None or p.greedy  # None: not seeded sampling (see SamplingParams.speculate)
 

@@ -1,7 +1,8 @@
 """Sampling parameters and the token sampler.
 
-The order of logit processing follows HF transformers: repetition penalty, temperature, top-k, top-p, min-p,
-then one draw from the remaining distribution. Temperature 0 means greedy (argmax after the penalty).
+The order of logit processing follows vLLM (apply_penalties): logit_bias, then the repetition, frequency and
+presence penalties, and min_tokens' mask; then temperature, top-k, top-p, min-p (HF's order), and one draw from the
+remaining distribution. Temperature 0 means greedy (argmax after the penalties).
 
 Extreme but valid parameters must not overflow: the temperature divides log-probabilities (max exactly 0, so
 the result is never NaN), a temperature below TEMPERATURE_FLOOR is greedy, and penalised logits are clamped to a
@@ -11,10 +12,11 @@ in the same host copy, so detecting them costs no extra synchronisation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -23,6 +25,8 @@ from kiln.errors import RequestError
 TEMPERATURE_FLOOR = 1e-5  # below this a temperature is greedy (as in vLLM): the draw would be argmax anyway
 SEED_MAX = 2**64 - 1  # torch generators take 64-bit seeds
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for (as vLLM's default max_logprobs)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 _LOGIT_LIMIT = 1e30  # penalised logits are clamped to +-this: finite, and far beyond any real logit gap
 # What each RequestOutput of a request carries (vLLM's RequestOutputKind): "cumulative", everything so far every
 # step (with what is new in the delta_* fields); "delta", only what is new (token_ids, text and logprobs equal the
@@ -56,9 +60,24 @@ class SamplingParams:
     # Speculative decoding (an engine with a drafter): False opts this request out; None (the default) lets it
     # speculate unless it samples with a seed, whose tokens would then depend on whether speculation ran for it
     # (it turns itself off in large batches): a seed gives the same tokens in any batch. True speculates even then.
-    # It is also off for requests with a repetition penalty or logprobs (see Request.can_speculate).
+    # It is also off for requests with logprobs, penalties, logit_bias, or fewer outputs than min_tokens (see
+    # Request.can_speculate).
     speculate: bool | None = None
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
+    # vLLM's (and OpenAI's) penalties on the generated tokens only, in [-2, 2], 0 = off: each token's logit loses
+    # frequency_penalty * (its count in the output) + presence_penalty * (1 if it is in the output at all)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # eos and stop_token_ids cannot be sampled (their logits are -inf) until the request has min_tokens output tokens,
+    # and a stop string ends it only through a later token (as in vLLM; eos is held back with ignore_eos too, as there)
+    min_tokens: int = 0
+    # {token id: bias in [-100, 100]} added to the raw logits before the penalties (a copy is kept; hash ignores it)
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    # The Python API and the server fan SamplingParams(n=k) out into k requests (choices()); the engine serves one.
+    n: int = 1
+    # vLLM's prompt_logprobs is not supported (the step graph computes logits at each sequence's last position
+    # only); the field exists so that code ported from vLLM gets a RequestError saying so. Only None is valid.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string / token id, lists, arrays and numpy scalars for convenience; keep the stored
@@ -71,13 +90,11 @@ class SamplingParams:
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids))
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed", "logprobs"):
-            value = getattr(self, name)
-            if not isinstance(value, (bool, int, float, str)) and value is not None and hasattr(value, "item"):
-                try:  # numpy scalars and 0-d tensors
-                    object.__setattr__(self, name, value.item())
-                except (TypeError, ValueError, RuntimeError):
-                    pass
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed", "logprobs",
+                     "presence_penalty", "frequency_penalty", "min_tokens", "n"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
+        if isinstance(self.logit_bias, dict):  # a copy: the caller's dict may change after the request is added
+            object.__setattr__(self, "logit_bias", {_plain(k): _plain(v) for k, v in self.logit_bias.items()})
         if _is_int(self.top_k) and self.top_k == -1:  # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
 
@@ -155,6 +172,29 @@ class SamplingParams:
                 f"None (off), or an integer 0 .. {MAX_LOGPROBS}: how many top log-probabilities besides the "
                 "sampled token's",
             ),
+            (
+                "presence_penalty",
+                self.presence_penalty,
+                _finite(self.presence_penalty) and -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
+                "-2 <= presence_penalty <= 2 (0 means off)",
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty,
+                _finite(self.frequency_penalty) and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY,
+                "-2 <= frequency_penalty <= 2 (0 means off)",
+            ),
+            ("min_tokens", self.min_tokens, _is_int(self.min_tokens) and self.min_tokens >= 0,
+             "an integer min_tokens >= 0 (0 means off), at most max_tokens"),
+            (
+                "logit_bias",
+                self.logit_bias,
+                self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                    _is_int(k) and k >= 0 and _finite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+                    for k, v in self.logit_bias.items())),
+                "None, or a dict {token id >= 0: bias}, each bias -100 <= bias <= 100",
+            ),
+            ("n", self.n, _is_int(self.n) and self.n >= 1, "an integer n >= 1 (completions per prompt)"),
         )
         for name, value, ok, allowed in checks:
             if ok:
@@ -167,7 +207,36 @@ class SamplingParams:
                                    f"allowed: {allowed}", param=name)
             raise RequestError(f"sampling parameter {name} = {value!r} is out of range; allowed: {allowed}",
                                param=name)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"sampling parameter min_tokens = {self.min_tokens} is more than max_tokens = "
+                               f"{self.max_tokens}; allowed: min_tokens <= max_tokens", param="min_tokens")
+        if self.prompt_logprobs is not None:
+            raise RequestError(f"sampling parameter prompt_logprobs = {self.prompt_logprobs!r} is not supported: "
+                               "kiln's step graph computes logits only at each sequence's last position; leave it "
+                               "None (logprobs, of the generated tokens, is supported)", param="prompt_logprobs")
         return self
+
+    def choices(self) -> list[SamplingParams]:
+        """The n single-sequence requests SamplingParams(n=k) stands for (validated; [self] when n is 1), each with
+        n = 1. With a seed, choice i samples with seed + i (mod 2**64: seeds are 64-bit, so 2**64 - 1 is followed by
+        0): the choices differ and the whole stays reproducible; unseeded choices draw from torch's global
+        generator and differ anyway. The one rule for n > 1: LLM.generate / generate_stream and the server use it.
+        """
+        self.validate()
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % (SEED_MAX + 1))
+                for i in range(self.n)]
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's tokens (a repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def processes_logits(self, num_output: int) -> bool:
+        """Whether apply_penalties changes anything for a request with num_output tokens generated so far."""
+        return (num_output < self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -189,9 +258,9 @@ def check_stop(
     return None
 
 
-_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
-_INTS = ("top_k",)
-_OPTIONAL_INTS = ("seed", "logprobs", "max_tokens")
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("top_k", "min_tokens", "n")
+_OPTIONAL_INTS = ("seed", "logprobs", "max_tokens", "prompt_logprobs")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output")
 
 
@@ -211,6 +280,14 @@ def _wrong_type(name: str, value: object) -> tuple[str, object] | None:
         return None if value is None or isinstance(value, bool) else ("a bool or None", value)
     if name == "output_kind":
         return None if isinstance(value, str) else ("a string", value)
+    if name == "logit_bias":
+        if not isinstance(value, dict):
+            return "a dict {token id: bias} or None", value
+        bad_keys = [k for k in value if not _is_int(k)]
+        if bad_keys:
+            return "a dict whose keys are token ids (integers)", bad_keys[0]
+        bad = [v for v in value.values() if isinstance(v, bool) or not isinstance(v, (int, float))]
+        return ("a dict whose values are numbers", bad[0]) if bad else None
     if name in ("stop_token_ids", "stop"):
         kind = "token ids (integers)" if name == "stop_token_ids" else "strings"
         if not isinstance(value, tuple):
@@ -218,6 +295,17 @@ def _wrong_type(name: str, value: object) -> tuple[str, object] | None:
         bad = [t for t in value if not (_is_int(t) if name == "stop_token_ids" else isinstance(t, str))]
         return (kind, bad[0]) if bad else None
     return None
+
+
+def _plain(value: object) -> object:
+    """A numpy scalar (np.float64, a float subclass, included) or 0-d tensor as the Python value it holds; anything
+    else unchanged (validate() names it)."""
+    if type(value) not in (bool, int, float, str) and value is not None and hasattr(value, "item"):
+        try:
+            return value.item()
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return value
 
 
 def _finite(x: object) -> bool:
@@ -274,6 +362,62 @@ def apply_repetition_penalty(logits: torch.Tensor, prev_tokens: torch.Tensor, pe
     return torch.where(seen, changed, logits)
 
 
+@dataclass(frozen=True)
+class TokenHistory:
+    """What apply_penalties reads from a request besides its SamplingParams: its prompt and output token ids (lists,
+    tuples or 1-D tensors; the repetition penalty counts both, the presence and frequency penalties and min_tokens
+    the output only) and the model's eos ids, which min_tokens holds back with params.stop_token_ids."""
+
+    prompt: Sequence[int] | torch.Tensor = ()
+    output: Sequence[int] | torch.Tensor = ()
+    eos_token_ids: Sequence[int] = ()
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output)
+
+
+_NO_HISTORY = TokenHistory()
+
+
+def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """int64 host (or device) ids from a list, tuple or tensor."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.to(dtype=torch.long).reshape(-1)
+    return torch.tensor(list(tokens), dtype=torch.long)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """[V] logits as vLLM's sampler leaves them before temperature: logit_bias added to the raw logits, then the
+    repetition penalty (HF's rule, on prompt and output tokens), frequency_penalty * count(token in output) and
+    presence_penalty * (count > 0) subtracted, and eos / stop_token_ids at -inf while the output is shorter than
+    min_tokens. vLLM masks before the penalties; masking last gives the same logits (the penalties keep -inf at
+    -inf) without the repetition penalty's clamp making a masked logit finite.
+
+    Sync-free on CUDA like apply_repetition_penalty: ids reach the device without a blocking copy, and counts
+    are an index_add (bincount would read the max id back to size its output).
+    """
+    dev = logits.device
+    if params.logit_bias:
+        ids = to_device(torch.tensor(list(params.logit_bias), dtype=torch.long), dev)
+        bias = to_device(torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype), dev)
+        logits = logits.index_add(0, ids, bias)
+    if params.repetition_penalty != 1.0:
+        seen = torch.cat([to_device(_ids(history.prompt), dev), to_device(_ids(history.output), dev)])
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and history.num_output:
+        out = to_device(_ids(history.output), dev)
+        counts = torch.zeros_like(logits).index_add_(0, out, torch.ones(out.shape, dtype=logits.dtype, device=dev))
+        # vLLM's two subtractions, in the logits' dtype (fp32), as OpenAI defines them
+        logits = logits - params.frequency_penalty * counts
+        logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype)
+    if history.num_output < params.min_tokens:
+        held = tuple(history.eos_token_ids) + params.stop_token_ids
+        if held:
+            logits = logits.index_fill(0, to_device(torch.tensor(held, dtype=torch.long), dev), float("-inf"))
+    return logits
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` without a blocking copy (a pageable host -> CUDA copy waits for the stream)."""
     if t.device == device:
@@ -317,11 +461,14 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample_rows(rows: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                 prev_tokens: Sequence[object] | None) -> torch.Tensor:
-    """int64 [N] on the device, one token per row of finite fp32 [N, V] logits; no host sync."""
-    if params.repetition_penalty != 1.0 and prev_tokens is not None:
-        rows = torch.stack([apply_repetition_penalty(r, torch.as_tensor(p, dtype=torch.long), params.repetition_penalty)
-                            for r, p in zip(rows, prev_tokens, strict=True)])
+                prev_tokens: Sequence[object] | None) -> torch.Tensor:
+    """int64 [N] on the device, one token per row of finite fp32 [N, V] logits; no host sync. prev_tokens: per row
+    a TokenHistory, or the tokens seen so far (prompt and output, all taken as prompt); None: nothing seen."""
+    if prev_tokens is None:
+        prev_tokens = [_NO_HISTORY] * rows.shape[0]
+    histories = [h if isinstance(h, TokenHistory) else TokenHistory(h) for h in prev_tokens]
+    if any(params.processes_logits(h.num_output) for h in histories):
+        rows = torch.stack([apply_penalties(r, params, h) for r, h in zip(rows, histories, strict=True)])
     if params.greedy:
         return rows.argmax(dim=-1)
     return torch.multinomial(_draw_probs(rows, params), 1, generator=generator).squeeze(-1)
@@ -334,8 +481,9 @@ def _draw_probs(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """fp32 [R, V]: for each row of fp32 [R, V] logits, exactly the distribution sample_rows draws from with that
-    row's params (temperature, top-k, top-p, min-p; one-hot on the argmax for greedy rows). The repetition penalty
-    is not applied (speculation is off for requests that use one). Rows with equal params are processed together.
+    row's params (temperature, top-k, top-p, min-p; one-hot on the argmax for greedy rows). apply_penalties is not
+    applied: speculation is off while it would change anything (Request.can_speculate). Rows with equal params are
+    processed together.
     """
     rows = logits.float()
     out = torch.empty_like(rows)
@@ -360,18 +508,19 @@ def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
-    prev_tokens: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
+    prev_tokens: TokenHistory | torch.Tensor | Sequence[int] | Sequence[TokenHistory | Sequence[int]] | None = None,
 ) -> int | torch.Tensor:
     """Draw the next token from [V] logits (returns an int) or one per row of [N, V] logits (returns int64 [N]).
 
-    `prev_tokens` are the tokens seen so far (prompt and output) for the repetition penalty: one sequence for
-    [V] logits, one per row for [N, V].
+    `prev_tokens`, one for [V] logits, one per row for [N, V]: a TokenHistory (prompt, output and eos ids: every
+    penalty and min_tokens), or the tokens seen so far (prompt and output), which serve the repetition penalty
+    only (presence / frequency penalties and min_tokens count no output then).
     """
     single = logits.dim() == 1
     rows = logits.float().reshape(-1, logits.shape[-1])
     per_row = None
-    if params.repetition_penalty != 1.0 and prev_tokens is not None:
-        per_row = [prev_tokens] if single else list(prev_tokens)
+    if prev_tokens is not None:
+        per_row = [prev_tokens] if single else list(prev_tokens)  # type: ignore[arg-type]
         if len(per_row) != rows.shape[0]:
             raise ValueError(f"prev_tokens has {len(per_row)} rows for {rows.shape[0]} rows of logits")
     out = sample_rows(rows, params, generator, per_row)

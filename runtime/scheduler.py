@@ -198,7 +198,8 @@ class Scheduler:
         token, eos or completes a stop string is found when the tokens come in; the row computed for it here is
         then dropped (and a seat it frees is used one step later than without async scheduling). None when the
         first waiting request's prompt exceeds the budget left (chunked prefill), a block is missing for a decode
-        (preemption), speculation is on, or a request's sampler needs its token history (a repetition penalty);
+        (preemption), speculation is on, or a request's sampler needs its token history (a repetition, presence or
+        frequency penalty) or its output count (fewer outputs than min_tokens, whose mask depends on it);
         for a block manager that reserves per token (a routed model's: the worst case for the tokens in flight
         too, inside its ahead()), also when a request would be admitted (its prefix match records the step in
         flight). The blocks grown before a None are the first ones schedule() grows, as in _schedule_decodes. The
@@ -220,7 +221,8 @@ class Scheduler:
             req, end = s.request, s.start + s.num_new
             if req.num_computed_tokens != s.start or req.num_tokens != end or s.num_drafts:
                 return None
-            if req.params.repetition_penalty != 1.0:
+            # Its sampler would read its tokens (a penalty), or its output count (min_tokens), without the one in flight
+            if req.params.reads_history or len(req.output_token_ids) < req.params.min_tokens:
                 return None
             if len(req.output_token_ids) + 1 < req.params.max_tokens:  # the token in flight does not end it
                 keep.append(i)

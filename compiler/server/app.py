@@ -148,8 +148,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                "reduce the length of the messages", param="messages",
                                code="context_length_exceeded")
             max_tokens = req.max_tokens or (default_max if default_max is not None else room)
-            for i in range(req.n):
-                jobs.append((f"{base}-{p * req.n + i}", ids, req.sampling_params(max_tokens, i)))
+            try:
+                choices = req.sampling_params(max_tokens).choices()  # validated; n > 1: the seed rule is there
+            except RequestError as e:
+                raise APIError(400, str(e), param=_chat_param(e.param, req) if chat else e.param, code=e.code) from None
+            for i, params in enumerate(choices):
+                jobs.append((f"{base}-{p * req.n + i}", ids, params))
         if len(jobs) > config.max_waiting:
             raise APIError(400, f"{len(jobs)} completions (prompts x n) in one request, over the queue's "
                            f"{config.max_waiting} (--max-waiting); send fewer prompts or a smaller n", param="n")
@@ -167,12 +171,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 added.append(rid)
         except RequestError as e:
             loop.abort(added)
-            param = e.param
-            if chat and param == "prompt":  # chat has no prompt: it was made from the messages
-                param = "messages"
-            elif chat and param == "max_tokens" and req.max_completion_tokens is not None:
-                param = "max_completion_tokens"
-            raise APIError(400, str(e), param=param, code=e.code) from None
+            raise APIError(400, str(e), param=_chat_param(e.param, req) if chat else e.param, code=e.code) from None
         except BaseException:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
@@ -189,6 +188,15 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(completion_body(choices))
 
     return app
+
+
+def _chat_param(param: str | None, req: ChatCompletionRequest) -> str | None:
+    """A RequestError's parameter as a chat request names it."""
+    if param == "prompt":  # chat has no prompt: it was made from the messages
+        return "messages"
+    if param == "max_tokens" and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return param
 
 
 async def _collect(request: Request, sink: asyncio.Queue, choices: Choices) -> None:

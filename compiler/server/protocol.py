@@ -1,8 +1,9 @@
 """OpenAI request models (pydantic, unknown fields refused) and the error JSON shape.
 
-Fields map onto kiln's SamplingParams; ones the engine cannot honour (echo, suffix, presence and frequency
-penalties) are refused with a 400 naming the field rather than silently ignored. logprobs (completions: 0 .. 20
-top alternatives) and logprobs + top_logprobs (chat) map onto SamplingParams.logprobs.
+Fields map onto kiln's SamplingParams; ones the engine cannot honour (echo, suffix, vLLM's prompt_logprobs) are
+refused with a 400 naming the field rather than silently ignored. logprobs (completions: 0 .. 20 top alternatives)
+and logprobs + top_logprobs (chat) map onto SamplingParams.logprobs; presence / frequency penalties and logit_bias
+(OpenAI's: string token ids) and vLLM's min_tokens onto the SamplingParams fields of those names.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.errors import KilnError
-from kiln.runtime.sampler import MAX_LOGPROBS, SEED_MAX, SamplingParams
+from kiln.runtime.sampler import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 
 
 class APIError(KilnError):
@@ -76,30 +77,39 @@ class _Sampling(BaseModel):
     # seeded sampling too; unset, a server started with --speculation speculates all but seeded sampling.
     speculate: bool | None = None
     user: str | None = None
-    # OpenAI fields accepted only at their neutral values (anything else is a 400 naming the field).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    # OpenAI's form: {"token id as a string": bias in -100 .. 100}; ids are checked against the vocabulary
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)  # vLLM extension: no eos, stop id or stop string before this many
+    prompt_logprobs: int | None = None  # vLLM extension kiln cannot serve: refused by name (see check)
 
-    def sampling_params(self, max_tokens: int, choice: int) -> SamplingParams:
-        if self.presence_penalty or self.frequency_penalty:
-            name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise APIError(400, f"{name} is not supported by kiln; leave it at 0 (repetition_penalty is)",
-                           param=name)
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams, n included: SamplingParams.choices() makes its n requests."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must be non-empty", param="stop")
-        # n > 1 with a seed: choice i uses seed + i (mod 2**64, seeds are 64-bit: 2**64 - 1 is followed by 0), so
-        # the choices differ and the request stays reproducible. A seed out of range is left for the engine to refuse.
-        seed = self.seed
-        if seed is not None and 0 <= seed <= SEED_MAX:
-            seed = (seed + choice) % (SEED_MAX + 1)
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
-                              seed=seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
+                              seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
                               stop_token_ids=tuple(self.stop_token_ids or ()),
                               include_stop_str_in_output=self.include_stop_str_in_output,
                               logprobs=self.engine_logprobs(), speculate=self.speculate,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              logit_bias=self.token_logit_bias(), min_tokens=self.min_tokens, n=self.n,
                               output_kind="delta")  # see streaming.Choices
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids (OpenAI sends the ids as JSON object keys, so strings)."""
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise APIError(400, f"logit_bias key {key!r} is not a token id; keys are token ids written as "
+                               'strings, e.g. {"50256": -100}', param="logit_bias", code="invalid_value")
+            out[int(key)] = bias
+        return out
 
     def engine_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None (off) or how many top alternatives each token reports."""
@@ -109,6 +119,10 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options applies to streamed responses only; set stream: true or omit "
                            "stream_options", param="stream_options")
+        if self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs is not supported by kiln: its step graph computes logits only at "
+                           "each sequence's last position; omit prompt_logprobs (logprobs of the generated tokens "
+                           "are supported)", param="prompt_logprobs")
 
     @staticmethod
     def check_logprobs(value: int | None, name: str) -> None:

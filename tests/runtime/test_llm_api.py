@@ -227,3 +227,110 @@ def test_a_bad_seed_is_refused_before_loading():
     for seed in (-1, 1.5, True, 2**64):
         with pytest.raises(KilnError, match="seed = .* is out of range; allowed: an integer 0 .. 2\\*\\*64 - 1"):
             LLM("tiny-llama", device="cpu", seed=seed)
+
+
+def test_n_choices_are_one_output_per_prompt_following_the_seed_rule(llm):
+    from kiln import SamplingParams
+
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=8, ignore_eos=True)
+    prompts = ["ab", "cd"]
+    outs = llm.generate(prompts, params)
+    assert len(outs) == 2 and len({o.request_id for o in outs}) == 2 and all(o.finished for o in outs)
+    assert all([c.index for c in o.outputs] == [0, 1, 2] for o in outs)
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)] == [
+        [c.token_ids for c in o.outputs] for o in outs]  # reproducible
+    for o, prompt in zip(outs, prompts, strict=True):
+        assert o.prompt == prompt and len({tuple(c.token_ids) for c in o.outputs}) == 3
+        for i, c in enumerate(o.outputs):  # choice i is the single request with seed + i
+            one = llm.generate(prompt, SamplingParams(seed=11 + i, temperature=1.0, max_tokens=8, ignore_eos=True))
+            assert (c.token_ids, c.text, c.finish_reason) == (one[0].outputs[0].token_ids, one[0].outputs[0].text,
+                                                              "length")
+    unseeded = llm.generate("ab", SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True))[0]
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
+    assert not llm.engine.has_unfinished() and not llm._queues
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_generate_stream_with_n_indexes_each_choice(llm, kind):
+    from kiln import SamplingParams
+
+    params = SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=6, ignore_eos=True)
+    want = [c.token_ids for c in llm.generate("xy", params)[0].outputs]
+    got: dict[int, list[int]] = {0: [], 1: []}
+    outs = list(llm.generate_stream("xy", SamplingParams(**{**vars(params), "output_kind": kind})))
+    assert len({o.request_id for o in outs}) == 1 and [o.finished for o in outs].count(True) == 1
+    assert outs[-1].finished
+    for o in outs:
+        for c in o.outputs:
+            got[c.index] += c.delta_token_ids
+    assert [got[0], got[1]] == want
+    if kind == "final_only":
+        assert len(outs) == 1 and [c.index for c in outs[0].outputs] == [0, 1]
+    else:
+        assert len(outs) == 12 and all(len(o.outputs) == 1 for o in outs)
+
+
+def test_penalties_and_logit_bias_through_the_api_match_the_reference(llm):
+    from kiln import SamplingParams
+    from kiln.build import load_model
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=1.2,
+                            frequency_penalty=0.7, repetition_penalty=1.1, logit_bias={65: 2.5, 66: -3.0})
+    got = llm.generate("Hello", params)[0].outputs[0].token_ids
+    ref_gm = load_model("tiny-llama", device="cpu", seed=0).gm
+    assert got == generate(ref_gm, list(b"Hello"), params, context=256).token_ids
+    plain = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert got != plain.outputs[0].token_ids
+
+
+class _Eos:
+    """A tokenizer with other eos ids (everything else is the wrapped tokenizer's)."""
+
+    def __init__(self, tokenizer, eos: tuple[int, ...]):
+        self._tokenizer, self.eos_token_ids = tokenizer, eos
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_min_tokens_with_eos_set_to_the_greedy_token(llm):
+    import torch
+
+    from kiln import SamplingParams
+    from kiln.build import load_model
+    from kiln.reference import forward_logits
+    from kiln.runtime.engine import Engine
+
+    greedy = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1))[0].outputs[0].token_ids[0]
+    e = Engine(llm.step_model, _Eos(llm.tokenizer, (greedy,)), llm.loaded.model, num_blocks=64)
+
+    def run(**kw):
+        rid = e.add_request("Hello", SamplingParams(temperature=0, max_tokens=12, **kw))
+        return {o.request_id: o for o in e.run()}[rid].outputs[0]
+
+    first = run()
+    assert first.token_ids == [greedy] and first.finish_reason == "stop" and first.stop_reason == greedy
+    held = run(min_tokens=4)
+    assert greedy not in held.token_ids[:4] and len(held.token_ids) > 4
+    ref_gm = load_model("tiny-llama", device="cpu", seed=0).gm  # llm.loaded.gm became the step graph
+    logits = forward_logits(ref_gm, torch.tensor([list(b"Hello")]))[0, -1]
+    assert held.token_ids[0] == int(logits.topk(2).indices[1])  # the runner-up: eos is at -inf
+    ref = generate(ref_gm, list(b"Hello"), SamplingParams(temperature=0, max_tokens=12, min_tokens=4), context=256,
+                   eos_token_ids=(greedy,))
+    assert held.token_ids == ref.token_ids
+    stopped = run(min_tokens=4, stop_token_ids=[held.token_ids[1]], ignore_eos=True)  # a stop id is held back too
+    assert held.token_ids[1] not in stopped.token_ids[:4]
+
+
+def test_bad_new_parameters_of_a_batch_are_named_and_nothing_is_queued(llm):
+    from kiln import SamplingParams
+
+    with pytest.raises(RequestError, match="prompt 1: sampling parameter n = 0"):
+        llm.generate(["a", "b"], [SamplingParams(n=2), SamplingParams(n=0)])
+    with pytest.raises(RequestError, match="prompt 0: logit_bias token id 100000 is out of range"):
+        llm.generate(["a", "b"], SamplingParams(n=2, logit_bias={100000: 1.0}))
+    with pytest.raises(RequestError, match="presence_penalty = 3"):
+        llm.generate("a", {"presence_penalty": 3})
+    with pytest.raises(RequestError, match="prompt_logprobs = 2 is not supported"):
+        llm.generate("a", {"prompt_logprobs": 2})
+    assert not llm.engine.has_unfinished() and not llm._queues

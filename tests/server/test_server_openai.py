@@ -180,3 +180,37 @@ def test_wrong_key_is_401(server):
     bad = openai.OpenAI(base_url=f"{server}/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_penalties_logit_bias_and_min_tokens_reach_the_engine(client, llm):
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampler import SamplingParams
+
+    r = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=12, temperature=0,
+                                  presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"65": 3, "342": -2},
+                                  extra_body={"min_tokens": 3, "return_token_ids": True})
+    ref = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
+    ref.add_request("Hello", SamplingParams(temperature=0, max_tokens=12, presence_penalty=1.5, frequency_penalty=0.5,
+                                            logit_bias={65: 3.0, 342: -2.0}, min_tokens=3))
+    want = ref.run()[0].outputs[0]
+    assert r.choices[0].token_ids == want.token_ids and r.choices[0].text == want.text
+    plain = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    assert plain.choices[0].token_ids != want.token_ids  # the fields took effect
+    chat = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0.9, seed=1, logit_bias={"65": 100})
+    assert chat.choices[0].message.content == "AAAA"  # id 65 is "A" in the byte-level vocabulary
+
+
+def test_n_choices_match_the_python_api_with_penalties(client, llm):
+    from kiln import SamplingParams
+    from kiln.runtime.engine import Engine
+
+    r = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=6, temperature=1.0, n=2, seed=9,
+                                  frequency_penalty=1.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    mine = SamplingParams(n=2, seed=9, temperature=1.0, max_tokens=6, ignore_eos=True, frequency_penalty=1.0)
+    # SamplingParams.choices() is the server's fan-out too; llm.engine is the server's, so a second engine runs them
+    e = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
+    rids = [e.add_request("abc", p) for p in mine.choices()]
+    done = {o.request_id: o.outputs[0].token_ids for o in e.run()}
+    assert [c.token_ids for c in r.choices] == [done[rid] for rid in rids]

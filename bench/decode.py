@@ -42,7 +42,7 @@ from static_decode import StaticDecoder, check_llama_family
 from kiln.build import describe_model, load_model
 from kiln.compile.step import compile_step
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

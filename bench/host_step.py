@@ -51,7 +51,7 @@ from bench_meta import result_path, run_metadata, write_json
 
 from kiln.model_config import ModConfig
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import OUTPUT_KINDS, SamplingParams
+from kiln.runtime.sampling_params import OUTPUT_KINDS, SamplingParams
 from kiln.spec.loader import load_spec
 from kiln.step import KVCache, StepBatch
 from kiln.tokenizer import ByteTokenizer

@@ -22,7 +22,7 @@ from kiln.build import load_model
 from kiln.compile.step import compile_step
 from kiln.reference import generate
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

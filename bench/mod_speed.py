@@ -68,7 +68,7 @@ from kiln.compile.step import CompiledStep
 from kiln.model_config import ModelConfig
 from kiln.passes import kv_cache as kv_cache_pass
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.step import kv_bytes_per_layer_block
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -35,7 +35,7 @@ from host_step import Limits, NullModel, ms
 
 from kiln.runtime import batch_sampler
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import ByteTokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -46,7 +46,7 @@ from kiln.compile.step import compile_step
 from kiln.ir.frontend import build_graph
 from kiln.model_config import param_shapes
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.tokenizer import ByteTokenizer
 

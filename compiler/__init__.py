@@ -10,7 +10,7 @@ _LAZY = {
     "explain": "kiln.dynamo.explain",
     "ExplainReport": "kiln.dynamo.explain",
     "LLM": "kiln.llm",
-    "SamplingParams": "kiln.runtime.sampler",
+    "SamplingParams": "kiln.runtime.sampling_params",
     "RequestOutput": "kiln.runtime.request",
     "CompletionOutput": "kiln.runtime.request",
 }

@@ -24,7 +24,7 @@ from kiln.errors import KilnError, RequestError
 from kiln.model_config import SpeculationConfig
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput
-from kiln.runtime.sampler import SEED_MAX, SamplingParams
+from kiln.runtime.sampling_params import SEED_MAX, SamplingParams
 from kiln.speculation import build_drafter, prepare_drafter, resolve_speculation
 
 

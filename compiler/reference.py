@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 
 from kiln.runtime.request import check_prompt
-from kiln.runtime.sampler import SamplingParams, TokenHistory, make_generator, sample
+from kiln.runtime.sampler import TokenHistory, make_generator, sample
+from kiln.runtime.sampling_params import SamplingParams
 
 
 @dataclass

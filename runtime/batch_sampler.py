@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.sampler import SamplingParams, TokenHistory, sample_rows, to_device
+from kiln.runtime.sampler import TokenHistory, sample_rows, to_device
+from kiln.runtime.sampling_params import SamplingParams
 
 
 @dataclass

@@ -48,7 +48,8 @@ from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
 from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
-from kiln.runtime.sampler import SamplingParams, make_generator
+from kiln.runtime.sampler import make_generator
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
 from kiln.runtime.spec_step import SpecStep
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, Draft, ModelDrafter, NgramDrafter, SpecRow

@@ -20,7 +20,7 @@ from kiln.runtime.batch_sampler import BatchSample
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.request import DONE, Request, RequestOutput
-from kiln.runtime.sampler import SamplingParams, check_stop
+from kiln.runtime.sampling_params import SamplingParams, check_stop
 from kiln.runtime.scheduler import ScheduledSeq, Scheduler
 
 log = logging.getLogger("kiln.runtime")

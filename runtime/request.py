@@ -17,7 +17,7 @@ import torch
 
 from kiln.errors import RequestError
 from kiln.runtime.detokenizer import Detokenizer
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

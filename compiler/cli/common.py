@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kiln.errors import SpecError, UsageError
 from kiln.model_config import DTYPES, KV_DTYPES, SpeculationConfig
+from kiln.runtime.sampling_params import SEED_MAX
 from kiln.spec.speculation import OFF, parse_speculation
 
 QUANTIZE_HELP = ("quantize weights: int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym] "
@@ -96,9 +97,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
 
 # ---- flag values and output paths ------------------------------------------------------------------------
 
-# SamplingParams' seed range (kiln.runtime.sampler.SEED_MAX, not imported here: it loads torch). --seed also seeds
-# random weights through a torch.Generator, which takes any unsigned 64-bit seed too.
-SEED_MAX = 2**64 - 1
+# --seed takes SamplingParams' seed range (SEED_MAX); it also seeds random weights through a torch.Generator, which
+# takes any unsigned 64-bit seed too.
 
 
 def seed_arg(text: str) -> int:

@@ -39,7 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kiln.build import load_model, say
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     # speculate=True: in a batch of one whether speculation runs never depends on other requests, so a seeded
     # request stays reproducible with it (SamplingParams.speculate leaves seeded sampling out only for that reason).

@@ -22,7 +22,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine, EngineStats
 from kiln.runtime.request import RequestOutput
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.server.metrics import ServerMetrics
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.errors import KilnError
-from kiln.runtime.sampler import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from kiln.runtime.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 
 
 class APIError(KilnError):

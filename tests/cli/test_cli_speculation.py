@@ -97,7 +97,7 @@ def test_run_with_speculation_is_greedy_identical(capsys, drafter):
 def test_llm_speculation_argument(tmp_path):
     from kiln.errors import SpecError
     from kiln.llm import LLM
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     path = spec_with(tmp_path, "speculation = ngram(n = 2, k = 3)")
     llm = LLM(path, device="cpu", speculation="off", num_blocks=32)  # off wins over the spec's key
@@ -112,7 +112,7 @@ def test_llm_speculation_argument(tmp_path):
                                          None], ids=["config", "text", "dict", "spec key"])
 def test_llm_with_speculation_is_greedy_identical(tmp_path, speculation):
     from kiln.llm import LLM
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     path = spec_with(tmp_path, "speculation = self(layers = 1, k = 3)")
     params = SamplingParams(temperature=0, max_tokens=10)

@@ -124,7 +124,7 @@ def test_compiled_model_matches_reference_on_gpu(spec):
     from kiln.compile.driver import compile_model
     from kiln.ir.frontend import build_graph
     from kiln.reference import forward_logits, generate
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
     from kiln.spec.loader import load_spec
 
     loaded = load_spec(spec)

@@ -15,7 +15,7 @@ from kiln.errors import CodegenError, KilnError
 from kiln.ir.ops_paged import gather_kv, quantize_kv
 from kiln.ir.ops_paged import paged_attention as reference
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.step import KVCache, kv_bytes_per_block
 from tests.codegen.test_kernels_paged import LAYER, _expected, _setup
 from tests.support.paged_helper import shuffled_block_tables, step_batch

@@ -240,7 +240,7 @@ def test_kept_graph_serves_through_the_generated_kernels(tiny):
     and the engine gives the dense reference model's greedy ids."""
     from kiln.compile.step import compile_step
     from kiln.runtime.engine import Engine
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     path, _ = tiny
     ids = {}

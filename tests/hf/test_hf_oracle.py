@@ -16,7 +16,7 @@ from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import build_graph
 from kiln.model_config import AttentionCall, LayerAssign
 from kiln.reference import forward_logits, generate
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import eos_ids
 from tests.support.hf_models import FAMILIES, MISTRAL_WINDOW, prompts, save_hf_model
 

@@ -265,7 +265,7 @@ def test_kiln_run_serves_a_routed_model_and_refuses_what_is_not_built(capsys):
 
 def test_the_uncached_reference_path_generates_with_routing():
     from kiln.reference import generate
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     cfg = load_spec("tiny-llama-mod").model
     params = SamplingParams(temperature=0, max_tokens=6)

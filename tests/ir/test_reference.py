@@ -8,7 +8,7 @@ import torch
 from kiln.errors import RequestError
 from kiln.ir.frontend import build_graph
 from kiln.reference import Generation, forward_logits, generate
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from tests.support.model_configs import tiny_gpt2, tiny_llama, tiny_mistral
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -24,7 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
 from kiln.codegen.spec_verify import spec_verify as kernel
-from kiln.runtime.sampler import SamplingParams, process_logits
+from kiln.runtime.sampler import process_logits
+from kiln.runtime.sampling_params import SamplingParams
 from tests.support.stats import chi_square_pvalue
 
 reference = torch.ops.kiln.spec_verify.default

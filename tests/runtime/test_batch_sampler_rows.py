@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, nonfinite_rows, sample_batch
-from kiln.runtime.sampler import SamplingParams, make_generator, sample_rows
+from kiln.runtime.sampler import make_generator, sample_rows
+from kiln.runtime.sampling_params import SamplingParams
 
 INF, NAN = float("inf"), float("nan")
 values = st.one_of(st.sampled_from([NAN, INF, -INF, -INF, 0.0, 1.0, 1.0]), st.floats(-30, 30, allow_nan=False))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kiln.runtime.model_runner as runner_mod
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import NgramDrafter
 from kiln.tokenizer import ByteTokenizer
 from tests.support.fake_step import FakeStepModel, fake_config

@@ -14,7 +14,7 @@ from hypothesis import settings
 
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import ByteTokenizer
 from tests.runtime.test_engine_faults import BoomDetokenizer
 from tests.runtime.test_engine_logic import speculative_engine

@@ -10,7 +10,7 @@ import torch
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import ByteTokenizer
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
 

@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kiln.errors import KilnError, RequestError
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.tokenizer import ByteTokenizer
 from tests.support.fake_step import FakeDraftModel, FakeStepModel, fake_config, fake_generate

@@ -14,7 +14,7 @@ from hypothesis.stateful import precondition, rule
 
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import ByteTokenizer
 from tests.runtime.test_engine_faults import BoomDetokenizer
 from tests.runtime.test_engine_logic import EngineMachine, speculative_engine

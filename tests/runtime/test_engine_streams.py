@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kiln.errors import KilnError
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["Hello", "Once upon a time", "x", "The quick brown"]
 LENGTHS = [5, 9, 3, 7]

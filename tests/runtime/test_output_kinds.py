@@ -15,7 +15,7 @@ from kiln.runtime.batch_sampler import NONFINITE_LOGITS
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import Request
-from kiln.runtime.sampler import OUTPUT_KINDS, SamplingParams
+from kiln.runtime.sampling_params import OUTPUT_KINDS, SamplingParams
 from kiln.tokenizer import ByteTokenizer
 from tests.runtime.test_engine_faults import BoomDetokenizer, NaNStepModel
 from tests.runtime.test_engine_logic import speculative_engine

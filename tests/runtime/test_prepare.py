@@ -17,7 +17,7 @@ import torch
 from kiln.runtime.block_manager import NULL_BLOCK
 from kiln.runtime.engine import Engine
 from kiln.runtime.input_batch import BlockTableRows
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from tests.support.fake_step import FakeStepModel, fake_config
 
 V = 97

@@ -18,7 +18,7 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from tests.support.prepare_snapshot import DENSE, snapshot
 

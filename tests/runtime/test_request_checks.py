@@ -6,7 +6,7 @@ import pytest
 
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
 
 V = 97

@@ -31,7 +31,7 @@ from kiln.compile.step import compile_step
 from kiln.reference import generate
 from kiln.runtime.engine import Engine
 from kiln.runtime.routed_blocks import RoutedBlockManager
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 SPECS = ("tiny-llama-mod", "tiny-mistral-mod")

@@ -29,7 +29,7 @@ from kiln.reference import generate
 from kiln.runtime.block_manager import NULL_BLOCK
 from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.step import KVCache, StepBatch
 from tests.runtime import test_routed_kv as kv
 from tests.runtime.test_routed_kv import check_no_leaks, make_trace, reference_routing, run_engine

@@ -20,7 +20,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
 from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.routed_state import FlagCopy
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from tests.support.prepare_snapshot import ROUTED, snapshot
 

@@ -7,13 +7,8 @@ import torch
 
 from kiln.errors import RequestError
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, sample_batch
-from kiln.runtime.sampler import (
-    SamplingParams,
-    apply_repetition_penalty,
-    make_generator,
-    process_logits,
-    sample,
-)
+from kiln.runtime.sampler import apply_repetition_penalty, make_generator, process_logits, sample
+from kiln.runtime.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

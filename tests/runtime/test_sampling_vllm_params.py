@@ -13,7 +13,8 @@ import torch
 
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SEED_MAX, SamplingParams, TokenHistory, apply_penalties, sample
+from kiln.runtime.sampler import TokenHistory, apply_penalties, sample
+from kiln.runtime.sampling_params import SEED_MAX, SamplingParams
 from kiln.runtime.speculative import NgramDrafter
 from kiln.tokenizer import ByteTokenizer
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate, fake_logits

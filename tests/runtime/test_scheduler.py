@@ -5,7 +5,7 @@ from __future__ import annotations
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.request import Request, RequestStatus
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, Scheduler
 
 

@@ -34,7 +34,7 @@ from kiln.runtime.block_manager import NULL_BLOCK
 from kiln.runtime.cuda_graphs import graph_batch_sizes
 from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch

@@ -22,7 +22,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch

@@ -13,7 +13,7 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter, ngram_lookup
 from tests.support.speculative import other_draft, run_requests, self_draft, spec_models
 

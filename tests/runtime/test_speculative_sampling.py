@@ -14,7 +14,8 @@ import torch
 
 from kiln.reference import forward_logits
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams, processed_probs
+from kiln.runtime.sampler import processed_probs
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import ModelDrafter
 from kiln.step import VerifyBatch
 from tests.support.speculative import other_draft, spec_models

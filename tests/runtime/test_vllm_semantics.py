@@ -8,7 +8,7 @@ import pytest
 
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import NgramDrafter
 from kiln.tokenizer import ByteTokenizer
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate

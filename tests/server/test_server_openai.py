@@ -34,7 +34,7 @@ def test_models_lists_the_served_model(client):
 
 def test_completion_matches_the_engine_greedy_output(client, llm):
     from kiln.runtime.engine import Engine
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     r = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=7, temperature=0,
                                   extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -115,7 +115,7 @@ def test_stop_string_ends_generation_and_is_trimmed(client):
 def _engine_logprobs(llm, prompt: str, max_tokens: int, logprobs: int):
     """Token ids and {token_id: logprob} per token from a fresh engine, for the same greedy request."""
     from kiln.runtime.engine import Engine
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     ref = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
     ref.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs))
@@ -184,7 +184,7 @@ def test_wrong_key_is_401(server):
 
 def test_penalties_logit_bias_and_min_tokens_reach_the_engine(client, llm):
     from kiln.runtime.engine import Engine
-    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.sampling_params import SamplingParams
 
     r = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=12, temperature=0,
                                   presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"65": 3, "342": -2},

@@ -15,7 +15,7 @@ import pytest
 
 from kiln.chat_template import ChatTemplate
 from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.server.protocol import APIError
 from kiln.server.streaming import Choices, sse_stream
 

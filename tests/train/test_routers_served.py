@@ -17,7 +17,7 @@ from kiln.ir.frontend import build_graph
 from kiln.llm import LLM
 from kiln.model_config import ModConfig, param_shapes
 from kiln.reference import generate
-from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.train.router_files import save_routers
 from tests.support.gguf_helper import write_tiny_gguf
 

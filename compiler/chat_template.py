@@ -21,7 +21,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, RequestError
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
@@ -113,3 +113,27 @@ def load_chat_template(checkpoint_dir: str | Path) -> ChatTemplate | None:
 def chat_template_of(tokenizer: object) -> ChatTemplate:
     """The tokenizer's own chat template (a checkpoint's, a GGUF's), else kiln's default."""
     return getattr(tokenizer, "chat_template", None) or default_chat_template()
+
+
+def message_text(content: object) -> str:
+    """A chat message's content as the text its template gets (`kiln serve` and LLM.chat alike): a string as it is,
+    None as "", and OpenAI's list of content parts as their texts joined with newlines, as vLLM joins them. A part
+    that is not text (an image, audio) is a RequestError naming its type: kiln's models read text only."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        raise RequestError(f"message content must be a string or a list of content parts, not "
+                           f"{type(content).__name__}", param="messages")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise RequestError(f"message content part of type {kind!r} is not supported; only text parts are "
+                               '({"type": "text", "text": "..."})', param="messages")
+        if not isinstance(part.get("text"), str):
+            raise RequestError("a message content part of type 'text' needs a string \"text\" field",
+                               param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kiln.build import load_model
-from kiln.chat_template import ChatTemplateError, chat_template_of
+from kiln.chat_template import ChatTemplateError, chat_template_of, message_text
 from kiln.compile.step import compile_step
 from kiln.errors import KilnError, RequestError
 from kiln.model_config import SpeculationConfig
@@ -151,8 +151,10 @@ class LLM:
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise RequestError(f"conversation {i} must be a non-empty list of dicts with 'role' and 'content'")
             try:
-                prompts.append(template.render(list(conv)))
-            except ChatTemplateError as e:
+                # OpenAI's content parts made text as the server makes them (the caller's dicts are left as they are)
+                msgs = [{**m, "content": message_text(m["content"])} for m in conv]
+                prompts.append(template.render(msgs))
+            except (ChatTemplateError, RequestError) as e:
                 raise RequestError(f"conversation {i}: {e}") from None
         return prompts
 

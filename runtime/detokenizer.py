@@ -8,6 +8,11 @@ all (special tokens, or the ids above 255 of kiln's byte-level fallback, which a
 constantly) are dropped from the window, and an incomplete character is waited for over MAX_PENDING tokens at
 most, so each token costs two decodes of a few tokens, not of everything since the last visible character.
 
+The first window starts with the prompt's last PROMPT_CONTEXT tokens (as vLLM seeds its incremental decoder), so
+the output's text is decode(prompt + output) less decode(prompt): a sentencepiece word's leading space, which a
+decode dropped at the start of the text, stays, and a character whose first bytes end the prompt comes out whole
+as the output's first character (decode(prompt) has U+FFFD in its place) instead of as U+FFFD.
+
 Stop strings are searched only in the tail that a new delta can complete. While a request runs, the last
 len(longest stop) - 1 characters are held back from streamed text, so text that a stop string later trims
 is never sent.
@@ -20,16 +25,22 @@ from collections.abc import Sequence
 from kiln.step import TokenizerLike
 
 MAX_PENDING = 8  # tokens an incomplete character may wait for before its replacement character is emitted
+# Prompt tokens the first window starts with: a character's first 3 bytes, the token before them (the space rule)
+# and 2 more for special tokens, which decode to nothing (vLLM's window is about as long).
+PROMPT_CONTEXT = 6
 
 
 class Detokenizer:
     def __init__(self, tokenizer: TokenizerLike | None, stop: Sequence[str] = (),
-                 token_text: dict[int, str] | None = None, include_stop: bool = False, min_tokens: int = 0):
+                 token_text: dict[int, str] | None = None, include_stop: bool = False, min_tokens: int = 0,
+                 prompt_token_ids: Sequence[int] = ()):
         """token_text: a cache of decode([id]) that detokenizers of one tokenizer share (the engine's), filled as
         they go: a one-token context, what most windows start from, is then decoded once per id, not per use.
         include_stop: a stop string found stays at the end of the text (else the text ends before it).
         min_tokens: stop strings are searched only from the token after the min_tokens-th on (vLLM's rule, the
-        one eos follows too: it can be sampled once min_tokens tokens are out), in the text that token completes."""
+        one eos follows too: it can be sampled once min_tokens tokens are out), in the text that token completes.
+        prompt_token_ids: the request's prompt; its last PROMPT_CONTEXT ids are the first window's context (their
+        text is not the output's: stop strings are never searched in it)."""
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.include_stop = include_stop
@@ -38,7 +49,12 @@ class Detokenizer:
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
         self.text = ""
-        self._context: list[int] = []  # the tokens whose text was emitted last: context for the next delta
+        # The tokens whose text was emitted last: context for the next delta. At first the prompt's last ones, whose
+        # text is not the output's (_from_prompt), and the 3 before them (_before), for a tail that starts inside a
+        # character (see _prompt_text).
+        self._context: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT:])
+        self._before: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT - 3 : -PROMPT_CONTEXT])
+        self._from_prompt = bool(self._context)
         self._context_text: str | None = None  # their text alone (decoded once, when first needed)
         self._pending: list[int] = []  # tokens whose text is not emitted yet (an incomplete character)
 
@@ -69,7 +85,9 @@ class Detokenizer:
         assert self.tokenizer is not None
         if self._context_text is None:
             cache = self._token_text
-            if cache is not None and len(self._context) == 1:
+            if self._from_prompt:
+                self._context_text = self._prompt_text()
+            elif cache is not None and len(self._context) == 1:
                 tok = self._context[0]
                 text = cache.get(tok)
                 if text is None:
@@ -82,12 +100,35 @@ class Detokenizer:
         # A character is at most 4 bytes (4 byte tokens): pending longer than MAX_PENDING is not a character that
         # is still coming but broken text (or bytes interleaved with tokens that have none), emitted as it is.
         complete = final or not new_text.endswith("\ufffd") or len(self._pending) > MAX_PENDING
-        if len(new_text) > len(prefix_text) and complete:
-            self._context, self._context_text, self._pending = self._pending, None, []
-            return new_text[len(prefix_text) :]
-        if new_text == prefix_text:  # the pending tokens add nothing, in this context: drop them from the window
+        start = len(prefix_text)
+        if self._from_prompt and not new_text.startswith(prefix_text):
+            start = _output_start(prefix_text, new_text)
+        if len(new_text) > start and complete:
+            if self._from_prompt and prefix_text.endswith("\ufffd"):
+                # The prompt's last bytes (a character the output completed, or broken ones) stay in the window: alone,
+                # the output's first bytes would decode as broken ones (byte fallback breaks a whole run of bytes).
+                self._context, self._context_text = self._context + self._pending, new_text
+            else:
+                self._context, self._context_text = self._pending, None
+            self._pending, self._from_prompt = [], False
+            return new_text[start:]
+        # The prompt's text may end in an incomplete character whose next bytes leave the text as it is (one U+FFFD
+        # for a truncated sequence): those tokens are kept, up to MAX_PENDING, for the bytes that complete it.
+        waiting = self._from_prompt and prefix_text.endswith("\ufffd") and len(self._pending) <= MAX_PENDING
+        if new_text == prefix_text and not waiting:  # the pending tokens add nothing here: drop them from the window
             self._pending = []
         return ""
+
+    def _prompt_text(self) -> str:
+        """The text of the prompt's tail, the tail moved back (3 tokens at most) while it starts inside a character:
+        byte fallback decodes a whole run of byte tokens as U+FFFD when one of them is broken, the output's too."""
+        assert self.tokenizer is not None
+        text = self.tokenizer.decode(self._context)
+        while text.startswith("\ufffd") and self._before:
+            self._context.insert(0, self._before.pop())
+            text = self.tokenizer.decode(self._context)
+        self._before = []
+        return text
 
     def _find_stop(self, before: int) -> str | None:
         if not self.stop:
@@ -99,3 +140,17 @@ class Detokenizer:
         idx, s = min(found)
         self.text = self.text[: idx + len(s) if self.include_stop else idx]
         return s
+
+
+def _output_start(prefix: str, new: str) -> int:
+    """Where the output's text starts in `new` (the prompt's tail and the output decoded) when `new` does not
+    extend `prefix` (the tail alone): after the prompt's text up to its trailing U+FFFD (an incomplete character)
+    and those of them `new` still has (bytes the output did not complete); the character the output completed is
+    the output's. A decoder that rewrites earlier text otherwise: after len(prefix), as for every later window."""
+    stable = prefix.rstrip("\ufffd")
+    if len(stable) == len(prefix) or not new.startswith(stable):
+        return len(prefix)
+    i = len(stable)
+    while i < len(prefix) and i < len(new) and new[i] == prefix[i]:
+        i += 1
+    return i

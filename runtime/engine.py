@@ -246,7 +246,7 @@ class Engine:
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use by an unfinished request; pick another")
         det = Detokenizer(self.tokenizer, params.stop, self.output.token_text, params.include_stop_str_in_output,
-                          params.min_tokens)
+                          params.min_tokens, prompt_token_ids=ids)
         req = Request(rid, text, ids, params, det, make_generator(params.seed, self.model.device), order)
         self.requests[rid] = req
         self.scheduler.add(req)

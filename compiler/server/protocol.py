@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.errors import KilnError
+from kiln.chat_template import message_text
+from kiln.errors import KilnError, RequestError
 from kiln.runtime.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 
 
@@ -178,15 +179,11 @@ class ChatMessage(BaseModel):
         return msg
 
     def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"message content part of type {part.get('type')!r} is not supported; "
-                               "only text parts are", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        """The content as text (kiln.chat_template.message_text, LLM.chat's too); a non-text part is a 400."""
+        try:
+            return message_text(self.content)
+        except RequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -1,0 +1,138 @@
+"""What a tester comparing with vLLM found in chat content and choices: OpenAI's multi-part message content is
+flattened by one function (kiln.chat_template.message_text) for `kiln serve` and LLM.chat alike, its text parts
+joined with "\\n" as vLLM joins them; and every choice carries vLLM's stop_reason (the stop string or stop token id
+that ended it, null otherwise), streamed (on the chunk with finish_reason) or not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from kiln.errors import RequestError
+from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput
+from kiln.server.streaming import Choices, completion_body, sse_stream
+
+httpx = pytest.importorskip("httpx")
+
+PARTS = [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+JOINED = [PARTS[0], {"role": "user", "content": "Hi\nthere"}]
+GREEDY = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from kiln import LLM
+
+    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    """A server on an engine of its own (same weights), so LLM.chat can run on llm's engine beside it."""
+    from kiln.runtime.engine import Engine
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
+    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+        yield u
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_message_text_flattens_as_vllm():
+    from kiln.chat_template import message_text
+
+    assert message_text(None) == "" and message_text("a b") == "a b"
+    assert message_text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}, {"type": "text", "text": ""}]) \
+        == "a\nb\n"
+    for bad, what in (([{"type": "image_url", "image_url": {"url": "x"}}], "'image_url'"), (["a"], "'str'"),
+                      ([{"text": "no type"}], "None"), ([{"type": "text", "text": 5}], "string \"text\""),
+                      (5, "not int")):
+        with pytest.raises(RequestError, match=what) as e:
+            message_text(bad)
+        assert e.value.param == "messages"
+
+
+def test_llm_chat_takes_content_parts(llm):
+    from kiln import SamplingParams
+
+    before = json.dumps(PARTS)
+    assert llm.chat_prompts(PARTS) == llm.chat_prompts(JOINED) == ["<|system|>\nBe brief.\n<|user|>\nHi\nthere\n"
+                                                                   "<|assistant|>\n"]
+    params = SamplingParams(**GREEDY)
+    (a,), (b,) = llm.chat(PARTS, params), llm.chat(JOINED, params)
+    assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert json.dumps(PARTS) == before  # the caller's messages are not rewritten
+    image = [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {}}]}]
+    with pytest.raises(RequestError, match="conversation 0: message content part of type 'image_url' is not "
+                                           "supported; only text parts are"):
+        llm.chat(image)
+
+
+def test_server_chat_flattens_as_llm_chat(url, llm):
+    from kiln import SamplingParams
+
+    r = _post(url, "/v1/chat/completions", {"messages": PARTS, "return_token_ids": True, **GREEDY}).json()
+    (want,) = llm.chat(PARTS, SamplingParams(**GREEDY))
+    assert r["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert r["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    assert r["choices"][0]["message"]["content"] == want.outputs[0].text
+    bad = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})
+    assert bad.status_code == 400 and "'input_audio'" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_choices_carry_vllms_stop_reason(url, path, stream):
+    chat = path.endswith("chat/completions")
+    base = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
+    base = {**base, **GREEDY, "max_tokens": 24}
+    probe = _post(url, path, {**base, "return_token_ids": True}).json()["choices"][0]
+    text, ids = probe["message"]["content"] if chat else probe["text"], probe["token_ids"]
+    stop = next(ch for ch in text[1:] if ch != "\ufffd")  # random weights: mostly broken bytes, some characters
+    for extra, finish, reason in (({"stop": [stop]}, "stop", stop), ({"stop_token_ids": [ids[4]]}, "stop", ids[4]),
+                                  ({}, "length", None)):
+        r = _post(url, path, {**base, "stream": stream, **extra})
+        assert r.status_code == 200, r.text
+        if not stream:
+            choice = r.json()["choices"][0]
+            assert (choice["finish_reason"], choice["stop_reason"]) == (finish, reason), extra
+            continue
+        choices = [c for e in _events(r) for c in e["choices"]]
+        assert [c["stop_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)  # the key on every chunk
+        assert (choices[-1]["finish_reason"], choices[-1]["stop_reason"]) == (finish, reason), extra
+
+
+def _output(finish: str | None, stop_reason: int | str | None) -> RequestOutput:
+    comp = CompletionOutput(0, [5], "x", finish, stop_reason, delta_token_ids=[5], delta_text="x")
+    return RequestOutput("r", None, [1], [comp], finish is not None, RequestMetrics(arrival_time=0.0))
+
+
+@pytest.mark.parametrize("stop_token_ids, want", [((), None), ((2,), 2)])
+def test_eos_is_a_null_stop_reason_unless_asked_for(stop_token_ids, want):
+    """The engine reports eos's id as the stop_reason; vLLM reports the model's eos as null, and a stop token the
+    request named as that id."""
+    c = Choices("cmpl-1", "text_completion", "m", ["r"], 1, stop_token_ids=stop_token_ids)
+    c.update(_output("stop", 2))
+    assert completion_body(c)["choices"][0]["stop_reason"] == want
+
+    async def stream() -> list[str]:
+        sink: asyncio.Queue = asyncio.Queue()
+        sink.put_nowait(_output(None, None))
+        sink.put_nowait(_output("stop", 2))
+        choices = Choices("cmpl-2", "chat.completion", "m", ["r"], 1, stop_token_ids=stop_token_ids)
+        return [e async for e in sse_stream(sink, choices, False)]
+
+    events = [json.loads(e[6:]) for e in asyncio.run(stream()) if e.startswith("data: {")]
+    assert [e["choices"][0]["stop_reason"] for e in events] == [None, want]

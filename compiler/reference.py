@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from kiln.runtime.request import check_prompt
+from kiln.runtime.request import check_params_for_model, check_prompt
 from kiln.runtime.sampler import TokenHistory, make_generator, sample
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -46,7 +46,9 @@ def forward_logits(gm: fx.GraphModule, token_ids: torch.Tensor) -> torch.Tensor:
 
 def _check_request(prompt_ids: Sequence[int], params: SamplingParams, context: int, vocab: int) -> list[int]:
     params.validate()
-    return check_prompt(prompt_ids, params.max_tokens, vocab=vocab, limit=context)
+    ids = check_prompt(prompt_ids, params.max_tokens, vocab=vocab, limit=context)
+    check_params_for_model(params, vocab)
+    return ids
 
 
 def generate(

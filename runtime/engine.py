@@ -46,7 +46,7 @@ from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.plain_rows import launch_plain, take_plain
-from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_prompt
+from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_params_for_model, check_prompt
 from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
 from kiln.runtime.sampler import make_generator
 from kiln.runtime.sampling_params import SamplingParams
@@ -126,7 +126,9 @@ class Engine:
         self.cfg = cfg
         # max_model_len below the model's context shrinks the smallest acceptable pool (one max-length sequence).
         self.max_model_len = cfg.context if max_model_len is None else max_model_len
-        self.eos_token_ids = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        # An eos id past the model's vocabulary can never be sampled; kept, min_tokens' mask would index past the
+        # logits (a device-side assert on CUDA).
+        self.eos_token_ids = tuple(t for t in getattr(tokenizer, "eos_token_ids", ()) or () if t < step_model.vocab)
         if block_size is None:  # the compile config's kv_cache = paged(block = ...), carried by the step model
             block_size = getattr(step_model, "block_size", 16)
         if not (1 <= block_size <= KV_BLOCK_MAX and block_size & (block_size - 1) == 0):
@@ -225,10 +227,6 @@ class Engine:
         """Queue one request and return its id. A prompt is text (tokenized here) or token ids: a sequence of
         ints, a 1-D numpy array or a 1-D integer tensor. params: a SamplingParams or a dict of its fields."""
         params = SamplingParams.coerce(params, "params").validate()
-        if params.n != 1:
-            raise RequestError(f"sampling parameter n = {params.n}: an engine request is one sequence; LLM.generate "
-                               "and the server fan n out (SamplingParams.choices()), or add each choice yourself",
-                               param="n")
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
             prompt_token_ids = prompt
@@ -264,15 +262,7 @@ class Engine:
         limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
         ids = check_prompt(prompt_token_ids, params.max_tokens, vocab=self.model.vocab, limit=self.max_model_len,
                            limit_name=limit)
-        vocab = self.model.vocab
-        bad = [t for t in params.stop_token_ids if t >= vocab]  # never sampled, so the stop could never fire
-        if bad:
-            raise RequestError(f"stop_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
-                               f"token ids 0 .. {vocab - 1}", param="stop_token_ids")
-        bad = [t for t in (params.logit_bias or ()) if t >= vocab]  # an index past the logits: fail it here
-        if bad:
-            raise RequestError(f"logit_bias token id {bad[0]} is out of range for a vocabulary of {vocab}; allowed: "
-                               f"token ids 0 .. {vocab - 1}", param="logit_bias")
+        check_params_for_model(params, self.model.vocab)
         bm = self.block_manager
         if params.max_tokens is None:  # the pool always holds one max_model_len sequence (choose_num_blocks)
             params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))

@@ -29,12 +29,14 @@ def launch_plain(plain: list[ScheduledSeq], rows: list[int], logits: torch.Tenso
         # A list index would be a synchronous host -> device copy (the host would wait for the model call).
         rows = logits if len(plain) == logits.shape[0] else logits.index_select(
             0, to_device(torch.tensor(rows), logits.device))
-        # The request's own lists, not copies: the sampler reads them before any token is appended. Under async
+        # The request's own lists, not copies: the sampler reads them before any token is appended. A whole history
+        # for every request that may process its logits, also once it needs no processing (past min_tokens): an
+        # empty one would read as no output yet, so min_tokens would mask its stop ids forever. Under async
         # scheduling they lack the token in flight, so Scheduler.schedule_ahead never launches a request whose
         # sampling reads them (a penalty, or min_tokens not reached) ahead.
         return launch_batch(rows, [r.params for r in reqs], [r.generator for r in reqs],
                             [TokenHistory(r.prompt_token_ids, r.output_token_ids, eos_token_ids)
-                             if r.params.processes_logits(len(r.output_token_ids)) else () for r in reqs])
+                             if r.params.may_process_logits else () for r in reqs])
     except Exception as e:  # not one row's fault (launch_batch isolates rows): the batch is lost, not the engine
         return f"sampling the batch failed ({type(e).__name__}: {e})"
 

@@ -103,6 +103,13 @@ class Request:
         return n
 
     @property
+    def reported_stop_reason(self) -> int | str | None:
+        """vLLM's stop_reason: the stop string or stop_token_ids id that ended the request; None for eos (which
+        stop_reason records internally, for num_text_tokens), a length, an abort or an error."""
+        r = self.stop_reason
+        return None if type(r) is int and r not in self.params.stop_token_ids else r
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -163,7 +170,7 @@ class Request:
         else:
             all_ids, all_text, all_lps = list(ids), text, list(self.output_logprobs) if asked else None
         out = CompletionOutput(index=0, token_ids=all_ids, text=all_text, finish_reason=self.finish_reason,
-                               stop_reason=self.stop_reason, delta_token_ids=new_ids, delta_text=new_text,
+                               stop_reason=self.reported_stop_reason, delta_token_ids=new_ids, delta_text=new_text,
                                logprobs=all_lps, delta_logprobs=new_lps,
                                cumulative_logprob=self._cumulative_logprob() if asked else None)
         self._sent_tokens, self._sent_text, self._text = len(ids), len(text), text
@@ -217,6 +224,23 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # with finish_reason "error": what failed and the likely cause
+
+
+def check_params_for_model(params: SamplingParams, vocab: int) -> None:
+    """RequestError for what validate() cannot see without the model: token ids past its vocabulary (a stop id
+    could never fire; a logit_bias id would index past the logits), and n > 1 (one request is one sequence). The
+    engine and the reference path share it."""
+    if params.n != 1:
+        raise RequestError(f"sampling parameter n = {params.n}: one request is one sequence; LLM.generate and the "
+                           "server fan n out (SamplingParams.choices()), or add each choice yourself", param="n")
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise RequestError(f"stop_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
+                           f"token ids 0 .. {vocab - 1}", param="stop_token_ids")
+    bad = [t for t in (params.logit_bias or ()) if t >= vocab]
+    if bad:
+        raise RequestError(f"logit_bias token id {bad[0]} is out of range for a vocabulary of {vocab}; allowed: "
+                           f"token ids 0 .. {vocab - 1}", param="logit_bias")
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, *, vocab: int, limit: int,

@@ -229,6 +229,12 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0 or bool(self.logit_bias))
 
     @property
+    def may_process_logits(self) -> bool:
+        """Whether apply_penalties can change anything for this request at some step (then the sampler needs its
+        TokenHistory on every step, to know which)."""
+        return self.processes_logits(0)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < TEMPERATURE_FLOOR
 

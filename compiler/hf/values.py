@@ -261,7 +261,7 @@ def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
         return None
     if "sliding_window" not in r.hf and model_type in DEFAULT_SLIDING_WINDOW:  # absent: the config class's default
         window = DEFAULT_SLIDING_WINDOW[model_type]
-        r.origins.setdefault("window", []).append("sliding_window")
+        r.origins.setdefault("window", []).append(f"sliding_window (absent: the class default {window})")
     else:  # null: no window
         window = r.int("window", "sliding_window", default=None)
     if window is None:

@@ -176,8 +176,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
         choices = Choices(base, kind, config.model_name, rids, sum(len(p) for p in prompts),
-                          req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer,
-                          stop_token_ids=req.stop_token_ids or ())
+                          req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer)
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return _AbortingStream(sse_stream(sink, choices, usage), lambda: loop.abort(rids),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 from kiln.runtime.request import RequestOutput
 from kiln.server.logprobs import TokenLogprobs
@@ -18,8 +18,7 @@ class Choices:
 
     def __init__(self, base_id: str, kind: str, model: str, request_ids: list[str], prompt_tokens: int,
                  return_token_ids: bool = False, *, logprobs: int | None = None,
-                 tokenizer: TokenizerLike | None = None, stop_token_ids: Sequence[int] = ()):
-        """stop_token_ids: the request's; a choice that one of them ended reports it as its stop_reason."""
+                 tokenizer: TokenizerLike | None = None):
         self.id, self.kind, self.model = base_id, kind, model
         self.created = int(time.time())
         self.index = {rid: i for i, rid in enumerate(request_ids)}
@@ -28,7 +27,6 @@ class Choices:
         self.num_tokens = [0] * len(request_ids)
         self.finish = [None] * len(request_ids)
         self.stop_reason: list[int | str | None] = [None] * len(request_ids)
-        self.stop_token_ids = frozenset(stop_token_ids)
         self.started = [False] * len(request_ids)
         self.token_ids: list[list[int]] = [[] for _ in request_ids]
         self.return_token_ids = return_token_ids
@@ -55,18 +53,11 @@ class Choices:
                            code="generation_failed")
         if item.finished:
             self.finish[i] = "length" if comp.finish_reason == "length" else "stop"
-            self.stop_reason[i] = self._stop_reason(comp.stop_reason)
+            self.stop_reason[i] = comp.stop_reason  # vLLM's: a stop string or stop_token_ids id; null for eos
         new = None
         if self.logprobs is not None and comp.delta_logprobs:
             new = self.logprobs[i].add(comp.delta_token_ids, comp.delta_logprobs)
         return i, comp.delta_text, comp.delta_token_ids, self.finish[i], new
-
-    def _stop_reason(self, reason: int | str | None) -> int | str | None:
-        """vLLM's stop_reason: the stop string or stop token id that ended the choice; null for eos (the engine
-        reports eos's id: vLLM reports the model's eos as null), a length or an abort."""
-        if isinstance(reason, int) and reason not in self.stop_token_ids:
-            return None
-        return reason
 
     def format_logprobs(self, i: int, entries: list) -> dict:
         """`entries` of choice i in this API's shape (completions: text offsets continue from the last call)."""

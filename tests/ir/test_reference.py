@@ -106,3 +106,10 @@ def test_bad_prompts_rejected(llama):
         generate(gm, [-1], GREEDY, context=cfg.context)
     with pytest.raises(RequestError, match="top_p"):
         generate(gm, [1], SamplingParams(top_p=0.0), context=cfg.context)
+    # what the engine refuses, the reference path refuses alike (one check, kiln.runtime.request)
+    with pytest.raises(RequestError, match="n = 3: one request is one sequence"):
+        generate(gm, [1], SamplingParams(n=3), context=cfg.context)
+    with pytest.raises(RequestError, match="logit_bias token id 1000000 is out of range for a vocabulary of 97"):
+        generate(gm, [1], SamplingParams(logit_bias={10**6: 1.0}), context=cfg.context)
+    with pytest.raises(RequestError, match=r"stop_token_ids \[97\] out of range"):
+        generate(gm, [1], SamplingParams(stop_token_ids=[97]), context=cfg.context)

@@ -239,6 +239,18 @@ def test_min_tokens_keeps_eos_and_stop_ids_out_until_reached(async_scheduling):
     assert eos not in got.token_ids[:3] and got.token_ids == oracle(PROMPT, 8, min_tokens=3, held=(eos,))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_stop_id_ends_the_request_once_min_tokens_is_reached(async_scheduling):
+    full = fake_generate(PROMPT, 30, V)
+    m = 2
+    # an id greedy first picks after min_tokens: the mask never changed a choice, so the request ends right there
+    stop = next(t for t in full[m + 1:] if t not in full[:m + 1])
+    end = full.index(stop) + 1
+    got = final(engine(async_scheduling=async_scheduling),
+                SamplingParams(temperature=0, max_tokens=30, min_tokens=m, stop_token_ids=[stop]))
+    assert (got.token_ids, got.finish_reason, got.stop_reason) == (full[:end], "stop", stop)
+
+
 def test_stop_strings_are_searched_only_after_min_tokens():
     full = fake_generate(PROMPT, 24, V)
     text = ByteTokenizer(V).decode(full)  # one character per token here
@@ -286,7 +298,7 @@ def test_bad_requests_are_refused_by_name_while_the_others_are_served():
         e.add_request(prompt_token_ids=PROMPT, params={"min_tokens": 7, "max_tokens": 3})
     with pytest.raises(RequestError, match="min_tokens = 100 is more than the 56 tokens"):
         e.add_request(prompt_token_ids=PROMPT, params=SamplingParams(min_tokens=100, max_tokens=None))
-    with pytest.raises(RequestError, match="n = 2: an engine request is one sequence"):
+    with pytest.raises(RequestError, match="n = 2: one request is one sequence"):
         e.add_request(prompt_token_ids=PROMPT, params=SamplingParams(n=2))
     good.append(e.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=5)))
     done = {o.request_id: o.outputs[0] for o in e.run()}
@@ -352,3 +364,10 @@ def test_the_new_processing_adds_no_host_copy(monkeypatch):
     assert res.tokens[2] == int(logits[2].index_fill(0, torch.tensor([9]), float("-inf")).argmax())
     assert res.tokens[0] == int(vllm_logits(logits[0], [1, 2], [3, 3, 4], presence=1.0, frequency=0.5,
                                             repetition=1.2).argmax())
+
+
+def test_an_eos_id_past_the_vocabulary_is_not_masked_by_min_tokens():
+    # a tokenizer whose eos the model cannot produce: min_tokens' mask must not index past the logits
+    e = engine(tokenizer=ByteTokenizer(V, eos_token_ids=(V + 3,)))
+    got = final(e, SamplingParams(temperature=0, max_tokens=5, min_tokens=2, ignore_eos=False))
+    assert got.finish_reason == "length" and got.token_ids == fake_generate(PROMPT, 5, V)

@@ -119,20 +119,20 @@ def _output(finish: str | None, stop_reason: int | str | None) -> RequestOutput:
     return RequestOutput("r", None, [1], [comp], finish is not None, RequestMetrics(arrival_time=0.0))
 
 
-@pytest.mark.parametrize("stop_token_ids, want", [((), None), ((2,), 2)])
-def test_eos_is_a_null_stop_reason_unless_asked_for(stop_token_ids, want):
-    """The engine reports eos's id as the stop_reason; vLLM reports the model's eos as null, and a stop token the
-    request named as that id."""
-    c = Choices("cmpl-1", "text_completion", "m", ["r"], 1, stop_token_ids=stop_token_ids)
-    c.update(_output("stop", 2))
-    assert completion_body(c)["choices"][0]["stop_reason"] == want
+@pytest.mark.parametrize("reported", [None, 2, "END"])
+def test_a_choice_carries_the_engines_stop_reason(reported):
+    """The engine reports vLLM's stop_reason (Request.reported_stop_reason: None for eos); each choice passes it on,
+    streamed on the chunk with finish_reason only."""
+    c = Choices("cmpl-1", "text_completion", "m", ["r"], 1)
+    c.update(_output("stop", reported))
+    assert completion_body(c)["choices"][0]["stop_reason"] == reported
 
     async def stream() -> list[str]:
         sink: asyncio.Queue = asyncio.Queue()
         sink.put_nowait(_output(None, None))
-        sink.put_nowait(_output("stop", 2))
-        choices = Choices("cmpl-2", "chat.completion", "m", ["r"], 1, stop_token_ids=stop_token_ids)
+        sink.put_nowait(_output("stop", reported))
+        choices = Choices("cmpl-2", "chat.completion", "m", ["r"], 1)
         return [e async for e in sse_stream(sink, choices, False)]
 
     events = [json.loads(e[6:]) for e in asyncio.run(stream()) if e.startswith("data: {")]
-    assert [e["choices"][0]["stop_reason"] for e in events] == [None, want]
+    assert [e["choices"][0]["stop_reason"] for e in events] == [None, reported]

@@ -61,12 +61,7 @@ def test_streamed_text_equals_the_whole_decode(kind):
         for _ in range(rng.randint(0, 6)):  # special tokens decode to nothing, wherever they are
             ids.insert(rng.randint(0, len(ids)), special)
         d = Detokenizer(tok)
-        streamed = []
-        for t in ids:
-            before = len(d.text)
-            d.add(t)
-            streamed.append(d.text[before:])
-        d.flush()
+        streamed = _stream(d, ids)
         assert "".join(streamed) + d.text[len("".join(streamed)) :] == d.text
         assert d.text == tok.decode(ids), (kind, trial)
 

@@ -83,15 +83,16 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Token
     are an index_add (bincount would read the max id back to size its output).
     """
     dev = logits.device
+    # the output's ids reach the device once, for the repetition and the frequency / presence penalties alike
+    out = to_device(_ids(history.output), dev) if params.reads_history else None
     if params.logit_bias:
         ids = to_device(torch.tensor(list(params.logit_bias), dtype=torch.long), dev)
         bias = to_device(torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype), dev)
         logits = logits.index_add(0, ids, bias)
     if params.repetition_penalty != 1.0:
-        seen = torch.cat([to_device(_ids(history.prompt), dev), to_device(_ids(history.output), dev)])
+        seen = torch.cat([to_device(_ids(history.prompt), dev), out])
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if (params.frequency_penalty or params.presence_penalty) and history.num_output:
-        out = to_device(_ids(history.output), dev)
         counts = torch.zeros_like(logits).index_add_(0, out, torch.ones(out.shape, dtype=logits.dtype, device=dev))
         # vLLM's two subtractions, in the logits' dtype (fp32), as OpenAI defines them
         logits = logits - params.frequency_penalty * counts

@@ -225,8 +225,7 @@ class SamplingParams:
 
     def processes_logits(self, num_output: int) -> bool:
         """Whether apply_penalties changes anything for a request with num_output tokens generated so far."""
-        return (num_output < self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logit_bias))
+        return num_output < self.min_tokens or self.reads_history or bool(self.logit_bias)
 
     @property
     def may_process_logits(self) -> bool:

@@ -9,6 +9,7 @@ Read-only helpers shared by the normalizer (kiln.dynamo.normalize), its rules an
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,11 +129,16 @@ def scalar(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
+_ROOT = re.compile(r"^L\['\w+'\](\[\d+\])*\.?")
+
+
 def site_of(node: fx.Node) -> str:
     """Where a node comes from: the innermost nn.Module path, else the source line Dynamo recorded."""
     stack = node.meta.get("nn_module_stack") or {}
     if stack:
         path = str(list(stack.values())[-1][0])
-        return path.replace("L['self'].", "").replace("L['self']", "<root>")
+        # Dynamo names the module by its source: L['self'], or L['args'][0] when the compiled forward takes the
+        # module through *args (transformers >= 5.24 wraps forward so): the path is what follows
+        return _ROOT.sub("", path) or "<root>"
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     return trace[-2].strip() if len(trace) >= 2 else node.name

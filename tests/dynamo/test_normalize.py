@@ -217,3 +217,18 @@ def test_no_copy_where_the_strides_already_agree():
     assert claimed(nz) == {"rope": 1}
     assert not [n for n in nz.gm.graph.nodes if n.target in ("contiguous", "permute")]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("source", "site"), [
+    ("L['self'].model.layers.0.self_attn", "model.layers.0.self_attn"),
+    ("L['args'][0].model.layers.1.mlp", "model.layers.1.mlp"),  # forward wrapped to take the module by *args
+    ("L['self']", "<root>"),
+])
+def test_a_site_is_the_module_path_without_dynamos_source_of_the_root(source, site):
+    from torch import fx
+
+    from kiln.dynamo.fx_query import site_of
+
+    node = fx.Graph().placeholder("x")
+    node.meta["nn_module_stack"] = {"k": (source, torch.nn.Module)}
+    assert site_of(node) == site

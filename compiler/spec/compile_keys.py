@@ -59,6 +59,13 @@ def _quantize(r: _Report, e: Expr) -> dict | None:
             if k == "tokens" else _bool(r, kw[k], k) for k in flags if k in kw}
     if out is None or None in vals.values():
         return None
+    if out.get("method", "rtn") != "gptq":  # round-to-nearest reads neither: a silently unused setting is a trap
+        for k in ("calibration", "tokens"):
+            if k in kw:
+                r.error(kw[k], f"{k} is read only by GPTQ calibration, and this quantize uses round-to-nearest "
+                        f"(method = {out.get('method', 'rtn')}{'' if 'method' in kw else ', the default'})",
+                        f"add method = gptq to calibrate, or remove {k}")
+                return None
     return out | vals
 
 

@@ -58,8 +58,9 @@ def test_check_refuses_a_missing_calibration_file_from_the_spec_folder(capsys, t
     text = TINY + 'compile {\n  quantize = int4(method = gptq, calibration = "calib.txt")\n}\n'
     code, err = _check(capsys, tmp_path, text)
     assert code == 2 and f"s.kiln:11:48: error: calibration file {tmp_path / 'calib.txt'} does not exist" in err
-    # round-to-nearest never reads it: not a reason to refuse (kiln run serves it)
-    assert _check(capsys, tmp_path, text.replace("method = gptq", "method = rtn"))[0] == 0
+    # round-to-nearest never reads it: a setting that would be silently unused is refused, naming the fix
+    code, err = _check(capsys, tmp_path, text.replace("method = gptq", "method = rtn"))
+    assert code == 2 and "calibration is read only by GPTQ calibration" in err and "add method = gptq" in err
     (tmp_path / "calib.txt").write_text("some text")
     assert _check(capsys, tmp_path, text)[0] == 0
 

@@ -145,6 +145,9 @@ def test_spec_calibration_path_is_relative_to_the_spec():
         ("int4(lm_head = 1)", "lm_head must be true or false, got 1"),
         ("int4(symmetric = yes)", "symmetric must be true or false"),
         ("int4(128)", "int4() takes keyword arguments only"),
+        ('int4(calibration = "c.txt")', "calibration is read only by GPTQ calibration, and this quantize uses "
+                                        "round-to-nearest (method = rtn, the default)"),
+        ("int8(method = rtn, tokens = 64)", "tokens is read only by GPTQ calibration"),
     ],
 )
 def test_spec_quantize_errors(value, message):

@@ -17,7 +17,8 @@ from kiln.gguf.config import GGUFError, architecture, config_from_gguf, open_ggu
 from kiln.gguf.files import bundled_weights, is_gguf
 from kiln.gguf.tokenizer import load_gguf_tokenizer
 from kiln.gguf.weights import load_gguf_weights
-from kiln.hf.config import check_spec_matches, config_from_hf, load_hf_config
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.spec_match import check_spec_matches
 from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import TORCH_DTYPES, build_graph
 from kiln.model_config import DTYPES, CompileConfig, ModelConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 from kiln.gguf.config import config_from_gguf, open_gguf
-from kiln.hf.config import config_to_spec
+from kiln.hf.to_spec import config_to_spec
 from kiln.spec.formatter import format_spec
 
 

@@ -24,7 +24,7 @@ from torch import fx
 import kiln.ir.ops_quant  # noqa: F401  (the quantized ops the graph holds)
 from kiln.compile.pipeline import known_passes
 from kiln.errors import WeightError
-from kiln.hf.config import config_to_spec
+from kiln.hf.to_spec import config_to_spec
 from kiln.ir.attrs import set_tensor
 from kiln.ir.frontend import INV_FREQ, build_graph, propagate_fake, rope_inv_freq
 from kiln.model_config import ModelConfig

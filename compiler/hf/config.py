@@ -1,4 +1,4 @@
-"""Hugging Face config.json -> ModelConfig, and ModelConfig -> spec AST (what `kiln import` prints).
+"""Hugging Face config.json -> ModelConfig, and the .kiln text `kiln import` prints for it (kiln.hf.to_spec).
 
 Supported families: llama, mistral (and ministral), qwen2, gpt2. config.json is read as transformers reads
 it (kiln.hf.values: typed values, key precedence, the keys each family reads); the values are then checked by
@@ -10,38 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 from kiln.errors import KilnError, SpecError
+from kiln.hf.to_spec import config_to_spec
 from kiln.hf.values import Reader, check_keys, layer_window, refuse_spec_errors, rope_config
 from kiln.model_config import (
     Add,
     AttentionCall,
-    CompileConfig,
     LayerAssign,
-    LayerExpr,
     MlpCall,
     ModelConfig,
     NormCall,
     NormConfig,
-    RopeConfig,
     Var,
-)
-from kiln.spec.ast import (
-    Assign,
-    BinOp,
-    Bool,
-    Call,
-    CompileBlock,
-    Expr,
-    Keyword,
-    LayerBlock,
-    ModelBlock,
-    Name,
-    Num,
-    Setting,
-    SpecFile,
 )
 from kiln.spec.formatter import format_spec
 from kiln.spec.loader import parse_and_resolve
@@ -230,157 +212,3 @@ def import_spec(hf_dir: str | Path, name: str = "", notes: list[str] | None = No
         raise KilnError(f"the spec for {src} does not resolve ({e}); pass a plain --name such as --name my_model") \
             from None
     return cfg, text
-
-
-# ---- ModelConfig -> spec AST -------------------------------------------------------------------------------
-
-
-def _num(v: float | int) -> Num:
-    # Integral floats print as ints (theta = 500000), which resolve back to equal values.
-    return Num(int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 1e15 else v)
-
-
-def _kw(**kwargs: Expr) -> tuple[Keyword, ...]:
-    return tuple(Keyword(k, v) for k, v in kwargs.items())
-
-
-def _expr(e: LayerExpr) -> Expr:
-    if isinstance(e, Var):
-        return Name(e.name)
-    if isinstance(e, Add):
-        return BinOp("+", _expr(e.left), _expr(e.right))
-    if isinstance(e, NormCall):
-        return Call("norm", (_expr(e.arg),))
-    if isinstance(e, AttentionCall):
-        kw: dict[str, Expr] = {"causal": Bool(e.causal)}
-        if e.window is not None:
-            kw["window"] = Num(e.window)
-        if e.qkv_bias:
-            kw["qkv_bias"] = Bool(True)
-        if e.out_bias:
-            kw["out_bias"] = Bool(True)
-        if not e.rope:
-            kw["rope"] = Bool(False)
-        return Call("attention", (_expr(e.arg),), _kw(**kw))
-    if isinstance(e, MlpCall):
-        kw = {"act": Name(e.act)}
-        if e.bias:
-            kw["bias"] = Bool(True)
-        return Call("mlp", (_expr(e.arg),), _kw(**kw))
-    raise TypeError(f"unknown layer expression {e!r}")
-
-
-def _rope_expr(rope: RopeConfig) -> Call:
-    kw: dict[str, Expr] = {"theta": _num(rope.theta)}
-    s = rope.scaling
-    if s is not None and s.kind == "llama3":
-        kw["scaling"] = Call(
-            "llama3",
-            kwargs=_kw(
-                factor=_num(s.factor),
-                low=_num(s.low_freq_factor),
-                high=_num(s.high_freq_factor),
-                original=Num(s.original_context),
-            ),
-        )
-    elif s is not None:
-        kw["scaling"] = Call("linear", kwargs=_kw(factor=_num(s.factor)))
-    return Call("rope", kwargs=_kw(**kw))
-
-
-def config_to_spec(cfg: ModelConfig, compile: CompileConfig | None = None) -> SpecFile:
-    """The spec AST describing `cfg` (and `compile`, when given); format_spec prints it as a .kiln file."""
-    items: list[Setting | LayerBlock] = [
-        Setting(key, Num(getattr(cfg, key)))
-        for key in ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim", "ffn", "context")
-    ]
-    items.append(Setting("norm", Call(cfg.norm.kind, kwargs=_kw(eps=Num(cfg.norm.eps)))))
-    if cfg.rope is not None:
-        items.append(Setting("rope", _rope_expr(cfg.rope)))
-    if cfg.positions != "rope":
-        items.append(Setting("positions", Name(cfg.positions)))
-    if cfg.tie_embeddings:
-        items.append(Setting("tie_embeddings", Bool(True)))
-    if not cfg.final_norm:
-        items.append(Setting("final_norm", Bool(False)))
-    items.append(LayerBlock(tuple(Assign(s.target, _expr(s.value)) for s in cfg.body)))
-    block = None
-    if compile is not None:
-        block = CompileBlock((Setting("dtype", Name(compile.dtype)),))
-    return SpecFile(model=ModelBlock(cfg.name, tuple(items)), compile=block)
-
-
-# ---- a spec beside a checkpoint ---------------------------------------------------------------------------
-
-# How the projections split into heads: other splits have the same tensor shapes (4 heads of 16 = 8 of 8). vocab,
-# dim, layers and ffn show in the shapes, which the weight loader checks naming the tensor and both shapes.
-_HEAD_FIELDS = ("heads", "kv_heads", "head_dim")
-
-
-def _close(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-6)  # config.json floats may come rounded through float32
-
-
-def _rope_words(rope: RopeConfig | None) -> dict[str, object]:
-    if rope is None:
-        return {"rope": "none"}
-    out: dict[str, object] = {"rope": "rope", "rope theta": rope.theta}
-    s = rope.scaling
-    out["rope scaling"] = "none" if s is None else s.kind
-    if s is not None:
-        out["rope scaling factor"] = s.factor
-        if s.kind == "llama3":  # linear reads its factor only
-            out |= {"rope scaling low": s.low_freq_factor, "rope scaling high": s.high_freq_factor,
-                    "rope scaling original": s.original_context}
-    return out
-
-
-def _site_words(cfg: ModelConfig, context: int) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for e in cfg.sites():
-        if isinstance(e, AttentionCall):
-            # a window that spans the served context masks nothing (Mistral's 4096 served at 4096 is no window)
-            window = "none" if e.window is None or e.window >= context else e.window
-            out |= {f"{e.site} window": window, f"{e.site} causal": e.causal, f"{e.site} qkv_bias": e.qkv_bias,
-                    f"{e.site} out_bias": e.out_bias}
-            if cfg.positions == "rope":  # the flag means nothing with learned or no positions
-                out[f"{e.site} rope"] = e.rope
-        elif isinstance(e, MlpCall):
-            out |= {f"{e.site} act": e.act, f"{e.site} bias": e.bias}
-    return out
-
-
-def _words(cfg: ModelConfig, context: int) -> dict[str, object]:
-    """What a model computes, by field, as a checkpoint's config.json fixes it, beyond its tensors' shapes. Not
-    compared: the name, the shapes (above), the context (a spec may serve a shorter one, or extrapolate rope),
-    and `route` (Mixture-of-Depths routers are a spec's addition, their weights stored beside the checkpoint's)."""
-    out: dict[str, object] = {k: getattr(cfg, k) for k in _HEAD_FIELDS}
-    out |= {"norm": cfg.norm.kind, "norm eps": cfg.norm.eps, "positions": cfg.positions,
-            "tie_embeddings": cfg.tie_embeddings, "final_norm": cfg.final_norm}
-    return out | _rope_words(cfg.rope if cfg.positions == "rope" else None) | _site_words(cfg, context)
-
-
-def _shown(v: object) -> str:
-    return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def check_spec_matches(spec: ModelConfig, checkpoint: ModelConfig, spec_source: str, config_source: str) -> None:
-    """KilnError naming every field where a spec given with a checkpoint computes something else than the
-    checkpoint's config (its config.json, a GGUF's metadata, a `kiln quantize` output's spec.kiln) says (a window, a
-    rope theta, an eps...): those run without any shape error, so they would give wrong tokens silently."""
-    # Windows compare at the context the spec serves: one that spans it masks nothing, but a spec that serves beyond
-    # the checkpoint's context must keep the checkpoint's window, however long that context is.
-    have, want = _words(spec, spec.context), _words(checkpoint, spec.context)
-    diffs, differ = [], []
-    for key in dict.fromkeys([*want, *have]):
-        if any(key.startswith(k + " ") for k in differ):  # rope theta when one side has no rope at all, ...
-            continue
-        a, b = have.get(key, "none"), want.get(key, "none")
-        same = _close(a, b) if isinstance(a, float) and isinstance(b, float) else a == b
-        if not same:
-            differ.append(key)
-            diffs.append(f"{key}: {_shown(a)} in the spec, {_shown(b)} in the checkpoint")
-    if diffs:
-        raise KilnError(f"{spec_source} does not describe the checkpoint {config_source}: " + "; ".join(diffs)
-                        + "; fix the spec (`kiln import` of the checkpoint writes a matching one), or leave the "
-                        "spec out to read the model from the checkpoint")

@@ -101,7 +101,7 @@ def test_a_spec_that_differs_from_the_checkpoints_config_is_refused(capsys, tmp_
 
 def test_equivalent_specs_are_not_refused():
     """A window that spans the served context masks nothing; the per-site rope flag means nothing without rope."""
-    from kiln.hf.config import check_spec_matches
+    from kiln.hf.spec_match import check_spec_matches
     from kiln.spec.loader import load_spec
 
     mistral = load_spec("mistral-7b-v0.1").model

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from kiln.errors import KilnError
-from kiln.hf.config import config_from_hf, config_to_spec, load_hf_config
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.to_spec import config_to_spec
 from kiln.model_config import AttentionCall, CompileConfig, MlpCall, NormCall, RopeScaling, param_shapes
 from tests.support.hf_models import MISTRAL_WINDOW, _config
 

@@ -146,8 +146,8 @@ def _check_attention(q, kv_cache, layer, block_tables, context_lens, query_start
             f"q has {q.shape[1]} features; expected num_heads * head_dim = {num_heads} * {head_dim} "
             f"with num_heads a multiple of the cache's {kv_heads} kv heads"
         )
-    if not 16 <= head_dim <= 256:
-        raise CodegenError(f"head_dim {head_dim} is outside the supported 16..256")
+    if not 1 <= head_dim <= 256:  # below 16 the head is masked up to 16 (BLOCK_D), tl.dot's smallest K
+        raise CodegenError(f"head_dim {head_dim} is outside the supported 1..256 (e.g. 64, 80, 96, 128, 256)")
     if not scale > 0:
         raise CodegenError(f"scale={scale} must be > 0 (the kernels fold it into exp2 after the row max)")
     if q.dtype != kv_cache.dtype and kv_cache.dtype != torch.int8:

@@ -49,6 +49,8 @@ DECODE = {
     "bs16-gqa4-window7": (8, 2, 64, 16, [50, 30, 3], 7, 4, 1),
     "bs16-gqa4-window40-2splits": (8, 2, 64, 16, [75, 30, 3], 40, 2, 2),
     "bs1-d128-window5": (4, 1, 128, 1, [13, 6], 5, None, 1),
+    "bs16-d8-2splits": (4, 2, 8, 16, [40, 7], 0, 2, 2),  # head_dim < 16: masked up to tl.dot's smallest K
+    "bs4-d5-window6": (3, 1, 5, 4, [19, 2], 6, None, 1),
 }
 
 
@@ -95,6 +97,8 @@ PREFILL = {
     "bs1-gqa1-window5": (2, 2, 64, 1, [5, 4], [5, 13], True, 5),
     "bs16-gqa4-window9-long-chunk": (8, 2, 64, 16, [37, 2], [45, 30], True, 9),
     "bs16-d128-full-window6": (2, 1, 128, 16, [9, 1], [20, 18], False, 6),
+    "bs4-d8-gqa2": (4, 2, 8, 4, [11, 1], [11, 14], True, 0),
+    "bs16-d3-window4": (2, 1, 3, 16, [6, 5], [6, 17], True, 4),
 }
 
 
@@ -132,11 +136,11 @@ def test_16bit_decode_and_prefill_match_the_fp32_reference(dtype):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_write_equals_index_put_and_skips_padding(block_size):
+@pytest.mark.parametrize("block_size,d", [(1, 64), (16, 64), (4, 6)])
+def test_write_equals_index_put_and_skips_padding(block_size, d):
     from kiln.codegen.paged import paged_kv_write
 
-    kv_heads, d, n = 2, 64, 9
+    kv_heads, n = 2, 9
     g = torch.Generator().manual_seed(block_size)
     cache = torch.randn(LAYERS, 2, 24 // block_size + 2, block_size, kv_heads, d, generator=g)
     slots = torch.randperm(cache.shape[2] * block_size, generator=g)[:n]

@@ -37,12 +37,12 @@ def test_quantize_kv_round_trip_and_zero_rows():
     assert ((q.float() * s[..., None] - x).abs() <= s[..., None] / 2 * (1 + 1e-5)).all()
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_write_kernel_quantizes_like_the_reference(block_size):
+@pytest.mark.parametrize("block_size,d", [(1, 64), (16, 64), (4, 6)])
+def test_write_kernel_quantizes_like_the_reference(block_size, d):
     from kiln.codegen.paged import paged_kv_write
     from kiln.ir.ops_paged import write_kv
 
-    kv_heads, d, n = 2, 64, 9
+    kv_heads, n = 2, 9
     g = torch.Generator().manual_seed(block_size)
     blocks = 24 // block_size + 2
     cache = torch.randint(-127, 128, (2, 2, blocks, block_size, kv_heads, d), generator=g, dtype=torch.int8)
@@ -64,6 +64,7 @@ def test_write_kernel_quantizes_like_the_reference(block_size):
 DECODE = {
     "bs16-gqa4-3splits": (4, 1, 64, 16, [70, 17, 5], 3),
     "bs1-gqa1-2splits": (2, 2, 64, 1, [45, 9], 2),
+    "bs4-d8-gqa2": (4, 2, 8, 4, [23, 6], 2),
 }
 
 

@@ -131,6 +131,36 @@ def test_generated_kernels_match_the_reference(trace):
     assert got == [want]
 
 
+HEAD_DIM_8 = """model "hd8" {
+  vocab = 97
+  dim = 32
+  layers = 1
+  heads = 4
+  kv_heads = 2
+  head_dim = 8
+  ffn = 64
+  context = 64
+  norm = rms(eps = 1e-05)
+  rope = rope(theta = 10000)
+  layer {
+    x = x + attention(norm(x), causal = true)
+    x = x + mlp(norm(x), act = swiglu)
+  }
+}
+"""
+
+
+def test_generated_kernels_serve_a_head_dim_below_16(tmp_path):
+    """Tiny HF test checkpoints have head_dim 4 or 8: the paged kernels mask the head up to tl.dot's K of 16."""
+    (tmp_path / "hd8.kiln").write_text(HEAD_DIM_8)
+    m = load_model(str(tmp_path / "hd8.kiln"), device="cpu", seed=0)
+    prompts = [[5, 17, 3, 88, 41, 2, 9, 60, 33, 12, 70, 1, 4, 95, 23, 8, 50], [7, 7, 30]]
+    want = [generate(m.gm, p, SamplingParams(max_tokens=4, **GREEDY), context=64).token_ids for p in prompts]
+    step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=True)
+    got, _ = run_all(Engine(step, m.tokenizer, m.model, max_num_seqs=2, block_size=4), [(p, 4) for p in prompts])
+    assert got == want
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decodes_match_the_reference(trace):
     """On CUDA: generated kernels, decode steps replayed from captured graphs (padded batch sizes)."""

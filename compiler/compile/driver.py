@@ -23,6 +23,7 @@ from kiln.codegen.cache import default_cache
 from kiln.codegen.render import render
 from kiln.compile.lowering import KernelRequest, kernel_requests, lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
+from kiln.errors import KilnError
 from kiln.ir.text import format_graph
 from kiln.model_config import CompileConfig
 from kiln.progress import KERNEL_PROGRESS_MIN
@@ -60,6 +61,19 @@ def kernels_usable() -> bool:
     return torch.cuda.is_available() or env.triton_interpret()
 
 
+def resolve_use_kernels(use_kernels: bool | None, name: str = "use_kernels") -> bool:
+    """use_kernels as given (None: kernels_usable()); True where kernels cannot run is refused now, naming `name`,
+    rather than Triton's "0 active drivers" at the first call."""
+    if use_kernels is None:
+        return kernels_usable()
+    if use_kernels and not kernels_usable():
+        raise KilnError(
+            f"{name}=True needs CUDA or Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is "
+            f"imported), and this process has neither; leave {name} out (or False) to run kiln's reference ops"
+        )
+    return bool(use_kernels)
+
+
 def _passed(
     gm: fx.GraphModule, compile_cfg: CompileConfig | None, overrides: dict[str, bool] | None, dump_dir
 ) -> tuple[fx.GraphModule, list[str]]:
@@ -95,7 +109,7 @@ def compile_model(
     """
     if device is not None:
         gm = gm.to(device)
-    use_kernels = kernels_usable() if use_kernels is None else use_kernels
+    use_kernels = resolve_use_kernels(use_kernels)
     gm, names = _passed(gm, compile_cfg, overrides, dump_dir)
     if not use_kernels:
         return CompiledModel(gm, names, use_kernels=False)

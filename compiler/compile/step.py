@@ -37,7 +37,7 @@ import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
 from kiln.codegen import spec_verify as spec_verify_kernel
 from kiln.codegen._host import BoundKernels, recording
 from kiln.codegen.cache import default_cache
-from kiln.compile.driver import kernels_usable
+from kiln.compile.driver import resolve_use_kernels
 from kiln.compile.lowering import k_spec_verify, kernel_requests, lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.errors import KilnError, PassError
@@ -183,7 +183,7 @@ def compile_step(
         )
     if device is not None:
         gm = gm.to(device)
-    use_kernels = kernels_usable() if use_kernels is None else use_kernels
+    use_kernels = resolve_use_kernels(use_kernels)
     extra = compile_cfg.extra if compile_cfg is not None else {}
     kv_spec = extra.get("kv_cache") or {}
     passes = build_pipeline(compile_cfg, step=True, kv_dtype=kv_cache_dtype or kv_spec.get("dtype", "auto"))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import env
-from kiln.compile.driver import kernels_usable
+from kiln.compile.driver import resolve_use_kernels
 from kiln.compile.pipeline import known_passes
 from kiln.dynamo.claims import CLAIMABLE
 from kiln.errors import KilnError
@@ -115,11 +115,8 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Op
     use_kernels = options.get("use_kernels")
     if use_kernels is not None and not isinstance(use_kernels, bool):  # not 1 / 0, which `in (True, False)` takes
         raise KilnError(f"option use_kernels={use_kernels!r}; expected True, False or None")
-    if use_kernels and not kernels_usable():  # else Triton fails at the first call ("0 active drivers")
-        raise KilnError(
-            "option use_kernels=True needs CUDA or Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton "
-            "is imported), and this process has neither; leave use_kernels out (or False) to run kiln's reference ops"
-        )
+    if use_kernels:
+        resolve_use_kernels(use_kernels, "option use_kernels")
     dump = _dump_option(options.get("dump_dir") or env.dump_dir())
     passes = _passes_option(options.get("passes"))
     return Options(fallback, dump, use_kernels, passes, mode, _claims_option(options.get("claims")))

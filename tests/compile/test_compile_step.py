@@ -80,3 +80,21 @@ def test_step_model_contract_and_cache_checks():
     with pytest.raises(KilnError, match="and no scales"):
         model(batch, KVCache(cache.data, torch.zeros(cache.data.shape[:-1])))
     assert model(batch, cache.data).shape == (1, cfg.vocab)  # a bare tensor is a float cache
+
+
+def test_use_kernels_true_without_cuda_or_the_interpreter_is_refused_at_compile(monkeypatch):
+    """Not Triton's "0 active drivers" at the first step: a KilnError naming use_kernels, before any pass runs."""
+    from kiln import env
+    from kiln.build import load_model
+    from kiln.compile.driver import compile_model
+    from kiln.compile.step import compile_step
+    from kiln.errors import KilnError
+
+    m = load_model("tiny-llama", device="cpu", seed=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(env, "triton_interpret", lambda: False)
+    for compile_fn in (lambda: compile_step(m.gm, m.model, m.compile, use_kernels=True),
+                       lambda: compile_model(m.gm, m.compile, use_kernels=True)):
+        with pytest.raises(KilnError, match=r"use_kernels=True needs CUDA or Triton's CPU interpreter"):
+            compile_fn()
+    assert compile_step(m.gm, m.model, m.compile).use_kernels is False  # the default picks reference ops there

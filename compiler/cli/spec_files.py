@@ -10,7 +10,7 @@ from pathlib import Path
 from kiln.cli.common import EXIT_USER_ERROR, check_output_file, write_file_atomic
 from kiln.errors import Diagnostic, KilnError, SpecError, UsageError
 from kiln.hf.config import import_spec
-from kiln.model_config import AttentionCall
+from kiln.model_config import INT4_GROUPS, AttentionCall
 from kiln.quant.sizing import SchemeView, fitting_group, quantized_bytes, quantized_weights, resolve_group
 from kiln.spec.ast import Call, Setting
 from kiln.spec.formatter import format_spec
@@ -92,11 +92,16 @@ def serving_problems(loaded: LoadedSpec) -> list[Diagnostic]:
             out.append(_diagnostic(loaded, settings["speculation"], str(e), "give a draft model of the target's "
                                    "family (the same tokenizer), dense; a relative path starts at the spec's folder"))
     quantize = extra.get("quantize")
-    if quantize and quantize["bits"] == 4 and not quantize.get("auto_group"):
+    if quantize and quantize["bits"] == 4:
         scheme = SchemeView.of(quantize)
         weights = quantized_weights(model, lm_head=scheme.lm_head, embeddings=scheme.embeddings)
+        unfit = next(((n, s) for n, s in weights.items() if s[1] % min(INT4_GROUPS)), None)
         bad = next(((n, s) for n, s in weights.items() if s[1] % scheme.group), None)
-        if bad is not None:
+        if unfit is not None:  # whatever the group: a plain `int4` too
+            out.append(_diagnostic(loaded, settings["quantize"].value, f"no int4 group fits {unfit[0]}: its K = "
+                                   f"{unfit[1][1]} is not a multiple of {min(INT4_GROUPS)}, the smallest int4 group",
+                                   "use quantize = int8, or leave this model unquantized"))
+        elif bad is not None and not quantize.get("auto_group"):
             fits = fitting_group([s[1] for s in weights.values()])
             out.append(_diagnostic(loaded, _keyword(settings.get("quantize"), "group"),
                                    f"int4 group {scheme.group} does not divide {bad[0]}'s K = {bad[1][1]}",

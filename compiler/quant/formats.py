@@ -197,11 +197,16 @@ def check_shape(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> None:
     if len(shape) != 2:
         raise KilnError(f"cannot quantize {name}: expected a 2-D weight, got shape {list(shape)}")
     k = shape[1]
+    fitting = [g for g in INT4_GROUPS if k % g == 0]
+    if scheme.bits == 4 and not fitting:  # a plain `int4` lands here with group 128 it never asked for
+        raise KilnError(
+            f"cannot quantize {name} to int4: its K = {k} is not a multiple of {min(INT4_GROUPS)}, the smallest "
+            f"int4 group ({', '.join(map(str, INT4_GROUPS))}), so no int4 group fits; use int8"
+        )
     if scheme.bits == 4 and k % scheme.group:
         raise KilnError(
             f"cannot quantize {name} to int4 with group {scheme.group}: its K = {k} is not a multiple of "
-            f"{scheme.group}; pick a group that divides {k} (one of {[g for g in INT4_GROUPS if k % g == 0]}) "
-            "or use int8"
+            f"{scheme.group}; pick a group that divides {k} ({' or '.join(map(str, fitting))}) or use int8"
         )
 
 

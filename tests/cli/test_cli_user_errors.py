@@ -54,6 +54,16 @@ def test_check_refuses_an_explicit_group_that_does_not_divide_k(capsys, tmp_path
     assert _check(capsys, tmp_path, TINY + "compile { quantize = int4 }\n")[0] == 0  # no group: one that fits
 
 
+@pytest.mark.parametrize("quantize", ["int4", "int4(group = 32)"])
+def test_check_refuses_int4_where_no_group_fits(capsys, tmp_path, quantize):
+    """dim 48: K = 48 is no multiple of 32, so no int4 group fits, whatever the spec asks (a plain int4 too)."""
+    tiny = TINY.replace("dim = 64", "dim = 48")
+    code, err = _check(capsys, tmp_path, tiny + f"compile {{\n  quantize = {quantize}\n}}\n")
+    assert code == 2 and "s.kiln:11:14: error: no int4 group fits layers.0.attn0.q.weight: its K = 48 is not a " \
+        "multiple of 32, the smallest int4 group" in err and "use quantize = int8" in err
+    assert _check(capsys, tmp_path, tiny + "compile { quantize = int8 }\n")[0] == 0
+
+
 def test_check_refuses_a_missing_calibration_file_from_the_spec_folder(capsys, tmp_path):
     text = TINY + 'compile {\n  quantize = int4(method = gptq, calibration = "calib.txt")\n}\n'
     code, err = _check(capsys, tmp_path, text)

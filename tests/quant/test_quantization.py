@@ -84,8 +84,10 @@ def test_quantized_ops_are_dequantize_then_linear():
 
 
 def test_k_not_a_multiple_of_the_group_is_an_error():
-    with pytest.raises(KilnError, match=r"K = 96 is not a multiple of 64.*one of \[32\]"):
+    with pytest.raises(KilnError, match=r"K = 96 is not a multiple of 64; pick a group that divides 96 \(32\)"):
         quantize_rtn(torch.randn(8, 96), QuantScheme(bits=4, group=64))
+    with pytest.raises(KilnError, match=r"int4: its K = 40 is not a multiple of 32, .* no int4 group fits; use int8"):
+        quantize_rtn(torch.randn(8, 40), QuantScheme(bits=4, group=128))
 
 
 @pytest.mark.parametrize(

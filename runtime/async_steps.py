@@ -14,9 +14,9 @@ nothing reuses them before N + 1 has run.
 Where the next step needs the ids on the host (schedule_ahead says None: a prompt that must be cut into chunks,
 a preemption, a penalty, min_tokens not reached yet), the step in flight is landed first: taken in with its
 outputs deferred, exactly the state overlap_outputs alone leaves, and scheduling goes on from there. A step
-with a partial prefill chunk (its blocks are committed before sampling) or speculative rows is taken in where it
-is launched, as without async scheduling. Not built for speculative decoding (the drafter reads the last token
-on the host).
+with a partial prefill chunk (its blocks are committed before sampling), speculative rows or prompt positions to
+score (prompt_logprobs) is taken in where it is launched, as without async scheduling. Not built for speculative
+decoding (the drafter reads the last token on the host).
 
 A Mixture-of-Depths model's step also takes each routed layer's cache length c_j, which depends on the routing of
 the step in flight: its block manager reserves the worst case for that step's tokens without recording it, the

@@ -83,13 +83,8 @@ class LaunchedSample:
     copied: torch.cuda.Event | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        if self.packed is None or not self.packed.is_cuda:
-            self.host = self.packed
-            return
-        self.host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
-        self.host.copy_(self.packed, non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record(torch.cuda.current_stream(self.packed.device))
+        if self.packed is not None:
+            self.host, self.copied = queue_host_copy(self.packed)
 
     def result(self) -> BatchSample:
         if self.host is None:
@@ -102,6 +97,18 @@ class LaunchedSample:
             if not ok and errors[i] is None:
                 errors[i] = NONFINITE_LOGITS
         return BatchSample(tokens, errors, logprobs)
+
+
+def queue_host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """t's copy to the host, queued now: on CUDA into pinned memory with an event recorded behind it (synchronize
+    it before reading the copy: that waits for this copy only, not for work launched after it); t itself elsewhere."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return host, event
 
 
 def launch_batch(

@@ -18,6 +18,9 @@ counters engine_stats.py's. With async_scheduling a step whose chunks are all sa
 step() call schedules and launches the decode step after it first, its input tokens copied from the sampled ids
 on the device (Scheduler.schedule_ahead, async_steps.py), and only then takes the one in flight in (step()).
 
+A request with prompt_logprobs has the rows of its prompt positions returned too, after the sampled ones, and
+scored before its tokens are taken in (runtime/prompt_logprobs.py); a step with such rows is never left in flight.
+
 With a drafter (runtime/speculative.py) decodes speculate: the scheduler reserves draft slots, the drafter fills
 them, the target scores [last token, drafts] in the same step as everything else, the model's verifier accepts
 a prefix and draws the next token, and the unused slots' blocks are freed. Ordinary rows in the same step are
@@ -46,6 +49,7 @@ from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.plain_rows import launch_plain, take_plain
+from kiln.runtime.prompt_logprobs import launch_prompt, prompt_rows, take_prompt
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_params_for_model, check_prompt
 from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
 from kiln.runtime.sampler import make_generator
@@ -351,21 +355,25 @@ class Engine:
         drafts = self.spec.propose(reserved) if reserved else {}
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens
-        logits, sampled = self.runner.execute(sched)
+        prompt = None if sched.plain_decodes else prompt_rows(sched.seqs)  # prompt_logprobs' rows
+        logits, sampled = self.runner.execute(sched, prompt=prompt) if prompt else self.runner.execute(sched)
         plain, rows, spec = self._split_rows(sched, sampled, drafts)
         launched = launch_plain(plain, rows, logits, self.eos_token_ids) if plain else None
+        scored = launch_prompt(prompt) if prompt else None
         # Taken only now: if the model call raised, the last step's outputs are still made by the next call.
         outputs += output.emit_deferred()  # host work while the device runs this step (on CUDA)
         made: Made = []
         # Every chunk sampled, none speculative: nothing to do before sampling but advancing each chunk, which
         # take_plain does (a partial prefill chunk would need its blocks committed first).
         every_chunk_sampled = sched.plain_decodes or (not spec and len(plain) == len(sched.seqs))
-        if self._async and every_chunk_sampled and launched is not None:
+        if self._async and every_chunk_sampled and launched is not None and not prompt:
             self.ahead.flight = InFlight(plain, launched)  # taken in by the next call, after it launches the next
             return outputs
         if sched.plain_decodes:  # one plain row per chunk: no commit before sampling, no drafts, no reservations
             take_plain(output, plain, launched, time.perf_counter(), made, advance=True)
             return outputs + output.end_step(made)
+        if prompt:  # before the tokens: a request's first output carries its prompt logprobs
+            take_prompt(output, prompt, scored, made)
         for s in sched.seqs:
             if s.request.status.done:  # its last output failed just now: what this step computed for it is dropped
                 continue

@@ -52,6 +52,7 @@ from kiln.runtime.input_batch import (
     layout,
     write_verify_batch,
 )
+from kiln.runtime.prompt_logprobs import PromptRows
 from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.routed_state import RoutedState
 from kiln.runtime.sampler import to_device
@@ -125,7 +126,8 @@ class ModelRunner:
 
     # ---- batch building -----------------------------------------------------------------------------------
 
-    def prepare(self, sched: Schedule, tokens: torch.Tensor | None = None) -> tuple[StepBatch, int]:
+    def prepare(self, sched: Schedule, tokens: torch.Tensor | None = None,
+                prompt: PromptRows | None = None) -> tuple[StepBatch, int]:
         """The StepBatch for a schedule, and the batch size (sequences) it was padded to for a graph (0: none).
 
         Costs O(tokens + blocks in the step): tables come from the persistent rows (written when a request
@@ -136,38 +138,45 @@ class ModelRunner:
         device (int64, the last step's sampled ids; the engine's async scheduling): copied into the batch there,
         after its upload, in stream order, so the host never reads them. A routed model's lengths c_j are then
         gathered as recorded, before the step in flight, whose routed counts are added on the device too.
+
+        prompt: rows that score prompt tokens (runtime/prompt_logprobs.py), put in sample_indices after the sampled
+        rows; such a step is built by the general path, never padded.
         """
         if tokens is None:
-            return self._stage(sched)
+            return self._stage(sched, prompt=prompt)
         k = tokens.shape[0]
         if tokens.dim() != 1 or k > len(sched.seqs):
             raise AssertionError(f"device tokens {tuple(tokens.shape)} for a schedule of {len(sched.seqs)} chunks")
-        batch, padded = self._stage(sched, k)
+        batch, padded = self._stage(sched, k, prompt)
         batch.tokens[:k].copy_(tokens, non_blocking=True)
         if self.num_routed:
             self._add_pending_routing(batch, sched.seqs)
         return batch, padded
 
-    def _stage(self, sched: Schedule, on_device: int = 0) -> tuple[StepBatch, int]:
+    def _stage(self, sched: Schedule, on_device: int = 0, prompt: PromptRows | None = None) -> tuple[StepBatch, int]:
         """prepare() but the device tokens: the first on_device chunks' tokens are left for the caller to write."""
         bs, seqs = self.block_size, sched.seqs
-        if on_device and sched.plain_decodes and on_device == len(seqs):
+        if prompt is not None:
+            assert not on_device and not sched.plain_decodes, "prompt rows come with a step scheduled from the host"
+        elif on_device and sched.plain_decodes and on_device == len(seqs):
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, True, with_tokens=False)
             return self._prepare_decodes(dec, settle=False)
-        if len(seqs) >= self.decode_numpy_min_seqs and not on_device:
+        if len(seqs) >= self.decode_numpy_min_seqs and not on_device and prompt is None:
             dec = gather_decodes(seqs, self.bm.tables, self.rows, bs, sched.plain_decodes)
             if dec is not None:
                 return self._prepare_decodes(dec)
-        padded = self._verify_pad_size(sched) if self.verify_len else 0
+        padded = self._verify_pad_size(sched) if self.verify_len and prompt is None else 0
         if padded:
             return self._prepare_verify(seqs, padded), padded
         tables, rows, width = self._tables(seqs)
         padded = self._pad_size(sched)
+        assert not (padded and prompt), "a step with prompt rows is never a padded decode batch"
         extra = padded - len(seqs) if padded else 0
         n = sum(s.num_new for s in seqs)
         routed, routed_slots, routed_width = self._routed_slots([s.request.request_id for s in seqs], not on_device)
-        lay = layout(n + extra, padded or sum(s.num_rows for s in seqs), len(seqs) + extra, width, self.num_routed,
-                     routed_width)
+        num_prompt = len(prompt.rows) if prompt is not None else 0
+        lay = layout(n + extra, (padded or sum(s.num_rows for s in seqs)) + num_prompt, len(seqs) + extra, width,
+                     self.num_routed, routed_width)
         v = self.buffers.stage(lay)
         tok, pos, slot, ctx, qsl, samp = (v[k] for k in ("tokens", "positions", "slot_mapping", "context_lens",
                                                          "query_start_loc", "sample_indices"))
@@ -195,6 +204,8 @@ class ModelRunner:
                 r = s.num_rows
                 samp[k : k + r] = np.arange(q - r, q) if r > 1 else q - 1
                 k += r
+        if num_prompt:
+            samp[k : k + num_prompt] = prompt.rows
         bt = v["block_tables"]
         np.take(host_rows[:, :width], rows, axis=0, out=bt[: len(seqs)])
         if self.num_routed:  # padding columns are written by _pad
@@ -338,12 +349,15 @@ class ModelRunner:
 
     # ---- execution ----------------------------------------------------------------------------------------
 
-    def execute(self, sched: Schedule, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def execute(self, sched: Schedule, tokens: torch.Tensor | None = None,
+                prompt: PromptRows | None = None) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """fp32 logits [R, vocab] and the sampled sequences in row order: one row per sequence, 1 + n rows for a
-        speculative decode with n drafts. tokens: plain decodes' input tokens on the device (see prepare)."""
+        speculative decode with n drafts. tokens: plain decodes' input tokens on the device (see prepare). prompt:
+        rows that score prompt tokens; their logits go to prompt.logits, in the model's dtype (their fp32 copy is
+        made a block of rows at a time, runtime/prompt_logprobs.py)."""
         sampled = sched.seqs if sched.plain_decodes else [s for s in sched.seqs if s.sample]
         num_rows = len(sampled) if sched.plain_decodes else sum(s.num_rows for s in sampled)
-        batch, padded = self.prepare(sched, tokens)
+        batch, padded = self.prepare(sched, tokens, prompt)
         with torch.inference_mode():
             if self.num_routed:  # a one-token prefill after a prefix hit can be a graph's decode batch too
                 self._copy_routed_blocks()
@@ -353,6 +367,8 @@ class ModelRunner:
         if self.num_routed:  # [routed layers, N]: real rows in schedule order, then padding (never recorded)
             logits, routed = logits
             self.bm.record_step(sched.seqs, routed, sched.plain_decodes)  # copied behind the step, recorded later
+        if prompt is not None:
+            prompt.logits = logits[num_rows : num_rows + len(prompt.rows)]
         return logits[:num_rows].float(), sampled
 
     def _replay(self, batch: StepBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:

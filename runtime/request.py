@@ -71,6 +71,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # with params.logprobs set: one {token_id: logprob} per output token (see batch_sampler.sample_batch)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # with params.prompt_logprobs set: None, then one {token_id: logprob} per prompt position scored so far (see
+    # runtime/prompt_logprobs.py), and the prompt token's rank at each; None otherwise (set in __post_init__)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
     status: RequestStatus = RequestStatus.WAITING
     # Speculative decoding: tokens proposed this step, at positions num_tokens.. (token_slice covers them); they
     # are cleared once verified, and never part of the output unless accepted.
@@ -87,6 +91,11 @@ class Request:
     _text: str = ""  # the text the last RequestOutput carried
     _lp_count: int = 0  # output tokens summed into _lp_sum (cumulative_logprob)
     _lp_sum: float = 0.0
+    _sent_prompt: bool = False  # an output carried prompt_logprobs (a delta output carries them once, as vLLM's)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_token_ranks = [None], [None]  # the first token has nothing before it
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +121,20 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def unscored_from(self) -> int | None:
+        """With prompt_logprobs: the first position whose logits (which score the prompt token after it) are still to
+        be computed; None when there is none (not asked, or every prompt position scored)."""
+        lps = self.prompt_logprobs
+        return None if lps is None or len(lps) >= len(self.prompt_token_ids) else len(lps) - 1
+
+    def prefix_cache_tokens(self) -> list[int]:
+        """The tokens a prefix-cache match may cover: all of them, but while prompt positions are still to be scored,
+        none past the first of them (BlockManager.match_prefix leaves the last token it is given to compute), so
+        their logits are computed rather than skipped."""
+        j = self.unscored_from
+        return self.all_token_ids if j is None else self.prompt_token_ids[: j + 1]
 
     @property
     def priority(self) -> tuple[float, int]:
@@ -174,11 +197,15 @@ class Request:
                                logprobs=all_lps, delta_logprobs=new_lps,
                                cumulative_logprob=self._cumulative_logprob() if asked else None)
         self._sent_tokens, self._sent_text, self._text = len(ids), len(text), text
+        # Shared, not copied: complete before the first token, they never change after it.
+        prompt_lps = ranks = None
+        if self.prompt_logprobs is not None and (kind != "delta" or not self._sent_prompt):
+            prompt_lps, ranks, self._sent_prompt = self.prompt_logprobs, self.prompt_token_ranks, True
         # The prompt's list is shared, not copied (it never changes; a copy cost O(prompt) per request per step).
         metrics = object.__new__(RequestMetrics)  # a field-for-field snapshot, without __init__'s argument binding
         metrics.__dict__.update(self.metrics.__dict__)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.status in DONE, metrics,
-                             self.error)
+                             self.error, prompt_lps, ranks)
 
     def _cumulative_logprob(self) -> float:
         lps, ids = self.output_logprobs, self.output_token_ids
@@ -224,6 +251,14 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # with finish_reason "error": what failed and the likely cause
+    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token
+    # {token_id: logprob} of the model's raw log_softmax at that position: the top k by rank, then the prompt token
+    # when it is not among them (so it is always present). A "delta" output carries them once, on its first output.
+    # The request's own list, like prompt_token_ids: read it, do not change it.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beside prompt_logprobs: each prompt token's rank at its position (1: the most likely; as vLLM counts it, the
+    # number of tokens at least as likely), None first.
+    prompt_token_ranks: list[int | None] | None = None
 
 
 def check_params_for_model(params: SamplingParams, vocab: int) -> None:

@@ -65,8 +65,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     # The Python API and the server fan SamplingParams(n=k) out into k requests (choices()); the engine serves one.
     n: int = 1
-    # vLLM's prompt_logprobs is not supported (the step graph computes logits at each sequence's last position
-    # only); the field exists so that code ported from vLLM gets a RequestError saying so. Only None is valid.
+    # vLLM's prompt_logprobs. None: off; k: for every prompt position after the first, the prompt token's
+    # log-probability there and the k most likely tokens' (RequestOutput.prompt_logprobs; the first position has
+    # none, so it is None). Prefix caching does not skip the prompt positions still to be scored.
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed", "logprobs",
-                     "presence_penalty", "frequency_penalty", "min_tokens", "n"):
+                     "presence_penalty", "frequency_penalty", "min_tokens", "n", "prompt_logprobs"):
             object.__setattr__(self, name, _plain(getattr(self, name)))
         if isinstance(self.logit_bias, dict):  # a copy: the caller's dict may change after the request is added
             object.__setattr__(self, "logit_bias", {_plain(k): _plain(v) for k, v in self.logit_bias.items()})
@@ -163,6 +164,14 @@ class SamplingParams:
                 "sampled token's",
             ),
             (
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                 and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"None (off), or an integer 0 .. {MAX_LOGPROBS}: how many top log-probabilities besides the prompt "
+                "token's, at each prompt position",
+            ),
+            (
                 "presence_penalty",
                 self.presence_penalty,
                 _finite(self.presence_penalty) and -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY,
@@ -200,10 +209,6 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError(f"sampling parameter min_tokens = {self.min_tokens} is more than max_tokens = "
                                f"{self.max_tokens}; allowed: min_tokens <= max_tokens", param="min_tokens")
-        if self.prompt_logprobs is not None:
-            raise RequestError(f"sampling parameter prompt_logprobs = {self.prompt_logprobs!r} is not supported: "
-                               "kiln's step graph computes logits only at each sequence's last position; leave it "
-                               "None (logprobs, of the generated tokens, is supported)", param="prompt_logprobs")
         return self
 
     def choices(self) -> list[SamplingParams]:

@@ -197,7 +197,8 @@ class Scheduler:
         does not fit waits for a step scheduled from host tokens). A request whose token in flight is a stop
         token, eos or completes a stop string is found when the tokens come in; the row computed for it here is
         then dropped (and a seat it frees is used one step later than without async scheduling). None when the
-        first waiting request's prompt exceeds the budget left (chunked prefill), a block is missing for a decode
+        first waiting request's prompt exceeds the budget left (chunked prefill) or has prompt positions to score
+        (prompt_logprobs: those are taken in with their step, never left in flight), a block is missing for a decode
         (preemption), speculation is on, or a request's sampler needs its token history (a repetition, presence or
         frequency penalty) or its output count (fewer outputs than min_tokens, whose mask depends on it);
         for a block manager that reserves per token (a routed model's: the worst case for the tokens in flight
@@ -234,6 +235,8 @@ class Scheduler:
         admit = self.policy == "continuous" and self.waiting and seats > 0 and budget > 0
         if admit and self.waiting[0].num_tokens > budget:
             return None  # its prompt needs a partial chunk, whose blocks are committed before sampling
+        if admit and self.waiting[0].unscored_from is not None:
+            return None  # its prompt logprobs are taken in with its step (Engine.step), never in flight
         bm = self.bm
         if admit and bm.reserves_every_token:
             return None
@@ -302,6 +305,8 @@ class Scheduler:
         seats = self.max_num_seqs - len(self.running) if seats is None else seats
         while self.waiting and budget > 0 and seats > 0:
             req = self.waiting[0]
+            if whole and req.unscored_from is not None:
+                break  # ahead of a step in flight: its prompt logprobs wait for a step scheduled from the host
             self._match_prefix(req)
             need = req.num_tokens - req.num_computed_tokens
             n = min(need, budget)
@@ -327,7 +332,7 @@ class Scheduler:
                 budget -= n
 
     def _match_prefix(self, req: Request) -> None:
-        req.num_computed_tokens = self.bm.match_prefix(req.request_id, req.all_token_ids)
+        req.num_computed_tokens = self.bm.match_prefix(req.request_id, req.prefix_cache_tokens())
 
     def _unmatch(self, req: Request) -> None:
         self.bm.free(req.request_id)

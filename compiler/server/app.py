@@ -112,9 +112,14 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         req = CompletionRequest.model_validate(await _json(request, config.max_body_bytes))
         req.check()
+        given = req.prompts()
         # Off the event loop: a long prompt's tokenization would stall every stream being served.
-        prompts = await asyncio.to_thread(lambda: [_tokens(engine, p, max_prompt) for p in req.prompts()])
-        return await _generate(request, req, prompts, "text_completion", config.default_max_tokens)
+        prompts = await asyncio.to_thread(lambda: [_tokens(engine, p, max_prompt) for p in given])
+        echo = None
+        if req.echo:  # the prompt's text: as sent, or decoded from its token ids
+            echo = await asyncio.to_thread(lambda: [_prompt_text(engine, p, ids) for p, ids in zip(given, prompts,
+                                                                                                    strict=True)])
+        return await _generate(request, req, prompts, "text_completion", config.default_max_tokens, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -130,7 +135,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         ids = await asyncio.to_thread(_tokens, engine, text, max_prompt, "messages")
         return await _generate(request, req, [ids], "chat.completion", None)
 
-    async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None):
+    async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None,
+                        echo: list[str] | None = None):
         if req.model is not None and req.model != config.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {config.model_name!r} "
                            "(GET /v1/models)", param="model", code="model_not_found")
@@ -147,7 +153,11 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                f"your request has {len(ids)} input tokens, which leaves no room for the completion; "
                                "reduce the length of the messages", param="messages",
                                code="context_length_exceeded")
-            max_tokens = req.max_tokens or (default_max if default_max is not None else room)
+            if req.max_tokens == 0:  # completions' echo of the prompt alone: one token sampled, not shown (as vLLM)
+                max_tokens = 1
+            else:
+                max_tokens = req.max_tokens or (default_max if default_max is not None else room)
+            _check_min_tokens(req, 0 if req.max_tokens == 0 else max_tokens, chat)
             try:
                 choices = req.sampling_params(max_tokens).choices()  # validated; n > 1: the seed rule is there
             except RequestError as e:
@@ -176,7 +186,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
         choices = Choices(base, kind, config.model_name, rids, sum(len(p) for p in prompts),
-                          req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer)
+                          req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer,
+                          echo=None if echo is None else [t for t in echo for _ in range(req.n)],
+                          prompt_only=getattr(req, "prompt_only", False),
+                          prompt_logprobs=req.shown_prompt_logprobs())
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return _AbortingStream(sse_stream(sink, choices, usage), lambda: loop.abort(rids),
@@ -188,6 +201,22 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(completion_body(choices))
 
     return app
+
+
+def _check_min_tokens(req, max_tokens: int, chat: bool) -> None:
+    """A 400 when min_tokens is over the completion's limit, naming the field that set it as the client sent it."""
+    if req.min_tokens <= max_tokens:
+        return
+    name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    if req.max_tokens is not None:  # chat's max_completion_tokens was copied into max_tokens
+        limit = f"{name} = {max_tokens}"
+    elif chat:
+        name = "max_completion_tokens"
+        limit = f"the {max_tokens} tokens the context leaves after the messages (no {name} given)"
+    else:
+        limit = f"max_tokens = {max_tokens} (the default; set max_tokens)"
+    raise APIError(400, f"min_tokens = {req.min_tokens} is more than {limit}; allowed: min_tokens <= {name}",
+                   param="min_tokens", code="invalid_value")
 
 
 def _chat_param(param: str | None, req: ChatCompletionRequest) -> str | None:
@@ -277,6 +306,16 @@ async def _json(request: Request, limit: int) -> object:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object",
                        code="invalid_json") from None
+
+
+def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str:
+    """What echo puts before the text: the prompt as sent, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    if engine.tokenizer is None:
+        raise APIError(400, "echo of a prompt given as token ids needs the model's tokenizer to give its text, and "
+                       "this model has none; omit echo (prompt_logprobs gives the prompt's logprobs)", param="echo")
+    return engine.tokenizer.decode(ids)
 
 
 def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "prompt") -> list[int]:

@@ -2,12 +2,15 @@
 "top_logprobs", "text_offset"} and chat's {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}.
 
 The engine gives one {token_id: logprob} per generated token: the top-k by rank, then the sampled token when it
-is not among them. Values are the model's raw log_softmax (before temperature), as vLLM v1 reports them.
+is not among them. Values are the model's raw log_softmax (before temperature), as vLLM v1 reports them. Echoed
+prompt tokens come in the same shape (their first entry None: nothing comes before the first token); vLLM's
+prompt_logprobs field has its own shape (prompt_logprobs_field).
 """
 
 from __future__ import annotations
 
 import codecs
+import itertools
 from dataclasses import dataclass, field
 
 from kiln.step import TokenizerLike
@@ -26,26 +29,32 @@ class TokenLogprobs:
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def token(self, token_id: int) -> str:
-        if self.tokenizer is None:  # served from token ids only: name the id, as vLLM's return_tokens_as_token_ids
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
+        return token_text(self.tokenizer, token_id)
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> list[tuple[int, dict[int, float]]]:
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float] | None]
+            ) -> list[tuple[int, dict[int, float] | None]]:
         new = list(zip(token_ids, logprobs, strict=True))
         self.entries += new
         return new
 
-    def completion(self, entries: list[tuple[int, dict[int, float]]]) -> dict:
-        """The legacy completions shape of `entries`, advancing text_offset past them."""
+    def completion(self, entries: list[tuple[int, dict[int, float] | None]]) -> dict:
+        """The legacy completions shape of `entries`, advancing text_offset past them. An entry without logprobs
+        (an echoed prompt's first token) has null token_logprobs and top_logprobs, as in OpenAI's and vLLM's."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tok, lp in entries:
             text = self.token(tok)
             out["tokens"].append(text)
-            out["token_logprobs"].append(_finite(lp[tok]))
-            top: dict[str, float] = {}
-            for t, v in lp.items():  # keyed by text: of tokens that decode alike, the most likely one's value
-                top.setdefault(self.token(t), _finite(v))
-            out["top_logprobs"].append(top)
+            if lp is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(_finite(lp[tok]))
+                top: dict[str, float] = {}
+                # The top_n most likely (an echoed prompt's entries may hold more: prompt_logprobs asked for more),
+                # then the token itself; keyed by text: of tokens that decode alike, the most likely one's value.
+                for t, v in itertools.chain(itertools.islice(lp.items(), self.top_n), ((tok, lp[tok]),)):
+                    top.setdefault(self.token(t), _finite(v))
+                out["top_logprobs"].append(top)
             # Offsets count the characters the bytes so far make: a token holding part of a character adds none
             # until the one that ends it (counting its "\ufffd" text would push every later offset along), and a
             # whole token's text ends what its bytes emit (an unfinished character before it comes out as U+FFFD).
@@ -71,6 +80,31 @@ class TokenLogprobs:
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
         return {"token": self.token(token_id), "logprob": _finite(logprob), "bytes": list(self.token_bytes(token_id))}
+
+
+def token_text(tokenizer: TokenizerLike | None, token_id: int) -> str:
+    if tokenizer is None:  # served from token ids only: name the id, as vLLM's return_tokens_as_token_ids
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def prompt_logprobs_field(tokenizer: TokenizerLike | None, token_ids: list[int],
+                          logprobs: list[dict[int, float] | None], ranks: list[int | None],
+                          top_n: int) -> list[dict[int, dict] | None]:
+    """vLLM's prompt_logprobs response field: None for the first token, then per prompt token {token id: {"logprob",
+    "rank", "decoded_token"}} for the top_n most likely (ranks 1 .. top_n) and the prompt token itself (its own rank
+    when it is not among them); -inf is -9999.0, as vLLM clamps it. JSON makes the ids strings."""
+    out: list[dict[int, dict] | None] = []
+    for tok, lp, rank in zip(token_ids, logprobs, ranks, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {t: {"logprob": _finite(v), "rank": r + 1, "decoded_token": token_text(tokenizer, t)}
+                 for r, (t, v) in enumerate(itertools.islice(lp.items(), top_n))}
+        if tok not in entry:
+            entry[tok] = {"logprob": _finite(lp[tok]), "rank": rank, "decoded_token": token_text(tokenizer, tok)}
+        out.append(entry)
+    return out
 
 
 def _finite(value: float) -> float:

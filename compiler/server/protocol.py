@@ -1,9 +1,11 @@
 """OpenAI request models (pydantic, unknown fields refused) and the error JSON shape.
 
-Fields map onto kiln's SamplingParams; ones the engine cannot honour (echo, suffix, vLLM's prompt_logprobs) are
-refused with a 400 naming the field rather than silently ignored. logprobs (completions: 0 .. 20 top alternatives)
-and logprobs + top_logprobs (chat) map onto SamplingParams.logprobs; presence / frequency penalties and logit_bias
-(OpenAI's: string token ids) and vLLM's min_tokens onto the SamplingParams fields of those names.
+Fields map onto kiln's SamplingParams; ones the engine cannot honour (suffix, chat's echo) are refused with a 400
+naming the field rather than silently ignored. logprobs (completions: 0 .. 20 top alternatives) and logprobs +
+top_logprobs (chat) map onto SamplingParams.logprobs; presence / frequency penalties and logit_bias (OpenAI's:
+string token ids) and vLLM's min_tokens onto the SamplingParams fields of those names. Completions' echo (the prompt
+before the text, and with logprobs its tokens' logprobs before the output's; max_tokens 0: the prompt alone, as
+lm-evaluation-harness asks for loglikelihoods) and vLLM's prompt_logprobs map onto SamplingParams.prompt_logprobs.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class _Sampling(BaseModel):
     # OpenAI's form: {"token id as a string": bias in -100 .. 100}; ids are checked against the vocabulary
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension: no eos, stop id or stop string before this many
-    prompt_logprobs: int | None = None  # vLLM extension kiln cannot serve: refused by name (see check)
+    prompt_logprobs: int | None = None  # vLLM extension: the prompt tokens' logprobs (not streamed, as vLLM)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The request's SamplingParams, n included: SamplingParams.choices() makes its n requests."""
@@ -98,6 +100,7 @@ class _Sampling(BaseModel):
                               logprobs=self.engine_logprobs(), speculate=self.speculate,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               logit_bias=self.token_logit_bias(), min_tokens=self.min_tokens, n=self.n,
+                              prompt_logprobs=self.engine_prompt_logprobs(),
                               output_kind="delta")  # see streaming.Choices
 
     def token_logit_bias(self) -> dict[int, float] | None:
@@ -116,36 +119,65 @@ class _Sampling(BaseModel):
         """SamplingParams.logprobs: None (off) or how many top alternatives each token reports."""
         return None
 
+    def shown_prompt_logprobs(self) -> int | None:
+        """How many top alternatives the response's prompt_logprobs field shows per prompt token (None: no field).
+        Streamed responses have none (a stream refuses prompt_logprobs > 0, as vLLM's)."""
+        return None if self.stream else self.prompt_logprobs
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: what the response shows of the prompt (None: nothing)."""
+        return self.shown_prompt_logprobs()
+
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options applies to streamed responses only; set stream: true or omit "
                            "stream_options", param="stream_options")
-        if self.prompt_logprobs is not None:
-            raise APIError(400, "prompt_logprobs is not supported by kiln: its step graph computes logits only at "
-                           "each sequence's last position; omit prompt_logprobs (logprobs of the generated tokens "
-                           "are supported)", param="prompt_logprobs")
+        self.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule: 0 is accepted (and shows nothing)
+            raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM); ask without "
+                           "stream, or use echo with logprobs on /v1/completions", param="prompt_logprobs")
 
     @staticmethod
     def check_logprobs(value: int | None, name: str) -> None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise APIError(400, f"{name} = {value} is out of range; allowed: an integer 0 .. {MAX_LOGPROBS} (how "
-                           "many most likely tokens to report beside the sampled one)", param=name,
+                           "many most likely tokens to report beside each token's own)", param=name,
                            code="invalid_value")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 only with echo: the prompt alone (with its logprobs), as OpenAI's legacy API and vLLM
+    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before the text; with logprobs, its tokens' logprobs before the output's
     suffix: str | None = None
 
     def check(self) -> None:
         super().check()
         self.check_logprobs(self.logprobs, "logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported; omit echo", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported; omit suffix", param="suffix")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens = 0 generates nothing; it is allowed only with echo: true (the prompt "
+                           "alone, with its logprobs when logprobs is set); give max_tokens >= 1",
+                           param="max_tokens", code="invalid_value")
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the response is the prompt alone (the engine samples one token, not shown)."""
+        return self.echo and self.max_tokens == 0
+
+    def shown_prompt_logprobs(self) -> int | None:
+        """As vLLM's: the field is there too when echo with logprobs scored the prompt (showing that many)."""
+        if self.stream or self.prompt_logprobs is not None:
+            return super().shown_prompt_logprobs()
+        return self.logprobs if self.echo else None
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """As vLLM: prompt_logprobs, or with echo the logprobs count, whichever shows more."""
+        counts = [c for c in (self.shown_prompt_logprobs(), self.logprobs if self.echo else None) if c is not None]
+        return max(counts) if counts else None
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch: text, token ids, a list of texts or a list of token-id lists."""
@@ -191,6 +223,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's chat echo prepends the last message to the reply when it is the assistant's, which continues it only
+    # with continue_final_message; kiln's chat always opens a new assistant turn, so only false is taken.
+    echo: bool = False
 
     def check(self) -> None:
         super().check()
@@ -198,6 +233,10 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",
                            param="top_logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported on chat completions (kiln's chat always starts a new assistant "
+                           "turn, so there is no final message to continue); omit echo, or send the conversation "
+                           "as a prompt to /v1/completions with echo", param="echo")
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

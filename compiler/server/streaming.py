@@ -1,4 +1,10 @@
-"""Turning engine outputs into OpenAI responses: whole bodies, and server-sent event streams."""
+"""Turning engine outputs into OpenAI responses: whole bodies, and server-sent event streams.
+
+Completions' echo puts the prompt's text before a choice's text, and with logprobs its tokens' entries (the first
+one null) before the output's, in the body or in the choice's first chunk; with max_tokens 0 (prompt_only) the
+response is the prompt alone: the one token the engine samples is not shown, nor counted in usage, and the
+finish_reason is "length". vLLM's prompt_logprobs field is on each completions choice, or on the chat response.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 from kiln.runtime.request import RequestOutput
-from kiln.server.logprobs import TokenLogprobs
+from kiln.server.logprobs import TokenLogprobs, prompt_logprobs_field
 from kiln.server.protocol import APIError
 from kiln.step import TokenizerLike
 
@@ -18,7 +24,10 @@ class Choices:
 
     def __init__(self, base_id: str, kind: str, model: str, request_ids: list[str], prompt_tokens: int,
                  return_token_ids: bool = False, *, logprobs: int | None = None,
-                 tokenizer: TokenizerLike | None = None):
+                 tokenizer: TokenizerLike | None = None, echo: list[str] | None = None, prompt_only: bool = False,
+                 prompt_logprobs: int | None = None):
+        """echo: per choice, the prompt text to put first (None: no echo); prompt_only: echo with max_tokens 0;
+        prompt_logprobs: how many top alternatives vLLM's prompt_logprobs field shows (None: no field)."""
         self.id, self.kind, self.model = base_id, kind, model
         self.created = int(time.time())
         self.index = {rid: i for i, rid in enumerate(request_ids)}
@@ -32,6 +41,11 @@ class Choices:
         self.return_token_ids = return_token_ids
         # logprobs None: not asked; else how many top alternatives each token shows
         self.logprobs = None if logprobs is None else [TokenLogprobs(tokenizer, logprobs) for _ in request_ids]
+        self.tokenizer = tokenizer
+        self.echo, self.prompt_only, self.shown_prompt = echo, prompt_only, prompt_logprobs
+        self.echoed = [False] * len(request_ids)
+        # per choice (prompt ids, prompt logprobs, ranks), from its first output that has them
+        self.prompt: list[tuple | None] = [None] * len(request_ids)
 
     @property
     def done(self) -> bool:
@@ -44,20 +58,32 @@ class Choices:
             raise APIError(500, str(item), code="engine_failure")
         i = self.index[item.request_id]
         comp = item.outputs[0]
-        # The server asks for output_kind "delta": each output carries only what is new, added up here.
-        self.text[i] += comp.delta_text
-        self.token_ids[i] += comp.delta_token_ids
-        self.num_tokens[i] = len(self.token_ids[i])
         if item.finished and comp.finish_reason == "error":  # not a normal end: the client must not take it as one
             raise APIError(500, f"the request failed while generating: {item.error or 'no reason given'}",
                            code="generation_failed")
+        if item.prompt_logprobs is not None and self.prompt[i] is None:  # a delta output carries them once
+            self.prompt[i] = (item.prompt_token_ids, item.prompt_logprobs, item.prompt_token_ranks)
+        # The server asks for output_kind "delta": each output carries only what is new, added up here.
+        text, ids, lps = comp.delta_text, comp.delta_token_ids, comp.delta_logprobs or []
+        if self.prompt_only:  # echo with max_tokens 0: the token sampled is not part of the response
+            text, ids, lps = "", [], []
+        entries_ids: list[int] = list(ids)
+        if self.echo is not None and not self.echoed[i]:
+            self.echoed[i] = True
+            text = self.echo[i] + text
+            if self.logprobs is not None and item.prompt_logprobs is not None:  # the engine scored the prompt
+                entries_ids, lps = list(item.prompt_token_ids) + entries_ids, list(item.prompt_logprobs) + lps
+        self.text[i] += text
+        self.token_ids[i] += ids
+        self.num_tokens[i] = len(self.token_ids[i])
         if item.finished:
-            self.finish[i] = "length" if comp.finish_reason == "length" else "stop"
-            self.stop_reason[i] = comp.stop_reason  # vLLM's: a stop string or stop_token_ids id; null for eos
+            self.finish[i] = "length" if comp.finish_reason == "length" or self.prompt_only else "stop"
+            # vLLM's: a stop string or stop_token_ids id; null for eos (and for the prompt alone)
+            self.stop_reason[i] = None if self.prompt_only else comp.stop_reason
         new = None
-        if self.logprobs is not None and comp.delta_logprobs:
-            new = self.logprobs[i].add(comp.delta_token_ids, comp.delta_logprobs)
-        return i, comp.delta_text, comp.delta_token_ids, self.finish[i], new
+        if self.logprobs is not None and lps:
+            new = self.logprobs[i].add(entries_ids, lps)
+        return i, text, ids, self.finish[i], new
 
     def format_logprobs(self, i: int, entries: list) -> dict:
         """`entries` of choice i in this API's shape (completions: text offsets continue from the last call)."""
@@ -67,6 +93,11 @@ class Choices:
     def whole_logprobs(self, i: int) -> dict | None:
         """Choice i's logprobs over all its tokens (non-streaming bodies), or None when not asked."""
         return None if self.logprobs is None else self.format_logprobs(i, self.logprobs[i].entries)
+
+    def prompt_field(self, i: int) -> list | None:
+        """vLLM's prompt_logprobs of choice i's prompt (None when its output had none)."""
+        got = self.prompt[i]
+        return None if got is None else prompt_logprobs_field(self.tokenizer, *got, self.shown_prompt)
 
     def usage(self) -> dict[str, int]:
         completion = sum(self.num_tokens)
@@ -84,18 +115,25 @@ class Choices:
 
 
 def completion_body(c: Choices) -> dict:
-    if c.kind == "chat.completion":
+    chat = c.kind == "chat.completion"
+    if chat:
         choices: list[dict] = [{"index": i, "message": {"role": "assistant", "content": t},
                                 "logprobs": c.whole_logprobs(i), "finish_reason": f, "stop_reason": c.stop_reason[i]}
                                for i, (t, f) in enumerate(zip(c.text, c.finish, strict=True))]
     else:
         choices = [{"index": i, "text": t, "logprobs": c.whole_logprobs(i), "finish_reason": f,
                     "stop_reason": c.stop_reason[i]} for i, (t, f) in enumerate(zip(c.text, c.finish, strict=True))]
+        if c.shown_prompt is not None:  # per choice, as vLLM's completions (each choice has its prompt)
+            for i, choice in enumerate(choices):
+                choice["prompt_logprobs"] = c.prompt_field(i)
     if c.return_token_ids:
         for choice, ids in zip(choices, c.token_ids, strict=True):
             choice["token_ids"] = ids
-    return {"id": c.id, "object": c.kind, "created": c.created, "model": c.model, "choices": choices,
+    body = {"id": c.id, "object": c.kind, "created": c.created, "model": c.model, "choices": choices,
             "usage": c.usage()}
+    if chat and c.shown_prompt is not None:  # vLLM's chat response has one, beside the choices
+        body["prompt_logprobs"] = c.prompt_field(0)
+    return body
 
 
 async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> AsyncIterator[str]:

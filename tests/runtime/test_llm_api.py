@@ -331,6 +331,6 @@ def test_bad_new_parameters_of_a_batch_are_named_and_nothing_is_queued(llm):
         llm.generate(["a", "b"], SamplingParams(n=2, logit_bias={100000: 1.0}))
     with pytest.raises(RequestError, match="presence_penalty = 3"):
         llm.generate("a", {"presence_penalty": 3})
-    with pytest.raises(RequestError, match="prompt_logprobs = 2 is not supported"):
-        llm.generate("a", {"prompt_logprobs": 2})
+    with pytest.raises(RequestError, match="prompt_logprobs = 21 is out of range; allowed: None"):
+        llm.generate("a", {"prompt_logprobs": 21})
     assert not llm.engine.has_unfinished() and not llm._queues

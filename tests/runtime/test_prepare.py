@@ -40,8 +40,9 @@ def checked_engine(pad: bool, **kw) -> tuple[Engine, list[int]]:
     e = Engine(FakeStepModel(V), None, fake_config(64), block_size=4, pad_decode_batches=pad, **kw)
     runner, real, seen = e.runner, e.runner.prepare, []
 
-    def prepare(sched, tokens=None):
+    def prepare(sched, tokens=None, prompt=None):
         assert tokens is None  # no async scheduling here: every token is on the host (test_engine_async has it)
+        assert prompt is None  # no prompt_logprobs here (tests/runtime/test_prompt_logprobs.py has them)
         want, want_pad = legacy_prepare(runner, sched)
         batch, padded = real(sched)
         assert padded == want_pad

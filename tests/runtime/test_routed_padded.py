@@ -55,9 +55,9 @@ class WriteWatch:
         self.padding_routed = [0] * runner.num_routed  # steps in which a padding row was routed, per routed layer
         prepare = runner.prepare
 
-        def spy(sched, tokens=None):
+        def spy(sched, tokens=None, prompt=None):
             self.real = len(sched.seqs)
-            return prepare(sched, tokens)
+            return prepare(sched, tokens, prompt)
 
         runner.prepare = spy
         runner.model = self

@@ -140,6 +140,10 @@ def test_a_large_logit_bias_forces_a_token_in_greedy_and_sampled_draws():
         ("logit_bias", [(3, 1.0)], "a dict"),
         ("n", 0, "n >= 1"),
         ("n", 2.0, "an integer"),
+        ("prompt_logprobs", -1, "an integer 0 .. 20"),
+        ("prompt_logprobs", 21, "an integer 0 .. 20"),
+        ("prompt_logprobs", 2.0, "an integer or None"),
+        ("prompt_logprobs", True, "an integer or None"),
     ],
 )
 def test_new_fields_are_validated_naming_the_parameter_and_range(field, value, allowed):
@@ -148,13 +152,11 @@ def test_new_fields_are_validated_naming_the_parameter_and_range(field, value, a
     assert f"{field} = {value!r}" in str(err.value) and allowed in str(err.value) and err.value.param == field
 
 
-def test_min_tokens_over_max_tokens_and_prompt_logprobs_are_refused_by_name():
+def test_min_tokens_over_max_tokens_is_refused_by_name():
     with pytest.raises(RequestError, match=r"min_tokens = 9 is more than max_tokens = 4") as err:
         SamplingParams(min_tokens=9, max_tokens=4).validate()
     assert err.value.param == "min_tokens"
     SamplingParams(min_tokens=4, max_tokens=4).validate()
-    with pytest.raises(RequestError, match="prompt_logprobs = 1 is not supported.*last position"):
-        SamplingParams(prompt_logprobs=1).validate()
 
 
 def test_coerce_takes_the_new_fields_and_numpy_scalars_become_python_values():

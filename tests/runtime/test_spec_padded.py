@@ -73,9 +73,9 @@ class Watch:
         self.static_runs = 0
         prepare = runner.prepare
 
-        def spy(sched, tokens=None):
+        def spy(sched, tokens=None, prompt=None):
             self.sched = sched
-            batch, self.padded = prepare(sched, tokens)
+            batch, self.padded = prepare(sched, tokens, prompt)
             return batch, self.padded
 
         runner.prepare = spy

@@ -65,6 +65,8 @@ def generate(
     Stops early (finish_reason "stop") on a token in params.stop_token_ids, or in eos_token_ids unless
     params.ignore_eos. With params.seed set the result is reproducible. Penalties, logit_bias and min_tokens apply
     as in the engine (sampler.apply_penalties); stop strings are the engine's alone (this path has no text).
+    Tokens only: logprobs and prompt_logprobs are not computed here (the engine's are checked against
+    transformers' log_softmax in tests/runtime).
     """
     _check_request(prompt_ids, params, context, vocab_size(gm))
     max_tokens = context - len(prompt_ids) if params.max_tokens is None else params.max_tokens

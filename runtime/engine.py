@@ -162,6 +162,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
         graphs = step_model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        if graphs and step_model.device.type != "cuda":  # asked for, not silently dropped
+            log.warning("use_cuda_graphs=True has no effect on a %s model (CUDA graphs need CUDA); decoding eagerly",
+                        step_model.device.type)
         spec_batch = DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None else speculation_max_batch
         # Verification batches get graphs (or padding) up to the batch where speculation turns itself off.
         self.runner = ModelRunner(step_model, self.block_manager, max_num_seqs=max_num_seqs,

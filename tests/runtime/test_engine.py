@@ -205,3 +205,14 @@ def test_logprobs_for_one_request_leave_its_batch_mate_unchanged(tiny, monkeypat
     for tok, lp in zip(b.token_ids, b.logprobs, strict=True):
         assert len(lp) == 3 and next(iter(lp)) == tok  # greedy: the sampled token ranks first
         assert lp[tok] == max(lp.values()) <= 0 and list(lp.values()) == sorted(lp.values(), reverse=True)
+
+
+def test_cuda_graphs_asked_for_on_cpu_are_named_not_silently_dropped(tiny, caplog):
+    m, _, step = tiny
+    with caplog.at_level("WARNING", logger="kiln"):
+        Engine(step, m.tokenizer, m.model, max_num_seqs=2, use_cuda_graphs=True)
+    assert "use_cuda_graphs=True has no effect on a cpu model (CUDA graphs need CUDA)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kiln"):
+        Engine(step, m.tokenizer, m.model, max_num_seqs=2)  # the default picks eager decoding there, quietly
+    assert "use_cuda_graphs" not in caplog.text

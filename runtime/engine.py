@@ -44,6 +44,7 @@ from kiln.errors import KilnError, RequestError
 from kiln.runtime.async_steps import AsyncSteps, InFlight
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.engine_args import check_engine_args
 from kiln.runtime.engine_stats import EngineStats, SpecCounters, collect_stats, kv_waste
 from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
 from kiln.runtime.model_runner import ModelRunner
@@ -57,28 +58,11 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
 from kiln.runtime.spec_step import SpecStep
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, Draft, ModelDrafter, NgramDrafter, SpecRow
-from kiln.step import KV_BLOCK_MAX, ModelLimits, StepModel, TokenizerLike, num_routed_layers
+from kiln.step import ModelLimits, StepModel, TokenizerLike
 
 __all__ = ["Engine", "EngineStats"]
 
 log = logging.getLogger("kiln.runtime")
-
-
-def _check_count(name: str, value: object, optional: bool) -> None:
-    """KilnError unless value is an integer >= 1 (or None when optional)."""
-    if value is None and optional:
-        return
-    allowed = "an integer >= 1" + (" (or unset)" if optional else "")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise KilnError(f"{name} = {value!r} must be an integer, not {type(value).__name__}; allowed: {allowed}")
-    if value < 1:
-        raise KilnError(f"{name} = {value!r} is out of range; allowed: {allowed}")
-
-
-def _check_flags(**flags: object) -> None:
-    for name, value in flags.items():
-        if value is not None and not isinstance(value, bool):
-            raise KilnError(f"{name} = {value!r} must be True, False or None, not {type(value).__name__}")
 
 
 class Engine:
@@ -112,19 +96,14 @@ class Engine:
         only delay the outputs). async_scheduling: schedule and launch the next decode step before this one's
         sampled ids reach the host (see step(); implies overlap_outputs; None: on for a CUDA model with
         overlap_outputs on and no drafter, which it is not built for)."""
-        for name, value, optional in (("max_num_seqs", max_num_seqs, False),
-                                      ("max_num_batched_tokens", max_num_batched_tokens, False),
-                                      ("num_blocks", num_blocks, True), ("block_size", block_size, True),
-                                      ("max_model_len", max_model_len, True)):
-            _check_count(name, value, optional)
-        if max_model_len is not None and max_model_len > cfg.context:
-            raise KilnError(f"max_model_len = {max_model_len} is longer than the model's context of {cfg.context} "
-                            f"tokens (its positions end there); allowed: 1 .. {cfg.context}, or unset")
-        _check_flags(enable_prefix_caching=enable_prefix_caching, use_cuda_graphs=use_cuda_graphs,
-                     overlap_outputs=overlap_outputs, async_scheduling=async_scheduling)
-        if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
-            raise KilnError(f"gpu_memory_utilization = {gpu_memory_utilization!r} must be a number in (0, 1], not "
-                            f"{type(gpu_memory_utilization).__name__}")
+        block_size = check_engine_args(step_model, cfg, drafter, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
+                                       block_size=block_size, max_model_len=max_model_len,
+                                       gpu_memory_utilization=gpu_memory_utilization,
+                                       speculation_max_batch=speculation_max_batch,
+                                       flags=dict(enable_prefix_caching=enable_prefix_caching,
+                                                  use_cuda_graphs=use_cuda_graphs, overlap_outputs=overlap_outputs,
+                                                  async_scheduling=async_scheduling))
         self.model = step_model
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -133,24 +112,7 @@ class Engine:
         # An eos id past the model's vocabulary can never be sampled; kept, min_tokens' mask would index past the
         # logits (a device-side assert on CUDA).
         self.eos_token_ids = tuple(t for t in getattr(tokenizer, "eos_token_ids", ()) or () if t < step_model.vocab)
-        if block_size is None:  # the compile config's kv_cache = paged(block = ...), carried by the step model
-            block_size = getattr(step_model, "block_size", 16)
-        if not (1 <= block_size <= KV_BLOCK_MAX and block_size & (block_size - 1) == 0):
-            raise KilnError(f"block_size = {block_size}: a KV cache block must hold a power of two from 1 to "
-                            f"{KV_BLOCK_MAX} tokens (the attention kernels' key tiles cover whole blocks); "
-                            "use block_size 16 (--block-size 16)")
         self.verify = getattr(step_model, "verify", None) if drafter is not None else None
-        if drafter is not None and self.verify is None:
-            raise KilnError("speculative decoding needs a verifier, but this step model has no `verify`; compile it "
-                            "with speculation (compile key `speculation`, or --speculation / LLM(speculation=...))")
-        if speculation_max_batch is not None and not (isinstance(speculation_max_batch, int)
-                                                      and speculation_max_batch >= 0):
-            raise KilnError(f"speculation_max_batch = {speculation_max_batch!r} is out of range; allowed: an "
-                            "integer >= 0 (0 turns speculation off) or None for the measured default")
-        if num_routed_layers(step_model) and drafter is not None:
-            raise KilnError("speculative decoding is not built for Mixture-of-Depths models (its rejected drafts would "
-                            "have to be taken back out of every routed layer's cache); serve this model with "
-                            "speculation off (--speculation off, LLM(speculation='off'))")
         extra = drafter.kv_bytes_per_block(block_size) if drafter is not None else 0
         extra += routed_bytes_per_block(step_model, block_size)
         n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,

@@ -161,9 +161,10 @@ class StepModel(Protocol):
     # `routed_capacity` (the share of tokens a routed layer is expected to keep, for sizing its pool).
 
     def __call__(self, batch: StepBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Logits [R, vocab] in fp32 for batch.sample_indices; writes the new tokens' K/V into kv_cache. A routed
-        model returns (logits, routed int32 [num_routed_layers, N]): 1 where a routed layer routed that row of the
-        flat batch (and so wrote its K/V into that layer's own cache)."""
+        """Logits [R, vocab] for batch.sample_indices, in the model's dtype or fp32 (the runner takes the rows it
+        samples to fp32); writes the new tokens' K/V into kv_cache. A routed model returns (logits, routed int32
+        [num_routed_layers, N]): 1 where a routed layer routed that row of the flat batch (and so wrote its K/V into
+        that layer's own cache)."""
         ...
 
 

@@ -9,10 +9,11 @@ Emits:
 - every attention node becomes kiln::paged_attention (kiln.ir.ops_paged) with its cache layer index, which is
   the attention node's ordinal in graph order (one per layer for the usual layer body); windows stay
   per node, so sliding-window layers attend only within their window;
-- aten.index_select(·, 1, sample_indices) so the lm_head runs only on the sampled rows: it gathers the
-  final norm's input, or both inputs of the residual add that feeds only that norm (so norm_fusion can still
-  fuse the gathered add and norm), or else the lm_head's input (a kiln::linear, or linear_w8 / linear_w4 when
-  the quantize pass took the lm_head). The output is logits [1, R, vocab].
+- aten.index_select(·, 1, sample_indices) so the lm_head runs only on the rows sample_indices names (the sampled
+  ones, and those scoring prompt tokens for prompt_logprobs): it gathers the final norm's input, or both inputs of
+  the residual add that feeds only that norm (so norm_fusion can still fuse the gathered add and norm), or else the
+  lm_head's input (a kiln::linear, or linear_w8 / linear_w4 when the quantize pass took the lm_head). The output is
+  logits [1, R, vocab].
 With an int8 cache (make_pass("int8"); compile_step binds the spec's `kv_cache = paged(dtype = int8)`) the
 kv_cache input is int8 and a kv_scales input [layers, 2, num_blocks, block_size, kv_heads] fp32 follows it;
 every paged_attention node takes it as its kv_scales argument.

@@ -131,10 +131,11 @@ def take_prompt(output: OutputMaker, prompt: PromptRows, launched: LaunchedPromp
         if not all(ok[i] for i in rows):
             made.append(output.fail(req, c.seq.start, NONFINITE_LOGITS))
             continue
-        assert len(req.prompt_logprobs) == c.first + 1, f"{req.request_id}: prompt position {c.first} scored twice"
+        assert req.num_prompt_scored == c.first + 1, f"{req.request_id}: prompt position {c.first} scored twice"
         want = req.params.prompt_logprobs
         for i in rows:
             d = {int(ids[i * k + t]): vals[i * k + t] for t in range(min(want, k))}
             d.setdefault(prompt.targets[i], own[i])  # the prompt token is always present
             req.prompt_logprobs.append(d)
             req.prompt_token_ranks.append(int(ranks[i]))
+        req.num_prompt_scored += len(rows)

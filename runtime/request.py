@@ -92,6 +92,9 @@ class Request:
     _lp_count: int = 0  # output tokens summed into _lp_sum (cumulative_logprob)
     _lp_sum: float = 0.0
     _sent_prompt: bool = False  # an output carried prompt_logprobs (a delta output carries them once, as vLLM's)
+    # Prompt positions scored (the first has nothing before it), counted apart from prompt_logprobs, a list that
+    # outputs share with callers: one who edits it cannot make a position be scored again.
+    num_prompt_scored: int = 1
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
@@ -126,8 +129,9 @@ class Request:
     def unscored_from(self) -> int | None:
         """With prompt_logprobs: the first position whose logits (which score the prompt token after it) are still to
         be computed; None when there is none (not asked, or every prompt position scored)."""
-        lps = self.prompt_logprobs
-        return None if lps is None or len(lps) >= len(self.prompt_token_ids) else len(lps) - 1
+        if self.prompt_logprobs is None or self.num_prompt_scored >= len(self.prompt_token_ids):
+            return None
+        return self.num_prompt_scored - 1
 
     def prefix_cache_tokens(self) -> list[int]:
         """The tokens a prefix-cache match may cover: all of them, but while prompt positions are still to be scored,

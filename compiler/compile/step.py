@@ -131,8 +131,8 @@ class CompiledStep:
 
     def __call__(self, batch: StepBatch, kv_cache: KVCache | torch.Tensor
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """fp32 logits [R, vocab] for batch.sample_indices; writes the batch's K/V into kv_cache (a KVCache, or
-        the bare data tensor of a cache in the model's dtype). A routed model returns (logits, routed int32
+        """Logits [R, vocab] in the model's dtype for batch.sample_indices; writes the batch's K/V into kv_cache (a
+        KVCache, or the bare data tensor of a cache in the model's dtype). A routed model returns (logits, routed int32
         [num_routed_layers, N]: 1 where a routed layer routed the flat batch's row) and needs batch.routed_lens /
         routed_block_tables and kv_cache.routed."""
         cache = kv_cache if isinstance(kv_cache, KVCache) else KVCache(kv_cache)
@@ -143,10 +143,12 @@ class CompiledStep:
         inputs = batch.graph_inputs(cache)
         with torch.no_grad():
             out = self.gm(**inputs)
+        # In the model's dtype: the runner takes the sampled rows to fp32; prompt-scoring rows (prompt_logprobs)
+        # go to fp32 a block at a time, so a long prompt's [tokens, vocab] logits never exist in fp32 whole.
         if not self.num_routed_layers:
-            return out.reshape(-1, self.vocab).float()
+            return out.reshape(-1, self.vocab)
         logits, *routed = out
-        return logits.reshape(-1, self.vocab).float(), torch.stack(routed)
+        return logits.reshape(-1, self.vocab), torch.stack(routed)
 
 
 def _pin_paged_tile(gm: fx.GraphModule, tile: dict) -> None:

@@ -147,6 +147,28 @@ def test_preemption_neither_duplicates_nor_loses_entries(caching):
         assert sum(o.metrics.num_cached_tokens for o in outs) > 0
 
 
+def test_a_caller_editing_the_shared_list_cannot_reopen_scoring():
+    """Outputs share the request's prompt_logprobs list (no copy per step): a caller who drops its leading None
+    mid-run must not make a recompute after preemption score the prompt again."""
+    p = prompts(6, 1, 20, 20)[0]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    eng = engine()
+    rid = eng.add_request(prompt_token_ids=p, params=sp)
+    first = None
+    while first is None:
+        first = next((o for o in eng.step() if o.request_id == rid), None)
+    first.prompt_logprobs.pop(0)  # the caller's own edit of what it was handed
+    req = eng.requests[rid]
+    eng.scheduler.preempt(req)  # recomputed from scratch: nothing may be scored again
+    scored = []
+    real = prompt_module.prompt_rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("kiln.runtime.engine.prompt_rows", lambda seqs: (scored.append(r := real(seqs)), r)[1])
+        while eng.has_unfinished():
+            eng.step()
+    assert req.num_prompt_scored == len(p) and scored and all(r is None for r in scored)
+
+
 def test_async_scheduling_takes_prompt_rows_in_with_their_step():
     """With async scheduling a step scoring prompts is never left in flight and no prompt to score is admitted ahead
     of one (neither first in the queue nor behind another), yet it is admitted as soon as without async scheduling,

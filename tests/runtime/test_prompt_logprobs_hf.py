@@ -84,7 +84,9 @@ def test_prompt_logprobs_equal_transformers_in_one_chunk_or_many(hf):
                 assert list(a) == list(b) and all(abs(a[t] - b[t]) < 1e-5 for t in a)
 
 
-def test_a_prefix_cache_hit_gives_the_same_prompt_logprobs(hf):
+def test_a_cached_prefix_is_scored_again_and_gives_the_same_prompt_logprobs(hf):
+    """A request still scoring its prompt takes no prefix-cache hit over unscored positions (so no cached
+    token at all here), gives the values of a cold run, and the same prefix still hits for a plain request."""
     model, llm = hf
     shared = prompts(batch=1, length=20, seed=5)[0].tolist()
     a, b = shared + [40, 41, 42], shared + [50, 51]
@@ -116,7 +118,8 @@ def test_preemption_keeps_every_prompt_position_once(hf):
 @pytest.mark.parametrize("spec", ["tiny-llama-mod", "tiny-mistral-mod"])
 def test_routed_model_prompt_logprobs_equal_its_uncached_graph(spec):
     """Routed layers cache only their routed tokens; the prompt positions' logits still equal the Level-1 graph's
-    (whose routing is recomputed from scratch), in chunks of 5 and with a prefix-cache hit."""
+    (whose routing is recomputed from scratch), in chunks of 5, the second request after the first (whose shared
+    prefix it may not take from the cache while scoring it)."""
     m = load_model(spec, device="cpu", seed=0)
     ref_gm = copy.deepcopy(m.gm)  # compile_step rewrites its graph in place
     step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=False)
@@ -130,3 +133,18 @@ def test_routed_model_prompt_logprobs_equal_its_uncached_graph(spec):
     for out, p in zip(outs, ps, strict=True):
         check(forward_logits(ref_gm, torch.tensor([p]))[0].log_softmax(-1), p, out.prompt_logprobs,
               out.prompt_token_ranks)
+
+
+def test_a_16bit_model_keeps_the_prompt_rows_logits_in_its_dtype(monkeypatch):
+    """The step model returns the rows in the model's dtype (bf16 here): only the sampled rows and one block of
+    prompt rows at a time are taken to fp32, so a long prompt's [tokens, vocab] logits never exist in fp32 whole."""
+    import kiln.runtime.engine as engine_mod
+
+    m = load_model("tiny-llama", device="cpu", seed=0, dtype="bf16")
+    step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=False)
+    seen = []
+    launch = engine_mod.launch_prompt
+    monkeypatch.setattr(engine_mod, "launch_prompt", lambda rows: (seen.append(rows.logits.dtype), launch(rows))[1])
+    eng = Engine(step, m.tokenizer, m.model, max_num_seqs=2)
+    out = run(eng, [(list(range(3, 40)), SamplingParams(max_tokens=2, prompt_logprobs=1, temperature=0))])[0]
+    assert seen == [torch.bfloat16] and len(out.prompt_logprobs) == 37

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import logging
 import socket
 
 from kiln.cli.common import (
@@ -17,7 +18,10 @@ from kiln.cli.common import (
     serving_engine,
     step_model,
 )
-from kiln.errors import KilnError
+from kiln.errors import KilnError, UsageError
+
+log = logging.getLogger("kiln.cli")
+DRAIN_S = 30.0  # --timeout-graceful-shutdown's default
 
 
 def _is_loopback(host: str) -> bool:
@@ -30,15 +34,20 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
     from kiln.chat_template import chat_template_of
     from kiln.server import ServerConfig, build_app
+    from kiln.server.drain import DrainingServer
 
     if not 0 <= args.port <= 65535:
         raise KilnError(f"--port {args.port}: give a TCP port from 0 to 65535")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise UsageError(f"--max-prompt-tokens {args.max_prompt_tokens}: give a number of tokens >= 1, or omit it "
+                         "(prompts up to --max-model-len)")
+    if not args.timeout_graceful_shutdown >= 0:  # NaN included
+        raise UsageError(f"--timeout-graceful-shutdown {args.timeout_graceful_shutdown:g}: give seconds >= 0 (0: "
+                         "abort the requests in flight at once)")
     if not _is_loopback(args.host) and not args.api_key:
         say(f"warning: serving on {args.host} (reachable from other machines) without --api-key")
     sock = _bind(args.host, args.port)  # before the model loads: a port in use fails in a second, not a minute
@@ -46,6 +55,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    quantize=args.quantize, routers=args.routers)
     engine = serving_engine(args, m, step_model(args, m), max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens > engine.max_model_len:
+        # Not an error (one flag set for several models), but it does nothing: prompts are cut off by the length.
+        log.warning("--max-prompt-tokens %d is over the max model length of %d (--max-model-len, default the model's "
+                    "context), which limits prompts already: the flag has no effect; give a value below %d or drop "
+                    "it", args.max_prompt_tokens, engine.max_model_len, engine.max_model_len)
     name = args.served_model_name or m.model.name
     cfg = ServerConfig(model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                        max_prompt_tokens=args.max_prompt_tokens, max_waiting=args.max_waiting,
@@ -53,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, cfg)
     say(f"serving {name} on http://{args.host}:{sock.getsockname()[1]}/v1 ({m.device}, "
         f"{engine.block_manager.num_usable_blocks} KV blocks, chat template: {cfg.chat_template.origin})")
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+    server = DrainingServer(app, args.timeout_graceful_shutdown, log_level=args.log_level)
     try:
         server.run(sockets=[sock])
     finally:
@@ -147,6 +161,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
     routers_flag(s)
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--timeout-graceful-shutdown", type=float, default=DRAIN_S, metavar="SECONDS",
+                   help="after SIGTERM or Ctrl-C, how long requests in flight may still run before they are aborted "
+                   "(a 503 or an error event each, their KV freed) and the server exits; 0 aborts them at once, as "
+                   "vLLM's --shutdown-timeout does by default; a second Ctrl-C aborts them at once too (default "
+                   f"{DRAIN_S:g}; under Kubernetes keep it below terminationGracePeriodSeconds)")
     engine_flags(s)
     s.set_defaults(func=cmd_serve)
 

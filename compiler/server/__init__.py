@@ -4,8 +4,9 @@
     app = build_app(llm_engine, ServerConfig(model_name="tiny-llama"))   # an ASGI app for uvicorn
 
 Modules: protocol (request / response models, the error shape), engine_loop (the thread that drives
-Engine.step and routes outputs to per-request asyncio queues), chat (chat templates), metrics (Prometheus),
-app (the FastAPI routes and limits).
+Engine.step and routes outputs to per-request asyncio queues), body (reading and checking a request body),
+middleware (API key, JSON 500s), metrics (Prometheus), streaming (responses and SSE), app (the FastAPI routes and
+limits), drain (uvicorn's server with a bounded shutdown drain), background (serve_in_thread).
 """
 
 from kiln.server.app import ServerConfig, build_app

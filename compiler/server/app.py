@@ -1,15 +1,14 @@
 """The FastAPI app: OpenAI routes over one EngineLoop, with auth, limits and OpenAI-shaped errors.
 
-Bodies are read and parsed here (not by FastAPI) so that an oversized body, bad JSON and wrong types all
-come back as {"error": {...}} naming the limit or the field, with the same status codes OpenAI uses.
+Bodies are read by kiln.server.body (limits, JSON, Unicode, pydantic's errors as 400s); kiln.server.middleware holds
+the API key check and the JSON 500 for anything unexpected. A request's model is checked first, as vLLM does, and
+all its engine requests (prompts x n) are added to the engine in one go.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -19,15 +18,15 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kiln.chat_template import ChatTemplate, ChatTemplateError, chat_template_of
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
+from kiln.server.body import read_json, validation_error
 from kiln.server.engine_loop import EngineLoop
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
-from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from kiln.server.middleware import BearerAuth, CatchAll
+from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, request_error
 from kiln.server.streaming import Choices, completion_body, sse_stream
 
 log = logging.getLogger("kiln.server")
@@ -57,7 +56,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         try:
             yield
         finally:
-            loop.stop()
+            await asyncio.to_thread(loop.stop)  # waits for the step in flight: off the event loop
 
     app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop, app.state.metrics = loop, metrics
@@ -72,9 +71,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(err.body(), status_code=err.status)
 
     @app.exception_handler(404)
-    async def _not_found(request: Request, e) -> JSONResponse:
+    async def _not_found(request: Request, e) -> JSONResponse:  # OpenAI's type for an unknown URL too
         return JSONResponse(error_body(f"no route {request.method} {request.url.path}; the API is under /v1",
-                                       "not_found_error"), status_code=404)
+                                       "invalid_request_error"), status_code=404)
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, e) -> JSONResponse:
@@ -82,7 +81,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                        "invalid_request_error"), status_code=405)
 
     if config.api_key:
-        app.add_middleware(_BearerAuth, api_key=config.api_key)
+        app.add_middleware(BearerAuth, api_key=config.api_key)
+    app.add_middleware(CatchAll)  # added last: the outermost, so it covers BearerAuth too
 
     @app.get("/health")
     async def health() -> Response:
@@ -101,16 +101,20 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {config.model_name!r} "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        if model_id != config.model_name:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {config.model_name!r}",
-                           param="model", code="model_not_found")
+        check_model(model_id)
         return card
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = CompletionRequest.model_validate(await _json(request, config.max_body_bytes))
+        req = CompletionRequest.model_validate(await read_json(request, config.max_body_bytes))
+        check_model(req.model)  # first, as vLLM: a wrong model is the error, not what its prompt would be
         req.check()
         given = req.prompts()
         # Off the event loop: a long prompt's tokenization would stall every stream being served.
@@ -123,7 +127,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate(await _json(request, config.max_body_bytes))
+        req = ChatCompletionRequest.model_validate(await read_json(request, config.max_body_bytes))
+        check_model(req.model)
         req.check()
         msgs = [m.template_message() for m in req.messages]
         try:
@@ -137,9 +142,6 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None,
                         echo: list[str] | None = None):
-        if req.model is not None and req.model != config.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {config.model_name!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found")
         if not loop.alive:
             raise APIError(503, "the engine loop has stopped (see the server log); restart `kiln serve`",
                            code="engine_stopped")
@@ -155,13 +157,18 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                code="context_length_exceeded")
             if req.max_tokens == 0:  # completions' echo of the prompt alone: one token sampled, not shown (as vLLM)
                 max_tokens = 1
+                if room < 1:  # the engine would blame a max_tokens of 1 the client never sent
+                    raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, and "
+                                   f"your prompt has {len(ids)}: echo with max_tokens 0 still computes one token "
+                                   "after the prompt, so the prompt must leave room for it; shorten the prompt by "
+                                   "one token", param="prompt", code="context_length_exceeded")
             else:
                 max_tokens = req.max_tokens or (default_max if default_max is not None else room)
             _check_min_tokens(req, 0 if req.max_tokens == 0 else max_tokens, chat)
             try:
                 choices = req.sampling_params(max_tokens).choices()  # validated; n > 1: the seed rule is there
             except RequestError as e:
-                raise APIError(400, str(e), param=_chat_param(e.param, req) if chat else e.param, code=e.code) from None
+                raise request_error(e, _chat_param(e.param, req) if chat else None) from None
             for i, params in enumerate(choices):
                 jobs.append((f"{base}-{p * req.n + i}", ids, params))
         if len(jobs) > config.max_waiting:
@@ -174,14 +181,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                            code="queue_full", headers={"Retry-After": "1"})
         sink: asyncio.Queue = asyncio.Queue()
         rids = [j[0] for j in jobs]
-        added: list[str] = []
         try:
-            for rid, ids, params in jobs:
-                await loop.add(rid, ids, params, sink)
-                added.append(rid)
-        except RequestError as e:
-            loop.abort(added)
-            raise APIError(400, str(e), param=_chat_param(e.param, req) if chat else e.param, code=e.code) from None
+            await loop.add(jobs, sink)  # all at once: every choice starts in the same engine step
+        except RequestError as e:  # none of them was added
+            raise request_error(e, _chat_param(e.param, req) if chat else None) from None
         except BaseException:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
@@ -256,26 +259,6 @@ async def _watch_disconnect(request: Request, sink: asyncio.Queue) -> None:
     sink.put_nowait(_GONE)
 
 
-class _BearerAuth:
-    """`--api-key`: /v1 routes need 'Authorization: Bearer KEY'. A plain ASGI middleware, not @app.middleware:
-    Starlette's BaseHTTPMiddleware wraps `receive`, and the handlers behind it never see a client disconnect."""
-
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.key = app, api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            # RFC 9110: the scheme name is case-insensitive ("bearer" is as good as "Bearer")
-            scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-                response = JSONResponse(error_body("invalid or missing API key; send the header 'Authorization: "
-                                                   "Bearer <key>' with the key the server was started with",
-                                                   "authentication_error", code="invalid_api_key"), status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 class _AbortingStream(StreamingResponse):
     """A streaming response that aborts its requests however it ends (done, client gone, cancelled)."""
 
@@ -288,24 +271,6 @@ class _AbortingStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-
-
-async def _json(request: Request, limit: int) -> object:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise APIError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
-                       code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)",
-                           code="request_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object",
-                       code="invalid_json") from None
 
 
 def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str:
@@ -336,20 +301,3 @@ def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "p
                        f"--max-prompt-tokens); shorten {'the messages' if param == 'messages' else 'it'}",
                        param=param, code="context_length_exceeded")
     return ids
-
-
-_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def validation_error(e: ValidationError) -> APIError:
-    """Pydantic's first error as a 400 naming the field (dotted path) and what was wrong."""
-    err = e.errors()[0]
-    # Drop the union members pydantic puts in the path ("prompt.str", "prompt.list[int]"): name the field.
-    field = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in _TYPE_NAMES or "[" in str(p)))
-    field = field or "body"
-    if err["type"] == "extra_forbidden":
-        return APIError(400, f"unknown field {field!r}; remove it (see the OpenAI API reference for the fields)",
-                        param=field, code="unknown_field")
-    return APIError(400, f"field {field!r}: {err['msg']} (got {err.get('input')!r})"[:500], param=field,
-                    code="invalid_type" if "type" in err["type"] else "invalid_value")
-

@@ -12,20 +12,20 @@ from contextlib import contextmanager
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine
 from kiln.server.app import ServerConfig, build_app
+from kiln.server.drain import DrainingServer
 
 
 @contextmanager
 def serve_in_thread(engine: Engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 0,
-                    timeout_s: float = 60.0) -> Iterator[str]:
+                    timeout_s: float = 60.0, drain_s: float | None = None) -> Iterator[str]:
     """Serve `engine` on host:port (0: a free port, bound here so no other process can take it first);
-    yields the base URL (http://host:port) and shuts the server down on exit."""
-    import uvicorn
-
+    yields the base URL (http://host:port) and shuts the server down on exit, draining the requests in flight
+    for at most drain_s seconds (None: until they finish), as `kiln serve --timeout-graceful-shutdown`."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     app = build_app(engine, config)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = DrainingServer(app, drain_s, log_level="warning", lifespan="on")
     errors: list[BaseException] = []
 
     def run() -> None:

@@ -2,14 +2,17 @@
 
 The Engine is not thread-safe, so only this thread touches it: the event loop posts adds and aborts to a
 command queue, which the thread applies between steps (an abort therefore frees its KV blocks before the next
-step). Each step's outputs are handed to the event loop in one call_soon_threadsafe, then routed by request
-id. After every batch of commands and every step the thread publishes a stats snapshot, which admission
-control and /metrics read without touching the engine.
+step). One add carries all the engine requests of an HTTP request (prompts x n), so they start in the same step.
+Each step's outputs are handed to the event loop in one call_soon_threadsafe, then routed by request id. At start
+and after every batch of commands and every step the thread publishes a stats snapshot, which admission control
+and /metrics read without touching the engine. abort_all (the shutdown drain's deadline) ends every request in
+flight with an error; when the thread stops, it aborts whatever is left, so no request keeps its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -24,13 +27,14 @@ from kiln.runtime.engine import Engine, EngineStats
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.server.metrics import ServerMetrics
+from kiln.server.protocol import APIError
+
+Job = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params): one engine request
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    jobs: list[Job]
     future: asyncio.Future
     sink: asyncio.Queue
 
@@ -38,6 +42,11 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _AbortAll:
+    error: Exception
 
 
 class EngineFailure(KilnError):
@@ -59,20 +68,23 @@ class EngineLoop:
         # two always agree: a request is counted either as applied (in the stats) or as pending, never both.
         self._published: tuple[EngineStats, int] = (engine.stats, 0)
         self._applied = 0  # engine-thread side
+        self._closed: APIError | None = None  # set by abort_all: later adds are refused with it
         self.num_steps = 0
 
     # ---- event-loop side ----------------------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._publish()  # the pool's size is on /metrics before the first request (the thread is not running yet)
         self._thread = threading.Thread(target=self._run, name="kiln-engine-loop", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread (it aborts the requests left) and wait up to `timeout` seconds for its step to end."""
         self._stop.set()
         self._commands.put(None)  # wake the thread
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout)
 
     @property
     def snapshot(self) -> EngineStats:
@@ -89,17 +101,26 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  sink: asyncio.Queue) -> None:
-        """Queue one request; raises the engine's RequestError (a bad prompt) once the thread has tried it."""
+    async def add(self, jobs: Sequence[Job], sink: asyncio.Queue) -> None:
+        """Queue the engine requests of one HTTP request (its prompts x n choices) as one command: the thread adds
+        them all between two steps, so every choice starts in the same step (vLLM adds all n at once too), or none
+        of them: the engine's RequestError for one (a bad prompt) withdraws the others and is raised here."""
+        if self._closed is not None:
+            raise self._closed.again()
         fut = asyncio.get_running_loop().create_future()
-        self._posted += 1
-        self._commands.put(_Add(request_id, prompt, params, fut, sink))
+        self._posted += len(jobs)
+        self._commands.put(_Add(list(jobs), fut, sink))
         await fut
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._commands.put(_Abort(rid))
+
+    def abort_all(self, error: APIError) -> None:
+        """End every request in flight with `error` (their sinks get it, their KV is freed) and refuse later adds
+        with it: the shutdown drain's deadline."""
+        self._closed = error
+        self._commands.put(_AbortAll(error))
 
     # ---- engine thread ------------------------------------------------------------------------------------
 
@@ -124,6 +145,10 @@ class EngineLoop:
             sampled = sum(1 for o in outs if o.outputs[0].delta_token_ids)  # finished ones left `running` already
             self.metrics.step(max(sampled, self.snapshot.num_running))
             self._route(outs)
+        # Stopped (the drain is over, or was cut short): nothing may keep running, nor hold KV blocks.
+        self._apply(block=False)
+        self._fail_all(APIError(503, "the server stopped before this request finished; retry it",
+                                code="server_stopped"))
 
     def _apply(self, block: bool) -> None:
         cmds = []
@@ -136,23 +161,34 @@ class EngineLoop:
         done = []
         for cmd in cmds:
             if isinstance(cmd, _Add):
-                self._applied += 1  # refused or not, it is no longer pending
-                try:
-                    self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id)
-                except Exception as e:  # a bad request is refused alone
-                    done.append((cmd.future, e))
-                    continue
-                self._sinks[cmd.request_id] = cmd.sink
-                done.append((cmd.future, None))
+                self._applied += len(cmd.jobs)  # refused or not, they are no longer pending
+                done.append((cmd.future, self._add(cmd)))
             elif isinstance(cmd, _Abort):
                 if self.engine.abort(cmd.request_id, notify=False):
                     self.metrics.aborted.inc()
                 self._sinks.pop(cmd.request_id, None)
                 self._last_token.pop(cmd.request_id, None)
+            elif isinstance(cmd, _AbortAll):
+                self._fail_all(cmd.error)
         if cmds:
             self._publish()  # before the futures resolve, so admission control sees these requests
         if done:
-            self._loop.call_soon_threadsafe(_resolve, done)
+            self._post(_resolve, done)
+
+    def _add(self, cmd: _Add) -> Exception | None:
+        """Add every job of `cmd`, or none: a bad request is refused alone, the other HTTP requests go on."""
+        added: list[str] = []
+        for rid, prompt, params in cmd.jobs:
+            try:
+                self.engine.add_request(prompt, params, rid)
+            except Exception as e:
+                for other in added:
+                    self.engine.abort(other, notify=False)
+                return e
+            added.append(rid)
+        for rid in added:
+            self._sinks[rid] = cmd.sink
+        return None
 
     def _publish(self) -> None:
         st = self.engine.stats
@@ -185,7 +221,7 @@ class EngineLoop:
                 self.metrics.finished(comp.finish_reason or "stop")
             batch.append((sink, out))
         if batch:
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._post(_deliver, batch)
 
     def _fail_all(self, err: Exception) -> None:
         batch = []
@@ -196,7 +232,12 @@ class EngineLoop:
         self._last_token.clear()
         self._publish()
         if batch:
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._post(_deliver, batch)
+
+    def _post(self, fn, items: list) -> None:
+        """Hand `items` to the event loop, unless it has closed (a forced exit): nobody is waiting any more."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, items)
 
 
 def _resolve(done: list) -> None:

@@ -28,6 +28,11 @@ class ServerMetrics:
         # The engine's stats are running totals; Prometheus counters take their increments (_advance).
         self.preemptions = Counter("kiln_num_preemptions", "Requests preempted (their KV recomputed)",
                                    labelnames=["model_name"], registry=r).labels(**label)
+        # vLLM's prefix_cache_queries / prefix_cache_hits count tokens; kiln's prefix cache counts full blocks
+        self.prefix_queries = Counter("kiln_prefix_cache_queries", "Full prompt KV blocks looked up in the prefix "
+                                      "cache", labelnames=["model_name"], registry=r).labels(**label)
+        self.prefix_hits = Counter("kiln_prefix_cache_hits", "Full prompt KV blocks found in the prefix cache "
+                                   "(reused, not computed)", labelnames=["model_name"], registry=r).labels(**label)
         self.steps = Counter("kiln_engine_steps", "Engine steps run", labelnames=["model_name"], registry=r)
         self.steps = self.steps.labels(**label)
         self.prompt = Counter("kiln_prompt_tokens", "Prompt tokens of requests that were scheduled",
@@ -61,6 +66,8 @@ class ServerMetrics:
         self.kv_used.set(st.num_blocks - st.num_free_blocks)
         self.kv_total.set(st.num_blocks)
         self._advance("preemptions", self.preemptions, st.num_preemptions)
+        self._advance("prefix_queries", self.prefix_queries, st.prefix_cache_queries)
+        self._advance("prefix_hits", self.prefix_hits, st.prefix_cache_hits)
         self._advance("spec_proposed", self.spec_proposed, st.spec_proposed)
         self._advance("spec_accepted", self.spec_accepted, st.spec_accepted)
         self.spec_mean_len.set(st.mean_accepted_length)

@@ -32,13 +32,28 @@ class APIError(KilnError):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
 
+    def again(self) -> APIError:
+        """A copy to raise: one error handed to many requests (a shutdown's) would pile up all their tracebacks."""
+        return APIError(self.status, self.message, param=self.param, type=self.type, code=self.code,
+                        headers=self.headers)
 
-_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
-          500: "internal_error", 503: "overloaded_error"}
+
+# OpenAI's types; a 404 (unknown model or route) is an invalid_request_error there too, with code model_not_found
+# for a model.
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 500: "internal_error",
+          503: "overloaded_error"}
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def request_error(e: RequestError, param: str | None = None) -> APIError:
+    """The 400 for a RequestError (the engine's and SamplingParams' checks). The one rule for its code: the error's
+    own (context_length_exceeded, ...), else invalid_value when it names a parameter, as pydantic's range checks
+    give. param: the field as this request names it (default: the error's)."""
+    param = param or e.param
+    return APIError(400, str(e), param=param, code=e.code or ("invalid_value" if param else None))
 
 
 # Strict: a JSON true is not max_tokens 1, nor "3" the number 3 (ints still pass where floats are expected).
@@ -91,7 +106,7 @@ class _Sampling(BaseModel):
         """The request's SamplingParams, n included: SamplingParams.choices() makes its n requests."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
-            raise APIError(400, "stop strings must be non-empty", param="stop")
+            raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
         return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
                               min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
                               seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
@@ -215,7 +230,7 @@ class ChatMessage(BaseModel):
         try:
             return message_text(self.content)
         except RequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise request_error(e) from None
 
 
 class ChatCompletionRequest(_Sampling):

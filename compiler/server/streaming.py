@@ -53,7 +53,10 @@ class Choices:
 
     def update(self, item: RequestOutput | Exception) -> tuple[int, str, list[int], str | None, list | None]:
         """Apply one output; (choice index, new text, new token ids, finish reason or None, the new tokens'
-        (token id, {token id: logprob}) or None when not asked). An engine failure raises."""
+        (token id, {token id: logprob}) or None when not asked). An engine failure, or an APIError the engine loop
+        delivered instead of an output, raises."""
+        if isinstance(item, APIError):  # the server's own end of the request (the shutdown drain's deadline)
+            raise item.again()
         if isinstance(item, Exception):
             raise APIError(500, str(item), code="engine_failure")
         i = self.index[item.request_id]

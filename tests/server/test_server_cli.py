@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -74,3 +75,39 @@ def test_bench_serve_without_a_server_names_the_fix():
     res = subprocess.run([sys.executable, "-m", "kiln", "bench", "serve", "--base-url",
                           f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "start one with `kiln serve SPEC`" in res.stderr
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """`kiln serve` up to the point where uvicorn would run: the DrainingServer it built, run with no server."""
+    from kiln.server.drain import DrainingServer
+
+    built: list[DrainingServer] = []
+    monkeypatch.setattr(DrainingServer, "run", lambda self, sockets=None: built.append(self))
+    return built
+
+
+def test_serve_warns_when_max_prompt_tokens_cannot_apply(served, capsys):
+    from kiln.cli import main
+
+    argv = ["serve", "tiny-llama", "--device", "cpu", "--port", "0", "--num-blocks", "40", "--max-model-len", "128"]
+    assert main([*argv, "--max-prompt-tokens", "1000"]) == 0
+    err = capsys.readouterr().err
+    assert "--max-prompt-tokens 1000 is over the max model length of 128" in err and "has no effect" in err
+    assert main([*argv, "--max-prompt-tokens", "100"]) == 0
+    assert "--max-prompt-tokens" not in capsys.readouterr().err
+    assert main([*argv, "--max-prompt-tokens", "0"]) == 2 and "give a number of tokens >= 1" in capsys.readouterr().err
+
+
+def test_serve_bounds_the_shutdown_drain(served, capsys):
+    from kiln.cli import main
+    from kiln.server.drain import ANSWER_S
+
+    argv = ["serve", "tiny-llama", "--device", "cpu", "--port", "0", "--num-blocks", "40"]
+    assert main(argv) == 0 and main([*argv, "--timeout-graceful-shutdown", "2.5"]) == 0
+    assert [s.drain_s for s in served] == [30, 2.5]
+    assert [s.config.timeout_graceful_shutdown for s in served] == [30 + ANSWER_S, 2.5 + ANSWER_S]
+    assert main([*argv, "--timeout-graceful-shutdown", "-1"]) == 2 and "give seconds >= 0" in capsys.readouterr().err
+    help_text = subprocess.run([sys.executable, "-m", "kiln", "serve", "--help"], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "COLUMNS": "1000"}).stdout  # one line per flag
+    assert "--timeout-graceful-shutdown SECONDS" in help_text and "vLLM's --shutdown-timeout" in help_text

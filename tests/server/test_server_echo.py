@@ -157,3 +157,16 @@ def test_prompt_logprobs_field_is_vllms(url, llm):
     assert all(len(e) == 1 and e[next(iter(e))]["rank"] >= 1 for e in chat["prompt_logprobs"][1:])
     assert "prompt_logprobs" not in chat["choices"][0]
     assert "prompt_logprobs" not in post(url, {**GREEDY, "prompt": "Hello", "max_tokens": 1})["choices"][0]
+
+
+def test_echo_with_max_tokens_0_of_a_prompt_that_fills_the_context_names_what_the_client_sent(url, llm):
+    """max_tokens 0 still samples one hidden token: a prompt as long as the context is refused for that, not for a
+    'max_tokens 1' the client never sent."""
+    ctx = llm.loaded.model.context
+    r = httpx.post(f"{url}/v1/completions", json={**GREEDY, "prompt": [7] * ctx, "echo": True, "max_tokens": 0},
+                   timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert "echo with max_tokens 0 still computes one token after the prompt" in err["message"]
+    assert "max_tokens 1" not in err["message"]
+    assert post(url, {**GREEDY, "prompt": [7] * (ctx - 1), "echo": True, "max_tokens": 0})["choices"][0]["text"]

@@ -147,7 +147,7 @@ def test_admission_counts_each_request_once(llm):
     async def run() -> list[int]:
         loop._loop = asyncio.get_running_loop()
         seen = [loop.num_waiting]
-        adds = [asyncio.create_task(loop.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2), asyncio.Queue()))
+        adds = [asyncio.create_task(loop.add([(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2))], asyncio.Queue()))
                 for i in range(3)]
         await asyncio.sleep(0)  # the three adds are posted
         seen.append(loop.num_waiting)

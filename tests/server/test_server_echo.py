@@ -16,25 +16,6 @@ httpx = pytest.importorskip("httpx")
 GREEDY = {"model": "tiny-llama", "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from kiln import LLM
-
-    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
-
-@pytest.fixture(scope="module")
-def url(llm):
-    """A server on an engine of its own (same weights), so llm's engine gives the reference values beside it."""
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
-        yield u
-
-
 def post(url: str, body: dict, path: str = "/v1/completions") -> dict:
     r = httpx.post(f"{url}{path}", json=body, timeout=60)
     assert r.status_code == 200, r.text

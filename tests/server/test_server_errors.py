@@ -102,13 +102,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from kiln import LLM
-
-    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
-
 def engine(llm, **kw):
     from kiln.runtime.engine import Engine
 

@@ -8,13 +8,6 @@ openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from kiln import LLM
-
-    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
-
-@pytest.fixture(scope="module")
 def server(llm):
     from kiln.server import ServerConfig
     from kiln.server.background import serve_in_thread

@@ -23,13 +23,6 @@ httpx = pytest.importorskip("httpx")
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from kiln import LLM
-
-    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
-
-@pytest.fixture(scope="module")
 def url(llm):
     from kiln.server import ServerConfig
     from kiln.server.background import serve_in_thread

@@ -18,13 +18,6 @@ httpx = pytest.importorskip("httpx")
 LONG = {"prompt": "a", "max_tokens": 200, "ignore_eos": True}  # 200 steps of >= 20 ms: 4 s without an abort
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from kiln import LLM
-
-    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
-
 def _slow_engine(llm):
     from kiln.runtime.engine import Engine
 

@@ -15,13 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 httpx = pytest.importorskip("httpx")
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from kiln import LLM
-
-    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
-
 def _engine(llm, cls=None, **kw):
     from kiln.runtime.engine import Engine
 

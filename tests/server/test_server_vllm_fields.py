@@ -22,25 +22,6 @@ JOINED = [PARTS[0], {"role": "user", "content": "Hi\nthere"}]
 GREEDY = {"temperature": 0, "max_tokens": 5, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from kiln import LLM
-
-    return LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
-
-@pytest.fixture(scope="module")
-def url(llm):
-    """A server on an engine of its own (same weights), so LLM.chat can run on llm's engine beside it."""
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
-        yield u
-
-
 def _post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}{path}", json=body, timeout=60)
 

@@ -54,8 +54,9 @@ def _paged_dtypes(dtype, quant):
             "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", **_PAGED_INDEX}
 
 
-def _prefill(arch, d, tile: TileConfig, dtype="bf16", quant=False):
-    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, **_FLAGS, "KV_QUANT": quant}
+def _prefill(arch, d, tile: TileConfig, dtype="bf16", quant=False, even_d=True):
+    consts = {"BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, **_FLAGS, "KV_QUANT": quant,
+              "EVEN_D": even_d}
     return {"template": "paged_prefill", "name": "paged_prefill_kernel", "op": "paged_attention_prefill",
             "consts": consts, "options": tile.options(), "arch": arch, "dtypes": _paged_dtypes(dtype, quant),
             "divisible": _DIVISIBLE}
@@ -64,8 +65,8 @@ def _prefill(arch, d, tile: TileConfig, dtype="bf16", quant=False):
 _DECODE_DEFAULT = TileConfig(16, 64, 4, 2)
 
 
-def _decode(arch, d, dtype="bf16", quant=False, window=False, tile=_DECODE_DEFAULT):
-    consts = {"BLOCK_G": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, "HAS_WINDOW": window, "EVEN_D": True,
+def _decode(arch, d, dtype="bf16", quant=False, window=False, tile=_DECODE_DEFAULT, even_d=True):
+    consts = {"BLOCK_G": tile.block_m, "BLOCK_N": tile.block_n, "BLOCK_D": d, "HAS_WINDOW": window, "EVEN_D": even_d,
               "INPUT_PRECISION": None, "DOT_FP32": False, "KV_QUANT": quant}
     return {"template": "paged_decode", "name": "paged_decode_kernel", "op": "paged_attention_decode",
             "consts": consts, "options": tile.options(), "arch": arch,
@@ -88,6 +89,9 @@ def test_attention_kernels_compile_pipelined_for_h100_and_a100():
         _decode(90, 128),
         _decode(90, 64, "fp16", quant=True, window=True),
         _decode(80, 128),
+        # head_dim 8 (tiny test checkpoints): the head masked up to a 16-wide tile, tl.dot's smallest K
+        _prefill(90, 16, default_tile(8, torch.bfloat16, h100), even_d=False),
+        _decode(90, 16, even_d=False),
     ]
     for req, res in zip(requests, compile_in_subprocess(requests), strict=True):
         arch = req["arch"]

@@ -321,7 +321,7 @@ class Engine:
         self.num_steps += 1
         self.num_batched_tokens += sched.num_tokens
         prompt = None if sched.plain_decodes else prompt_rows(sched.seqs)  # prompt_logprobs' rows
-        logits, sampled = self.runner.execute(sched, prompt=prompt) if prompt else self.runner.execute(sched)
+        logits, sampled = self.runner.execute(sched, prompt=prompt)
         plain, rows, spec = self._split_rows(sched, sampled, drafts)
         launched = launch_plain(plain, rows, logits, self.eos_token_ids) if plain else None
         scored = launch_prompt(prompt) if prompt else None

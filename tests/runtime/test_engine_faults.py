@@ -231,8 +231,8 @@ def test_kiln_run_reports_nan_logits_as_one_message(monkeypatch, capsys):
 
     real = ModelRunner.execute
 
-    def nan_execute(self, sched):
-        logits, sampled = real(self, sched)
+    def nan_execute(self, sched, prompt=None):
+        logits, sampled = real(self, sched, prompt=prompt)
         return torch.full_like(logits, float("nan")), sampled
 
     monkeypatch.setattr(ModelRunner, "execute", nan_execute)

@@ -274,7 +274,8 @@ def test_a_model_call_that_raises_keeps_the_last_steps_outputs(monkeypatch):
     eng = make_engine(True)
     rid = eng.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=4))
     assert eng.step() == []
-    monkeypatch.setattr(eng.runner, "execute", lambda sched: (_ for _ in ()).throw(RuntimeError("device lost")))
+    lost = RuntimeError("device lost")
+    monkeypatch.setattr(eng.runner, "execute", lambda sched, prompt=None: (_ for _ in ()).throw(lost))
     with pytest.raises(RuntimeError, match="device lost"):
         eng.step()
     monkeypatch.undo()

@@ -161,6 +161,7 @@ def measure(step: CountRouted, cfg: ModelConfig, w: Workload, seed: int, block_s
     """One workload on a fresh engine: a warm-up run of the same shapes, then the timed run; the prompts depend on
     the seed alone, so every model of a workload gets the same ones."""
     engine = _engine(step, cfg, w, block_size)
+    step.watch(engine.block_manager)
     gen = torch.Generator().manual_seed(seed)
     # Warm-up (kernel compiles, graph captures) on the timed run's step shapes: one full prefill step and a bit
     # more, or the whole decode batch for a few tokens.

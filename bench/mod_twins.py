@@ -74,8 +74,9 @@ def calibrate(gm: fx.GraphModule, cfg: ModelConfig, prompts: torch.Tensor) -> di
 
 
 class CountRouted:
-    """A step model that counts, per routed layer, the rows it routed (on the device: no extra sync) and the rows
-    run; everything else is the wrapped CompiledStep's."""
+    """A step model (the wrapped CompiledStep's everything) whose routed rows are counted per routed layer, on the
+    device (no extra sync), from what the runner records after each step (watch): a replayed CUDA graph never
+    calls the model, and the padding rows of a padded step are never counted."""
 
     def __init__(self, step: CompiledStep):
         self.step = step
@@ -84,16 +85,26 @@ class CountRouted:
     def __getattr__(self, name: str):
         return getattr(self.step, name)
 
+    def __call__(self, batch, kv_cache):
+        return self.step(batch, kv_cache)
+
     def reset(self) -> None:
         self.rows, self.routed = 0, None
 
-    def __call__(self, batch, kv_cache):
-        out = self.step(batch, kv_cache)
-        if isinstance(out, tuple):
-            got = out[1].sum(-1, dtype=torch.int64)
+    def watch(self, block_manager) -> None:
+        """Count every step the engine records in `block_manager` (a dense twin's records nothing)."""
+        record = getattr(block_manager, "record_step", None)
+        if record is None:
+            return
+
+        def counted(seqs, routed, plain_decodes: bool = False) -> None:
+            real = len(seqs) if plain_decodes else sum(s.num_new for s in seqs)  # rows past them: graph padding
+            got = torch.as_tensor(routed)[:, :real].sum(-1, dtype=torch.int64)
             self.routed = got if self.routed is None else self.routed + got
-            self.rows += batch.tokens.numel()
-        return out
+            self.rows += real
+            record(seqs, routed, plain_decodes)
+
+        block_manager.record_step = counted
 
     def fractions(self, layers: list[int]) -> dict[str, float]:
         if self.routed is None or not self.rows:

@@ -10,6 +10,10 @@ default for a model without one:
     <|assistant|>
 
 one `<|role|>` line before each message's text, ending with `<|assistant|>` and a newline for the reply.
+
+render(..., continue_final_message=True) ends the prompt inside the final message instead, right after its text (its
+closing tokens and the generation prompt dropped), so that the model continues it, as transformers'
+apply_chat_template(continue_final_message=True) does.
 """
 
 from __future__ import annotations
@@ -48,9 +52,29 @@ class ChatTemplate:
         self.source = source
         self.bos_token, self.eos_token, self.origin = bos_token, eos_token, origin
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, *,
+               continue_final_message: bool = False) -> str:
         """The prompt text of a conversation; a template's raise_exception or a render failure is a
-        ChatTemplateError naming the template's origin."""
+        ChatTemplateError naming the template's origin. continue_final_message (add_generation_prompt False): the
+        prompt ends right after the final message's text (a string), cut as transformers cuts it: at a marker
+        rendered after the text; a template that trims the text (Llama 3's) trims the marker's space, and then the
+        whitespace before the marker goes too."""
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt)
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str):
+            raise ChatTemplateError("continue_final_message needs a final message whose content is text")
+        text = self._render([*messages[:-1], {**messages[-1], "content": final + _CONTINUE}], False)
+        tag = _CONTINUE.strip()
+        if final.strip() not in text or tag not in text:
+            raise ChatTemplateError(f"the chat template ({self.origin}) does not render the final message's text "
+                                    "as it was sent, so the prompt cannot continue it (continue_final_message)")
+        at = text.rindex(tag)
+        return text[:at] if text.startswith(_CONTINUE, at) else text[:at].rstrip()
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
@@ -59,6 +83,10 @@ class ChatTemplate:
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
             raise ChatTemplateError(f"the chat template ({self.origin}) cannot render the conversation "
                                     f"({type(e).__name__}: {e})") from None
+
+
+# transformers' own marker: a prompt cut at it is apply_chat_template(continue_final_message=True)'s, byte for byte
+_CONTINUE = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class _Refused(Exception):

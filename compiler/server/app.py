@@ -60,6 +60,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kiln", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_loop, app.state.metrics = loop, metrics
+    app.state.draining = False  # set by DrainingServer when the shutdown drain begins
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -86,6 +87,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if app.state.draining:  # a load balancer stops sending requests; those in flight still finish
+            err = APIError(503, "the server is shutting down: it finishes the requests in flight and takes no new "
+                           "ones", code="server_shutting_down")
+            return JSONResponse(err.body(), status_code=err.status)
         if not loop.alive:
             return JSONResponse(error_body("the engine loop is not running", "internal_error"), status_code=503)
         return JSONResponse({"status": "ok", "model": config.model_name, "device": str(engine.model.device)})
@@ -132,7 +137,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         req.check()
         msgs = [m.template_message() for m in req.messages]
         try:
-            text = chat.render(msgs)
+            text = chat.render(msgs, req.add_generation_prompt, continue_final_message=req.continue_final_message)
         except ChatTemplateError as e:  # the template's raise_exception, or a message it cannot take
             raise APIError(400, str(e), param="messages") from None
         if req.max_completion_tokens is not None:  # as in OpenAI and vLLM, it overrides the deprecated max_tokens

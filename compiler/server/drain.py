@@ -8,6 +8,8 @@ finished then, a client that stopped reading, say; a cancelled handler would get
 A second Ctrl-C (uvicorn's force exit) aborts the requests at once and gives their handlers up to ANSWER_S to send
 those errors, instead of leaving the plain-text 500s of cancelled handlers, then runs the lifespan's shutdown that
 uvicorn skips (it stops the engine thread), bounded by ANSWER_S too.
+From the moment the drain is asked for (a signal, or should_exit set), /health answers 503, so that a load balancer
+stops sending requests, while the requests in flight go on.
 """
 
 from __future__ import annotations
@@ -32,10 +34,23 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, app: FastAPI, drain_s: float | None, **config: Any):
         """app: from build_app; drain_s: the drain's bound in seconds (None: wait for every request, 0: abort them
         at once); config: uvicorn.Config's other arguments."""
+        self._app_state = app.state  # before uvicorn's __init__, which sets should_exit
         grace = None if drain_s is None else drain_s + ANSWER_S
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=grace, **config))
         self.engine_loop: EngineLoop = app.state.engine_loop
         self.drain_s = drain_s
+
+    @property
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        # Where every shutdown starts (uvicorn's signal handler, serve_in_thread's exit): /health turns 503 here, not
+        # at uvicorn's next tick, up to 0.1 s later, when it stops listening.
+        self._should_exit = value
+        if value:
+            self._app_state.draining = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         deadline = None

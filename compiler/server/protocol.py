@@ -6,6 +6,7 @@ top_logprobs (chat) map onto SamplingParams.logprobs; presence / frequency penal
 string token ids) and vLLM's min_tokens onto the SamplingParams fields of those names. Completions' echo (the prompt
 before the text, and with logprobs its tokens' logprobs before the output's; max_tokens 0: the prompt alone, as
 lm-evaluation-harness asks for loglikelihoods) and vLLM's prompt_logprobs map onto SamplingParams.prompt_logprobs.
+Chat's vLLM fields add_generation_prompt and continue_final_message go to the chat template (ChatTemplate.render).
 """
 
 from __future__ import annotations
@@ -20,11 +21,17 @@ from kiln.runtime.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingPara
 
 
 class APIError(KilnError):
-    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+    The one rule for a 400's code: the specific one given (context_length_exceeded, unknown_field, ...), else
+    invalid_value when it names a parameter, as pydantic's range checks give; so no 400 naming a field has a null
+    code, whichever route raised it."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        if code is None and param is not None and status == 400:
+            code = "invalid_value"
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.headers = headers or {}
@@ -49,11 +56,10 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 def request_error(e: RequestError, param: str | None = None) -> APIError:
-    """The 400 for a RequestError (the engine's and SamplingParams' checks). The one rule for its code: the error's
-    own (context_length_exceeded, ...), else invalid_value when it names a parameter, as pydantic's range checks
-    give. param: the field as this request names it (default: the error's)."""
-    param = param or e.param
-    return APIError(400, str(e), param=param, code=e.code or ("invalid_value" if param else None))
+    """The 400 for a RequestError (the engine's and SamplingParams' checks), coded by APIError's rule: the error's
+    own code, else invalid_value when it names a parameter. param: the field as this request names it (default:
+    the error's)."""
+    return APIError(400, str(e), param=param or e.param, code=e.code)
 
 
 # Strict: a JSON true is not max_tokens 1, nor "3" the number 3 (ints still pass where floats are expected).
@@ -238,9 +244,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    # vLLM's chat echo prepends the last message to the reply when it is the assistant's, which continues it only
-    # with continue_final_message; kiln's chat always opens a new assistant turn, so only false is taken.
+    # vLLM's chat echo prepends the last message to the reply when it is the assistant's; kiln does not, so only
+    # false is taken.
     echo: bool = False
+    # vLLM extensions, handed to the chat template as transformers' apply_chat_template takes them: the assistant
+    # header that opens the reply, or (continue_final_message) a prompt that ends inside the final assistant message,
+    # which the reply continues (a "prefill").
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def check(self) -> None:
         super().check()
@@ -249,9 +260,24 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",
                            param="top_logprobs")
         if self.echo:
-            raise APIError(400, "echo is not supported on chat completions (kiln's chat always starts a new assistant "
-                           "turn, so there is no final message to continue); omit echo, or send the conversation "
-                           "as a prompt to /v1/completions with echo", param="echo")
+            raise APIError(400, "echo is not supported on chat completions; omit echo (with continue_final_message "
+                           "the reply continues the final message: put its text before the reply yourself), or send "
+                           "the conversation as a prompt to /v1/completions with echo", param="echo")
+        if self.continue_final_message:
+            self.check_continue()
+
+    def check_continue(self) -> None:
+        # As in vLLM, whose transformers refuses the pair: add_generation_prompt defaults to true, so it must be
+        # turned off explicitly.
+        if self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                           "(add_generation_prompt defaults to true, as in vLLM); to continue the final message set "
+                           "add_generation_prompt: false, to start a new assistant message omit "
+                           "continue_final_message", param="continue_final_message")
+        last = self.messages[-1]  # whoever's: transformers and vLLM continue any final message
+        if last.content is None:  # transformers refuses it too: no text to continue
+            raise APIError(400, "continue_final_message: the final message has no content to continue; give it "
+                           'text (an empty string "" continues from the start of the reply)', param="messages")
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

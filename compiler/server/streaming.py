@@ -36,7 +36,7 @@ class Choices:
         self.num_tokens = [0] * len(request_ids)
         self.finish = [None] * len(request_ids)
         self.stop_reason: list[int | str | None] = [None] * len(request_ids)
-        self.started = [False] * len(request_ids)
+        self.role_sent = False  # chat streams: the role chunks, one per choice, went out
         self.token_ids: list[list[int]] = [[] for _ in request_ids]
         self.return_token_ids = return_token_ids
         # logprobs None: not asked; else how many top alternatives each token shows
@@ -139,8 +139,20 @@ def completion_body(c: Choices) -> dict:
     return body
 
 
+def _role_choice(c: Choices, i: int) -> dict:
+    """Choice i's first chunk in a chat stream, as OpenAI's and vLLM's: the role with empty content, no logprobs (they
+    go with the chunk that carries their token's text)."""
+    choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+              "stop_reason": None}
+    if c.return_token_ids:
+        choice["token_ids"] = []
+    return choice
+
+
 async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> AsyncIterator[str]:
-    """One event per choice per step, then (when asked) a usage chunk with no choices, then [DONE]."""
+    """One event per choice per step, then (when asked) a usage chunk with no choices, then [DONE]. A chat stream
+    opens, when the first output arrives (after the prompt's prefill, as vLLM), with a role chunk per choice; the
+    deltas after it carry content only."""
     chat = c.kind == "chat.completion"
     while not c.done:
         try:
@@ -148,16 +160,15 @@ async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> As
         except APIError as e:  # the engine failed mid-stream: say so in the stream, as OpenAI does
             yield f"data: {json.dumps(e.body())}\n\n"
             break
-        if not delta and finish is None and (c.started[i] or not chat) and not (c.return_token_ids and ids) \
-                and not new:
+        if chat and not c.role_sent:
+            c.role_sent = True
+            for k in range(len(c.text)):
+                yield c.chunk([_role_choice(c, k)], None, include_usage)
+        if not delta and finish is None and not (c.return_token_ids and ids) and not new:
             continue  # text held back (a partial UTF-8 character or a possible stop string): nothing to send
         lp = c.format_logprobs(i, new) if new else None
         if chat:
-            d = {"content": delta}
-            if not c.started[i]:
-                d = {"role": "assistant", **d}
-                c.started[i] = True
-            choice = {"index": i, "delta": d, "logprobs": lp, "finish_reason": finish}
+            choice = {"index": i, "delta": {"content": delta}, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": i, "text": delta, "logprobs": lp, "finish_reason": finish}
         choice["stop_reason"] = c.stop_reason[i] if finish is not None else None  # null until the last, as vLLM

@@ -116,3 +116,34 @@ def test_mod_speed_smoke_writes_no_file_without_save_smoke(bench, tmp_path, monk
     result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
     assert result["smoke"] and len(result["rows"]) == 4
     assert written == [] and list(tmp_path.iterdir()) == []
+
+
+def test_routed_rows_are_counted_after_replays_and_without_padding(bench):
+    """mod_speed's routed fractions count every step the runner records: a replayed CUDA graph never calls the
+    model (mimicked here by a _replay that runs the inner step directly) and a padded step's padding rows are not
+    tokens. The padded, replayed run must count what the plain run counts, every token fed once."""
+    import mod_twins
+
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampling_params import SamplingParams
+
+    cpu = torch.device("cpu")
+    graphs, _ = mod_twins.build_twins("tiny-llama", 0.5, 2, "fp32", cpu, seed=0, calib=(2, 16), copies=1)
+    rcfg, rcomp, rgm = graphs[1]
+    prompts = torch.randint(0, rcfg.vocab, (3, 9), generator=torch.Generator().manual_seed(5)).tolist()
+    max_tokens = 6
+    counted = []
+    for replayed in (False, True):
+        step = mod_twins.compile_side(rcfg, rcomp, rgm, cpu, knobs=(mod_twins.NEVER, 8))
+        engine = Engine(step, None, rcfg, num_blocks=64, routed_num_blocks=64, max_num_seqs=4,
+                        max_num_batched_tokens=64, pad_decode_batches=replayed)
+        step.watch(engine.block_manager)
+        if replayed:
+            engine.runner._replay = lambda batch, e=engine, inner=step.step: inner(batch, e.runner.kv_cache)
+        for p in prompts:
+            engine.add_request(prompt_token_ids=p, params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                         ignore_eos=True))
+        engine.run()
+        assert step.rows == len(prompts) * (9 + max_tokens - 1)  # each prompt token and each fed-back token once
+        counted.append(step.fractions([1]))
+    assert counted[0] == counted[1] and 0 < counted[0]["1"] < 1, counted

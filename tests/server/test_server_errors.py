@@ -44,6 +44,11 @@ CASES = [
     ("missing prompt", "/v1/completions", {"model": "tiny-llama"}, AUTH, 400, "Field required", "prompt"),
     ("prompt a number", "/v1/completions", {**OK, "prompt": 5}, AUTH, 400, "field 'prompt'", "prompt"),
     ("empty prompt", "/v1/completions", {**OK, "prompt": ""}, AUTH, 400, "prompt is empty", "prompt"),
+    ("empty prompt list", "/v1/completions", {**OK, "prompt": []}, AUTH, 400, "prompt is empty; give text",
+     "prompt"),
+    ("empty token list in a batch", "/v1/completions", {**OK, "prompt": [[1], []]}, AUTH, 400,
+     "the prompt is empty", "prompt"),
+    ("suffix", "/v1/completions", {**OK, "suffix": "!"}, AUTH, 400, "suffix is not supported", "suffix"),
     ("prompt over the limit", "/v1/completions", {**OK, "prompt": "y" * 100}, AUTH, 400, "over the limit of 64",
      "prompt"),
     ("prompt + max_tokens over the context", "/v1/completions", {**OK, "prompt": "z" * 60, "max_tokens": 250}, AUTH,
@@ -175,6 +180,24 @@ def test_bad_requests_get_status_and_message_while_a_stream_is_unaffected(server
     assert len(streamed) == 60
     m = httpx.get(f"{server}/metrics", timeout=30).text
     assert 'kiln_kv_blocks_used{model_name="tiny-llama"} 0.0' in m
+
+
+# The 400s of CASES whose code is more specific than invalid_value (pydantic's type errors, unknown fields, the
+# context); every other 400 naming a field is invalid_value, the route's own checks as much as pydantic's.
+SPECIFIC_CODES = {"body not an object": "invalid_type", "max_tokens a word": "invalid_type",
+                  "seed a float": "invalid_type", "stream a list": "invalid_type", "unknown field": "unknown_field",
+                  "prompt a number": "invalid_type", "logprobs not a boolean": "invalid_type",
+                  "prompt over the limit": "context_length_exceeded",
+                  "prompt + max_tokens over the context": "context_length_exceeded"}
+
+
+def test_every_400_naming_a_field_has_a_code(server):
+    got = {}
+    for name, path, req, headers, status, _, param in CASES:
+        if status == 400 and param is not None:
+            got[name] = post(server, path, req, headers).json()["error"]["code"]
+    want = {name: SPECIFIC_CODES.get(name, "invalid_value") for name in got}
+    assert got == want and len(got) > 40
 
 
 def test_health_and_metrics_need_no_key(server):

@@ -101,3 +101,42 @@ def test_a_forced_exit_answers_the_requests_in_flight_with_json(llm):
         t.join(timeout=60)
     sock.close()
     _check_aborted(got, eng)
+
+
+def test_health_answers_503_once_the_drain_begins_while_requests_in_flight_finish(llm):
+    """A load balancer polling /health must see the drain at once (a 503 in OpenAI's error shape), while the
+    request in flight runs to its end. uvicorn stops listening within 0.1 s of the signal, so /health is asked here
+    through the app itself (the server's own app object) while the server drains."""
+    from kiln.server import ServerConfig, build_app
+    from kiln.server.drain import DrainingServer
+
+    app = build_app(_slow_engine(llm), ServerConfig(model_name="tiny-llama"))
+    server = DrainingServer(app, None, log_level="critical")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    got: dict = {}
+    body = {**LONG, "max_tokens": 60}
+    client = threading.Thread(target=lambda: got.update(r=httpx.post(f"{url}/v1/completions", json=body, timeout=60)))
+    client.start()
+    _wait_running(url, 1)
+
+    async def health() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kiln") as c:
+            return await c.get("/health")
+
+    assert asyncio.run(health()).status_code == 200
+    server.handle_exit(signal.SIGTERM, None)  # what `kiln serve` gets: the drain begins, with no bound
+    r = asyncio.run(health())
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    assert r.json()["error"] | {"message": ""} == {"message": "", "type": "overloaded_error", "param": None,
+                                                   "code": "server_shutting_down"}
+    assert "shutting down" in r.json()["error"]["message"]
+    client.join(timeout=60)
+    thread.join(timeout=60)
+    sock.close()
+    assert got["r"].status_code == 200 and got["r"].json()["usage"]["completion_tokens"] == 60  # ran to its end

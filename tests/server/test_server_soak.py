@@ -114,7 +114,7 @@ def test_an_unexpected_exception_is_a_json_500_logged_with_its_traceback(llm, ca
     class Broken:  # a chat template with a bug in it (not a ChatTemplateError): the route does not expect it
         origin = "broken"
 
-        def render(self, messages):
+        def render(self, messages, add_generation_prompt=True, *, continue_final_message=False):
             raise ZeroDivisionError("division by zero in the template")
 
     with serve_in_thread(_engine(llm), ServerConfig(model_name="tiny-llama", chat_template=Broken())) as u:

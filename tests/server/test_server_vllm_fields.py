@@ -116,4 +116,32 @@ def test_a_choice_carries_the_engines_stop_reason(reported):
         return [e async for e in sse_stream(sink, choices, False)]
 
     events = [json.loads(e[6:]) for e in asyncio.run(stream()) if e.startswith("data: {")]
-    assert [e["choices"][0]["stop_reason"] for e in events] == [None, reported]
+    assert [e["choices"][0]["stop_reason"] for e in events] == [None, None, reported]  # the role chunk first
+
+
+def test_a_chat_stream_opens_with_a_role_chunk_per_choice_as_vllm(url):
+    """OpenAI's and vLLM's chat stream: first, for every choice, a chunk whose delta is the role with empty content
+    (no logprobs, no tokens); then deltas of content alone, each with the logprobs (and token ids) of the tokens it
+    carries; together what the body without stream holds."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "n": 2, "logprobs": True, "top_logprobs": 1,
+            **GREEDY, "max_tokens": 6, "return_token_ids": True}
+    whole = _post(url, "/v1/chat/completions", body).json()["choices"]
+    r = _post(url, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    events = _events(r)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    chunks = [e["choices"] for e in events[:-1]]
+    assert all(len(c) == 1 for c in chunks) and all(e["usage"] is None for e in events[:-1])
+    assert [c[0] for c in chunks[:2]] == [
+        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+         "stop_reason": None, "token_ids": []} for i in range(2)]
+    rest = [c[0] for c in chunks[2:]]
+    assert rest and all(list(c["delta"]) == ["content"] for c in rest)  # the role once, content alone after it
+    for i, want in enumerate(whole):
+        mine = [c for c in rest if c["index"] == i]
+        assert "".join(c["delta"]["content"] for c in mine) == want["message"]["content"]
+        assert [t for c in mine for t in c["token_ids"]] == want["token_ids"]
+        for c in mine:  # a token's logprobs ride with the chunk that carries it
+            assert len((c["logprobs"] or {"content": []})["content"]) == len(c["token_ids"]), c
+        entries = [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
+        assert [e["token"] for e in entries] == [e["token"] for e in want["logprobs"]["content"]]
+        assert mine[-1]["finish_reason"] == "length"

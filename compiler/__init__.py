@@ -13,6 +13,7 @@ _LAZY = {
     "SamplingParams": "kiln.runtime.sampling_params",
     "RequestOutput": "kiln.runtime.request",
     "CompletionOutput": "kiln.runtime.request",
+    "Logprob": "kiln.runtime.logprob",
 }
 __all__ += list(_LAZY)
 

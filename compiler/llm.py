@@ -204,7 +204,7 @@ class LLM:
             errors = "; ".join(g.errors[j] for j in sorted(g.errors)) or None  # the failed choices' so far
             yield RequestOutput(g.request_id, out.prompt, out.prompt_token_ids, comps, done,
                                 _merge_metrics([g.metrics[j] for j in sorted(g.metrics)]) if done else out.metrics,
-                                errors, *g.prompt_logprobs(out))
+                                errors, g.prompt_logprobs(out))
 
     def _drain(self, ids: list[str]) -> Iterator[RequestOutput]:
         """This caller's outputs: what is queued first, and a step of the engine whenever nothing is."""
@@ -291,20 +291,20 @@ class _Prompt:
     latest: dict[int, CompletionOutput] = field(default_factory=dict)
     metrics: dict[int, RequestMetrics] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
-    prompt: tuple[list, list] | None = None  # prompt_logprobs and ranks, from the first choice output with them
+    prompt: list | None = None  # prompt_logprobs, from the first choice output with them
     prompt_given: bool = False
 
     @property
     def request_id(self) -> str:
         return self.rids[0]
 
-    def prompt_logprobs(self, out: RequestOutput) -> tuple[list | None, list | None]:
+    def prompt_logprobs(self, out: RequestOutput) -> list | None:
         """What a merged output carries of the prompt's logprobs (every choice scores the same prompt): like one
         request's outputs, on every output once known, or once for "delta" ones."""
         if self.prompt is None and out.prompt_logprobs is not None:
-            self.prompt = out.prompt_logprobs, out.prompt_token_ranks
+            self.prompt = out.prompt_logprobs
         if self.prompt is None or (self.delta and self.prompt_given):
-            return None, None
+            return None
         self.prompt_given = True
         return self.prompt
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.runtime.logprob import Logprob, PositionLogprobs
 from kiln.runtime.sampler import TokenHistory, sample_rows, to_device
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -17,13 +18,14 @@ from kiln.runtime.sampling_params import SamplingParams
 class BatchSample:
     """The outcome of sample_batch: a token per row, and per row None or why it could not be sampled.
 
-    logprobs: per row None (not asked) or {token_id: logprob}: the top-k by rank, then the sampled token when it
-    is not among them (so it is always present).
+    logprobs: per row None (not asked) or {token_id: Logprob}: the top-k by rank, then the sampled token when it
+    is not among them (so it is always present), each with its rank (decoded_token is filled when the request's
+    output is made, Request.make_output).
     """
 
     tokens: list[int]
     errors: list[str | None]
-    logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    logprobs: list[PositionLogprobs | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.logprobs:  # built without logprobs: no row asked
@@ -75,7 +77,7 @@ class LaunchedSample:
 
     packed: torch.Tensor | None  # everything the host needs, in one tensor (None: no rows)
     errors: list[str | None]  # rows whose sampling raised while launching
-    unpack: Callable[[list], tuple[list[int], list[int], list[dict[int, float] | None]]]
+    unpack: Callable[[list], tuple[list[int], list[int], list[PositionLogprobs | None]]]
     # The sampled ids on the device (int64 [R]; None: no rows), which a step launched before this one's host copy
     # takes its input tokens from (the engine's async scheduling). A row that cannot be sampled holds a dummy id.
     tokens: torch.Tensor | None = None
@@ -153,7 +155,7 @@ def launch_batch(
     return LaunchedSample(packed, errors, unpack, toks)
 
 
-def _unpack_plain(host: list) -> tuple[list[int], list[int], list[dict[int, float] | None]]:
+def _unpack_plain(host: list) -> tuple[list[int], list[int], list[PositionLogprobs | None]]:
     tokens, ok_flags = host
     return tokens, ok_flags, [None] * len(tokens)
 
@@ -168,22 +170,25 @@ def _with_logprobs(rows: torch.Tensor, toks: torch.Tensor, finite: torch.Tensor,
     sub_rows = rows if idx is None else rows.index_select(0, to_device(idx, rows.device))
     sub_toks = toks if idx is None else toks.index_select(0, to_device(idx, rows.device))
     logp = sub_rows.log_softmax(dim=-1)
-    parts = [toks.double(), finite.double(), logp.gather(-1, sub_toks[:, None]).squeeze(-1).double()]
+    own = logp.gather(-1, sub_toks[:, None])
+    # the sampled token's rank as vLLM counts it: the tokens at least as likely
+    parts = [toks.double(), finite.double(), own.squeeze(-1).double(), (logp >= own).sum(-1).double()]
     if k > 0:
         top = logp.topk(k, dim=-1)
         parts += [top.values.double().flatten(), top.indices.double().flatten()]
 
-    def unpack(host: list[float]) -> tuple[list[int], list[int], list[dict[int, float] | None]]:
+    def unpack(host: list[float]) -> tuple[list[int], list[int], list[PositionLogprobs | None]]:
         tokens = [int(t) for t in host[:n]]
         ok_flags = [int(f) for f in host[n : 2 * n]]
-        sampled_lp = host[2 * n : 2 * n + m]
-        vals = host[2 * n + m : 2 * n + m + m * k]
-        ids = host[2 * n + m + m * k :]
-        logprobs: list[dict[int, float] | None] = [None] * n
+        sampled_lp, sampled_rank = host[2 * n : 2 * n + m], host[2 * n + m : 2 * n + 2 * m]
+        vals = host[2 * n + 2 * m : 2 * n + 2 * m + m * k]
+        ids = host[2 * n + 2 * m + m * k :]
+        logprobs: list[PositionLogprobs | None] = [None] * n
         for j, i in enumerate(asked):
             want = params[i].logprobs
-            d = {int(ids[j * k + r]): vals[j * k + r] for r in range(min(want, k))}
-            d.setdefault(tokens[i], sampled_lp[j])
+            d = {int(ids[j * k + r]): Logprob(vals[j * k + r], r + 1) for r in range(min(want, k))}
+            if tokens[i] not in d:
+                d[tokens[i]] = Logprob(sampled_lp[j], int(sampled_rank[j]))
             logprobs[i] = d
         return tokens, ok_flags, logprobs
 

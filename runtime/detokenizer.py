@@ -76,6 +76,19 @@ class Detokenizer:
             if len(self.tokens) > self.min_tokens:
                 self._find_stop(before)
 
+    def token_str(self, token_id: int) -> str | None:
+        """One token's text alone, decode([id]) as vLLM's Logprob.decoded_token (None without a tokenizer), from the
+        engine's shared cache."""
+        if self.tokenizer is None:
+            return None
+        cache = self._token_text
+        text = cache.get(token_id) if cache is not None else None
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if cache is not None:
+                cache[token_id] = text
+        return text
+
     def visible_text(self, final: bool) -> str:
         if final or not self._hold:
             return self.text

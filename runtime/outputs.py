@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from kiln.runtime.batch_sampler import BatchSample
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.logprob import PositionLogprobs
 from kiln.runtime.request import DONE, Request, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams, check_stop
 from kiln.runtime.scheduler import ScheduledSeq, Scheduler
@@ -45,7 +46,7 @@ class OutputMaker:
 
     # ---- per token ----------------------------------------------------------------------------------------
 
-    def append(self, req: Request, tok: int, now: float, logprobs: dict[int, float] | None = None) -> None:
+    def append(self, req: Request, tok: int, now: float, logprobs: PositionLogprobs | None = None) -> None:
         """One sampled token into its request; ends the request when the token stops it."""
         req.output_token_ids.append(tok)
         if logprobs is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, queue_host_copy
+from kiln.runtime.logprob import Logprob
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.sampler import to_device
 from kiln.runtime.scheduler import ScheduledSeq
@@ -107,7 +108,7 @@ def launch_prompt(prompt: PromptRows) -> LaunchedPrompt | str:
 
 
 def take_prompt(output: OutputMaker, prompt: PromptRows, launched: LaunchedPrompt | str, made: Made) -> None:
-    """Append each chunk's entries to its request (prompt_logprobs and prompt_token_ranks); a chunk whose rows are
+    """Append each chunk's entries to its request's prompt_logprobs (Logprob objects); a chunk whose rows are
     not finite, or a launch that failed, fails its request (its output goes into `made`)."""
     try:
         if isinstance(launched, str):
@@ -132,10 +133,14 @@ def take_prompt(output: OutputMaker, prompt: PromptRows, launched: LaunchedPromp
             made.append(output.fail(req, c.seq.start, NONFINITE_LOGITS))
             continue
         assert req.num_prompt_scored == c.first + 1, f"{req.request_id}: prompt position {c.first} scored twice"
-        want = req.params.prompt_logprobs
+        want, text = req.params.prompt_logprobs, req.detokenizer.token_str
         for i in rows:
-            d = {int(ids[i * k + t]): vals[i * k + t] for t in range(min(want, k))}
-            d.setdefault(prompt.targets[i], own[i])  # the prompt token is always present
+            d = {}
+            for t in range(min(want, k)):
+                tok = int(ids[i * k + t])
+                d[tok] = Logprob(vals[i * k + t], t + 1, text(tok))
+            tok = prompt.targets[i]
+            if tok not in d:  # the prompt token is always present, with its own rank
+                d[tok] = Logprob(own[i], int(ranks[i]), text(tok))
             req.prompt_logprobs.append(d)
-            req.prompt_token_ranks.append(int(ranks[i]))
         req.num_prompt_scored += len(rows)

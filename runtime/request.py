@@ -17,6 +17,7 @@ import torch
 
 from kiln.errors import RequestError
 from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.logprob import PositionLogprobs
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -69,12 +70,12 @@ class Request:
     generator: torch.Generator | None = None
     arrival_order: int = 0  # ties on arrival_time are broken by this; lower is higher priority
     output_token_ids: list[int] = field(default_factory=list)
-    # with params.logprobs set: one {token_id: logprob} per output token (see batch_sampler.sample_batch)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # with params.prompt_logprobs set: None, then one {token_id: logprob} per prompt position scored so far (see
-    # runtime/prompt_logprobs.py), and the prompt token's rank at each; None otherwise (set in __post_init__)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    prompt_token_ranks: list[int | None] | None = None
+    # with params.logprobs set: one {token_id: Logprob} per output token (see batch_sampler.sample_batch; their
+    # decoded_token is filled by make_output)
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    # with params.prompt_logprobs set: None, then one {token_id: Logprob} per prompt position scored so far (see
+    # runtime/prompt_logprobs.py); None otherwise (set in __post_init__)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     status: RequestStatus = RequestStatus.WAITING
     # Speculative decoding: tokens proposed this step, at positions num_tokens.. (token_slice covers them); they
     # are cleared once verified, and never part of the output unless accepted.
@@ -89,7 +90,7 @@ class Request:
     _sent_tokens: int = 0
     _sent_text: int = 0
     _text: str = ""  # the text the last RequestOutput carried
-    _lp_count: int = 0  # output tokens summed into _lp_sum (cumulative_logprob)
+    _lp_count: int = 0  # output tokens summed into _lp_sum (cumulative_logprob) and their entries' text filled
     _lp_sum: float = 0.0
     _sent_prompt: bool = False  # an output carried prompt_logprobs (a delta output carries them once, as vLLM's)
     # Prompt positions scored (the first has nothing before it), counted apart from prompt_logprobs, a list that
@@ -98,7 +99,7 @@ class Request:
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs, self.prompt_token_ranks = [None], [None]  # the first token has nothing before it
+            self.prompt_logprobs = [None]  # the first token has nothing before it
 
     @property
     def num_tokens(self) -> int:
@@ -191,6 +192,7 @@ class Request:
         ids = self.output_token_ids
         new_ids, new_text = ids[sent_tokens:], text[sent_text:]
         asked = self.params.logprobs is not None
+        cumulative = self._settle_logprobs() if asked else None
         new_lps = self.output_logprobs[sent_tokens:] if asked else None
         if kind == "delta":  # only what is new: no copy of the whole output per step
             all_ids, all_text, all_lps = new_ids, new_text, new_lps
@@ -199,24 +201,30 @@ class Request:
         out = CompletionOutput(index=0, token_ids=all_ids, text=all_text, finish_reason=self.finish_reason,
                                stop_reason=self.reported_stop_reason, delta_token_ids=new_ids, delta_text=new_text,
                                logprobs=all_lps, delta_logprobs=new_lps,
-                               cumulative_logprob=self._cumulative_logprob() if asked else None)
+                               cumulative_logprob=cumulative)
         self._sent_tokens, self._sent_text, self._text = len(ids), len(text), text
         # Shared, not copied: complete before the first token, they never change after it.
-        prompt_lps = ranks = None
+        prompt_lps = None
         if self.prompt_logprobs is not None and (kind != "delta" or not self._sent_prompt):
-            prompt_lps, ranks, self._sent_prompt = self.prompt_logprobs, self.prompt_token_ranks, True
+            prompt_lps, self._sent_prompt = self.prompt_logprobs, True
         # The prompt's list is shared, not copied (it never changes; a copy cost O(prompt) per request per step).
         metrics = object.__new__(RequestMetrics)  # a field-for-field snapshot, without __init__'s argument binding
         metrics.__dict__.update(self.metrics.__dict__)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [out], self.status in DONE, metrics,
-                             self.error, prompt_lps, ranks)
+                             self.error, prompt_lps)
 
-    def _cumulative_logprob(self) -> float:
+    def _settle_logprobs(self) -> float:
+        """The new output tokens' entries get their text (decoded_token), once each, here rather than when sampled:
+        output work, which overlap_outputs hides behind the next step. Returns the cumulative logprob."""
         lps, ids = self.output_logprobs, self.output_token_ids
         if self._lp_count > len(lps):  # a failed step's tokens were rolled back: sum again
             self._lp_count, self._lp_sum = 0, 0.0
+        text = self.detokenizer.token_str
         for i in range(self._lp_count, len(lps)):
-            self._lp_sum += lps[i][ids[i]]
+            d = lps[i]
+            self._lp_sum += d[ids[i]].logprob
+            for t, lp in d.items():
+                lp.decoded_token = text(t)
         self._lp_count = len(lps)
         return self._lp_sum
 
@@ -235,10 +243,11 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     delta_token_ids: list[int] = field(default_factory=list)  # new since the previous output of this request
     delta_text: str = ""
-    # None unless the request asked for logprobs; then one {token_id: logprob} per token of token_ids (the sampled
-    # token always present, with the top-k ranked first), from the model's raw log_softmax (before temperature)
-    logprobs: list[dict[int, float]] | None = None
-    delta_logprobs: list[dict[int, float]] | None = None  # those of delta_token_ids
+    # None unless the request asked for logprobs; then, as vLLM's, one {token_id: Logprob} per token of token_ids
+    # (the top-k by rank first, then the sampled token when it is not among them), from the model's raw
+    # log_softmax (before temperature)
+    logprobs: list[PositionLogprobs] | None = None
+    delta_logprobs: list[PositionLogprobs] | None = None  # those of delta_token_ids
     cumulative_logprob: float | None = None  # with logprobs: the sum of every output token's log-probability so far
 
     @property
@@ -256,13 +265,10 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # with finish_reason "error": what failed and the likely cause
     # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token
-    # {token_id: logprob} of the model's raw log_softmax at that position: the top k by rank, then the prompt token
-    # when it is not among them (so it is always present). A "delta" output carries them once, on its first output.
-    # The request's own list, like prompt_token_ids: read it, do not change it.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    # Beside prompt_logprobs: each prompt token's rank at its position (1: the most likely; as vLLM counts it, the
-    # number of tokens at least as likely), None first.
-    prompt_token_ranks: list[int | None] | None = None
+    # {token_id: Logprob} of the model's raw log_softmax at that position: the top k by rank, then the prompt token
+    # when it is not among them (so it is always present, with its own rank). A "delta" output carries them once,
+    # on its first output. The request's own list, like prompt_token_ids: read it, do not change it.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 def check_params_for_model(params: SamplingParams, vocab: int) -> None:

@@ -1,7 +1,7 @@
 """Engine log-probabilities in the OpenAI shapes: the completions API's legacy {"tokens", "token_logprobs",
 "top_logprobs", "text_offset"} and chat's {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}.
 
-The engine gives one {token_id: logprob} per generated token: the top-k by rank, then the sampled token when it
+The engine gives one {token_id: Logprob} per generated token: the top-k by rank, then the sampled token when it
 is not among them. Values are the model's raw log_softmax (before temperature), as vLLM v1 reports them. Echoed
 prompt tokens come in the same shape (their first entry None: nothing comes before the first token); vLLM's
 prompt_logprobs field has its own shape (prompt_logprobs_field).
@@ -13,6 +13,7 @@ import codecs
 import itertools
 from dataclasses import dataclass, field
 
+from kiln.runtime.logprob import PositionLogprobs
 from kiln.step import TokenizerLike
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM reports masked tokens with this value too
@@ -24,20 +25,20 @@ class TokenLogprobs:
 
     tokenizer: TokenizerLike | None
     top_n: int  # how many top alternatives to show per token (chat's top_logprobs; completions' logprobs)
-    entries: list[tuple[int, dict[int, float]]] = field(default_factory=list)
+    entries: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
     text_offset: int = 0  # completions: where the next token's text starts in the choice's text
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def token(self, token_id: int) -> str:
         return token_text(self.tokenizer, token_id)
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float] | None]
-            ) -> list[tuple[int, dict[int, float] | None]]:
+    def add(self, token_ids: list[int], logprobs: list[PositionLogprobs | None]
+            ) -> list[tuple[int, PositionLogprobs | None]]:
         new = list(zip(token_ids, logprobs, strict=True))
         self.entries += new
         return new
 
-    def completion(self, entries: list[tuple[int, dict[int, float] | None]]) -> dict:
+    def completion(self, entries: list[tuple[int, PositionLogprobs | None]]) -> dict:
         """The legacy completions shape of `entries`, advancing text_offset past them. An entry without logprobs
         (an echoed prompt's first token) has null token_logprobs and top_logprobs, as in OpenAI's and vLLM's."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -48,12 +49,12 @@ class TokenLogprobs:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
             else:
-                out["token_logprobs"].append(_finite(lp[tok]))
+                out["token_logprobs"].append(_finite(lp[tok].logprob))
                 top: dict[str, float] = {}
                 # The top_n most likely (an echoed prompt's entries may hold more: prompt_logprobs asked for more),
                 # then the token itself; keyed by text: of tokens that decode alike, the most likely one's value.
                 for t, v in itertools.chain(itertools.islice(lp.items(), self.top_n), ((tok, lp[tok]),)):
-                    top.setdefault(self.token(t), _finite(v))
+                    top.setdefault(self.token(t), _finite(v.logprob))
                 out["top_logprobs"].append(top)
             # Offsets count the characters the bytes so far make: a token holding part of a character adds none
             # until the one that ends it (counting its "\ufffd" text would push every later offset along), and a
@@ -64,12 +65,12 @@ class TokenLogprobs:
             self.text_offset += len(emitted)
         return out
 
-    def chat(self, entries: list[tuple[int, dict[int, float]]]) -> dict:
+    def chat(self, entries: list[tuple[int, PositionLogprobs]]) -> dict:
         """Chat's {"content": [...]} of `entries`; each token's top_logprobs lists the top_n most likely."""
         content = []
         for tok, lp in entries:
-            top = [self._chat_entry(t, v) for t, v in list(lp.items())[: self.top_n]]
-            content.append({**self._chat_entry(tok, lp[tok]), "top_logprobs": top})
+            top = [self._chat_entry(t, v.logprob) for t, v in list(lp.items())[: self.top_n]]
+            content.append({**self._chat_entry(tok, lp[tok].logprob), "top_logprobs": top})
         return {"content": content}
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -89,21 +90,18 @@ def token_text(tokenizer: TokenizerLike | None, token_id: int) -> str:
 
 
 def prompt_logprobs_field(tokenizer: TokenizerLike | None, token_ids: list[int],
-                          logprobs: list[dict[int, float] | None], ranks: list[int | None],
-                          top_n: int) -> list[dict[int, dict] | None]:
+                          logprobs: list[PositionLogprobs | None], top_n: int) -> list[dict[int, dict] | None]:
     """vLLM's prompt_logprobs response field: None for the first token, then per prompt token {token id: {"logprob",
     "rank", "decoded_token"}} for the top_n most likely (ranks 1 .. top_n) and the prompt token itself (its own rank
     when it is not among them); -inf is -9999.0, as vLLM clamps it. JSON makes the ids strings."""
     out: list[dict[int, dict] | None] = []
-    for tok, lp, rank in zip(token_ids, logprobs, ranks, strict=True):
+    for tok, lp in zip(token_ids, logprobs, strict=True):
         if lp is None:
             out.append(None)
             continue
-        entry = {t: {"logprob": _finite(v), "rank": r + 1, "decoded_token": token_text(tokenizer, t)}
-                 for r, (t, v) in enumerate(itertools.islice(lp.items(), top_n))}
-        if tok not in entry:
-            entry[tok] = {"logprob": _finite(lp[tok]), "rank": rank, "decoded_token": token_text(tokenizer, tok)}
-        out.append(entry)
+        shown = itertools.chain(itertools.islice(lp.items(), top_n), ((tok, lp[tok]),))
+        out.append({t: {"logprob": _finite(v.logprob), "rank": v.rank, "decoded_token": token_text(tokenizer, t)}
+                    for t, v in shown})
     return out
 
 

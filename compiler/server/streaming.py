@@ -65,7 +65,7 @@ class Choices:
             raise APIError(500, f"the request failed while generating: {item.error or 'no reason given'}",
                            code="generation_failed")
         if item.prompt_logprobs is not None and self.prompt[i] is None:  # a delta output carries them once
-            self.prompt[i] = (item.prompt_token_ids, item.prompt_logprobs, item.prompt_token_ranks)
+            self.prompt[i] = (item.prompt_token_ids, item.prompt_logprobs)
         # The server asks for output_kind "delta": each output carries only what is new, added up here.
         text, ids, lps = comp.delta_text, comp.delta_token_ids, comp.delta_logprobs or []
         if self.prompt_only:  # echo with max_tokens 0: the token sampled is not part of the response

@@ -204,7 +204,9 @@ def test_logprobs_for_one_request_leave_its_batch_mate_unchanged(tiny, monkeypat
     assert len(b.logprobs) == 3 and b_deltas == b.logprobs
     for tok, lp in zip(b.token_ids, b.logprobs, strict=True):
         assert len(lp) == 3 and next(iter(lp)) == tok  # greedy: the sampled token ranks first
-        assert lp[tok] == max(lp.values()) <= 0 and list(lp.values()) == sorted(lp.values(), reverse=True)
+        vals = [v.logprob for v in lp.values()]
+        assert lp[tok].logprob == max(vals) <= 0 and vals == sorted(vals, reverse=True)
+        assert [v.rank for v in lp.values()] == [1, 2, 3] and lp[tok].rank == 1
 
 
 def test_cuda_graphs_asked_for_on_cpu_are_named_not_silently_dropped(tiny, caplog):

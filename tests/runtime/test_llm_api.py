@@ -334,3 +334,47 @@ def test_bad_new_parameters_of_a_batch_are_named_and_nothing_is_queued(llm):
     with pytest.raises(RequestError, match="prompt_logprobs = 21 is out of range; allowed: None"):
         llm.generate("a", {"prompt_logprobs": 21})
     assert not llm.engine.has_unfinished() and not llm._queues
+
+
+def test_logprobs_are_vllms_logprob_objects(llm):
+    """vLLM's shape, so code written for it reads kiln's outputs unchanged: `lps[i][token_id].logprob`, `.rank` (1:
+    the most likely; the tokens at least as likely) and `.decoded_token` (decode([id])), for the output tokens
+    (n > 1 choices too) and the prompt tokens; the values are the raw distribution's, whatever the temperature."""
+    import torch
+
+    from kiln import Logprob, SamplingParams
+    from kiln.build import load_model
+
+    ref_gm = load_model("tiny-llama", device="cpu", seed=0).gm
+    prompt = "Once upon"
+    out = llm.generate(prompt, SamplingParams(temperature=0.8, seed=4, max_tokens=5, ignore_eos=True, logprobs=3,
+                                              prompt_logprobs=2, n=2))[0]
+    ids = list(prompt.encode())
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for comp in out.outputs:
+        toks = ids + comp.token_ids
+        with torch.no_grad():
+            raw = generate_logits(ref_gm, toks).log_softmax(-1)
+        for at, lp in zip(range(len(ids), len(toks)), comp.logprobs, strict=True):
+            row, tok = raw[at - 1], toks[at]
+            assert all(isinstance(v, Logprob) for v in lp.values())
+            top = row.topk(3).indices.tolist()
+            assert list(lp)[:3] == top and [lp[t].rank for t in top] == [1, 2, 3]
+            assert lp[tok].logprob == pytest.approx(float(row[tok]), abs=1e-4)
+            assert lp[tok].rank == int((row >= row[tok]).sum())
+            assert all(v.decoded_token == llm.tokenizer.decode([t]) for t, v in lp.items())
+        assert comp.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in
+                                                            zip(comp.logprobs, comp.token_ids, strict=True)))
+    for at, lp in enumerate(out.prompt_logprobs[1:], start=1):
+        row, tok = raw[at - 1], ids[at]
+        assert lp[tok].logprob == pytest.approx(float(row[tok]), abs=1e-4)
+        assert lp[tok].rank == int((row >= row[tok]).sum()) and lp[tok].decoded_token == llm.tokenizer.decode([tok])
+
+
+def generate_logits(gm, toks: list[int]):
+    """The Level-1 graph's logits [len(toks), vocab] for one sequence."""
+    import torch
+
+    from kiln.reference import forward_logits
+
+    return forward_logits(gm, torch.tensor([toks]))[0].float()

@@ -16,6 +16,7 @@ import torch
 from kiln.runtime import prompt_logprobs as prompt_module
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS
 from kiln.runtime.engine import Engine
+from kiln.runtime.logprob import Logprob
 from kiln.runtime.sampling_params import SamplingParams
 from tests.runtime.test_engine_logic import speculative_engine
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate, fake_logits
@@ -23,17 +24,17 @@ from tests.support.fake_step import FakeStepModel, fake_config, fake_generate, f
 V = 97
 
 
-def expected(prompt: list[int], k: int) -> tuple[list, list]:
-    """The prompt logprobs and ranks the engine must give: from the logits at each position before a prompt token."""
-    lps, ranks = [None], [None]
+def expected(prompt: list[int], k: int) -> list:
+    """The prompt logprobs the engine must give: from the logits at each position before a prompt token, the top k
+    with ranks 1 .. k, then the prompt token with its own rank (vLLM's: the tokens at least as likely)."""
+    lps = [None]
     for i in range(1, len(prompt)):
         lp = fake_logits(prompt[:i], V).log_softmax(-1)
         top = lp.topk(k)
-        d = {int(t): float(v) for t, v in zip(top.indices, top.values, strict=True)}
-        d.setdefault(prompt[i], float(lp[prompt[i]]))
+        d = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(top.indices, top.values, strict=True))}
+        d.setdefault(prompt[i], Logprob(float(lp[prompt[i]]), int((lp >= lp[prompt[i]]).sum())))
         lps.append(d)
-        ranks.append(int((lp >= lp[prompt[i]]).sum()))
-    return lps, ranks
+    return lps
 
 
 def engine(**kw) -> Engine:
@@ -64,14 +65,12 @@ def run(eng: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list:
         if sp.output_kind == "delta":
             ids = [t for o in outs for t in o.outputs[0].token_ids]
             comp = dataclasses.replace(final[rid].outputs[0], token_ids=ids)
-            final[rid] = dataclasses.replace(final[rid], outputs=[comp], prompt_logprobs=outs[0].prompt_logprobs,
-                                             prompt_token_ranks=outs[0].prompt_token_ranks)
+            final[rid] = dataclasses.replace(final[rid], outputs=[comp], prompt_logprobs=outs[0].prompt_logprobs)
     return [final[r] for r in rids]
 
 
 def check(out, prompt: list[int], sp: SamplingParams) -> None:
-    want, ranks = expected(prompt, sp.prompt_logprobs)
-    assert out.prompt_logprobs == want and out.prompt_token_ranks == ranks
+    assert out.prompt_logprobs == expected(prompt, sp.prompt_logprobs)
     assert out.outputs[0].token_ids == fake_generate(prompt, sp.max_tokens, V)
 
 
@@ -93,7 +92,7 @@ def test_every_position_is_scored_once_whatever_the_chunks(budget, pad):
     assert eng.runner.graph_stats.padded_decodes > 0 if pad else not eng.runner.graph_stats.padded_decodes
     for out, (p, sp) in zip(outs, jobs, strict=True):
         if sp.prompt_logprobs is None:
-            assert out.prompt_logprobs is None and out.prompt_token_ranks is None
+            assert out.prompt_logprobs is None
         else:
             check(out, p, sp)
     assert outs[-1].outputs[0].token_ids == outs[0].outputs[0].token_ids
@@ -104,14 +103,14 @@ def test_entries_hold_the_top_k_in_rank_order_then_the_prompt_token():
     for k in (0, 1, 5, 20):
         out = run(engine(), [(p, SamplingParams(max_tokens=1, prompt_logprobs=k))])[0]
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
-        for tok, d, rank in zip(p[1:], out.prompt_logprobs[1:], out.prompt_token_ranks[1:], strict=True):
-            vals = list(d.values())
-            assert tok in d and len(d) == k + (rank > k)
+        for tok, d in zip(p[1:], out.prompt_logprobs[1:], strict=True):
+            vals, rank = [lp.logprob for lp in d.values()], d[tok].rank
+            assert len(d) == k + (rank > k) and [lp.rank for lp in d.values()][:k] == list(range(1, k + 1))
             assert vals[:k] == sorted(vals[:k], reverse=True) and all(v <= 0 for v in vals)
             if rank <= k:
                 assert list(d)[rank - 1] == tok  # no ties in the fake logits: its rank is its place
     one = run(engine(), [([5], SamplingParams(max_tokens=2, prompt_logprobs=3))])[0]
-    assert one.prompt_logprobs == [None] and one.prompt_token_ranks == [None]
+    assert one.prompt_logprobs == [None]
 
 
 def test_prefix_cache_hits_never_skip_a_position_to_score():

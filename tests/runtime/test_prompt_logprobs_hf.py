@@ -38,19 +38,20 @@ def oracle(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
-def check(ref: torch.Tensor, prompt: list[int], lps: list, ranks: list, k: int = K) -> None:
-    assert lps[0] is None and ranks[0] is None and len(lps) == len(ranks) == len(prompt)
+def check(ref: torch.Tensor, prompt: list[int], lps: list, k: int = K) -> None:
+    assert lps[0] is None and len(lps) == len(prompt)
     for i in range(1, len(prompt)):
         row, tok, d = ref[i - 1], prompt[i], lps[i]
-        assert tok in d and abs(d[tok] - float(row[tok])) < ATOL, (i, d[tok], float(row[tok]))
+        assert tok in d and abs(d[tok].logprob - float(row[tok])) < ATOL, (i, d[tok], float(row[tok]))
         top = row.topk(k)
-        ids, vals = list(d)[:k], list(d.values())[:k]
+        ids, vals = list(d)[:k], [lp.logprob for lp in d.values()][:k]
+        assert [lp.rank for lp in d.values()][:k] == list(range(1, k + 1))
         # The oracle's top k values in order; each id holds its rank's value (the same ids, up to exact ties).
         assert torch.allclose(torch.tensor(vals), top.values, atol=ATOL)
         assert all(abs(float(row[t]) - float(v)) < ATOL for t, v in zip(ids, top.values, strict=True))
         # The rank counts the tokens at least as likely, up to those within ATOL of the prompt token.
         lo, hi = int((row > row[tok] + ATOL).sum()) + 1, int((row >= row[tok] - ATOL).sum())
-        assert lo <= ranks[i] <= hi
+        assert lo <= d[tok].rank <= hi
 
 
 def run(eng: Engine, jobs: list[tuple[list[int], SamplingParams]]) -> list:
@@ -74,14 +75,14 @@ def test_prompt_logprobs_equal_transformers_in_one_chunk_or_many(hf):
     whole = llm.generate(prompt_token_ids=ps, sampling_params=dict(SP.__dict__, n=2))
     for out, p in zip(whole, ps, strict=True):
         assert out.prompt_token_ids == p and len(out.outputs) == 2
-        check(oracle(model, p), p, out.prompt_logprobs, out.prompt_token_ranks)
+        check(oracle(model, p), p, out.prompt_logprobs)
     for budget in (1, 5, 13):  # chunks of every size, boundaries everywhere
         chunked = run(engine_of(llm, num_blocks=64, max_num_batched_tokens=budget), [(p, SP) for p in ps])
         for c, w, p in zip(chunked, whole, ps, strict=True):
-            check(oracle(model, p), p, c.prompt_logprobs, c.prompt_token_ranks)
+            check(oracle(model, p), p, c.prompt_logprobs)
             assert c.outputs[0].token_ids == w.outputs[0].token_ids
             for a, b in zip(c.prompt_logprobs[1:], w.prompt_logprobs[1:], strict=True):
-                assert list(a) == list(b) and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+                assert list(a) == list(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
 
 
 def test_a_cached_prefix_is_scored_again_and_gives_the_same_prompt_logprobs(hf):
@@ -94,10 +95,10 @@ def test_a_cached_prefix_is_scored_again_and_gives_the_same_prompt_logprobs(hf):
     first = run(eng, [(a, SP)])[0]
     again, other = run(eng, [(a, SP)])[0], run(eng, [(b, SP)])[0]
     plain = run(eng, [(b, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])[0]
-    assert again.prompt_logprobs == first.prompt_logprobs and again.prompt_token_ranks == first.prompt_token_ranks
+    assert again.prompt_logprobs == first.prompt_logprobs
     assert again.metrics.num_cached_tokens == other.metrics.num_cached_tokens == 0 < plain.metrics.num_cached_tokens
-    check(oracle(model, a), a, first.prompt_logprobs, first.prompt_token_ranks)
-    check(oracle(model, b), b, other.prompt_logprobs, other.prompt_token_ranks)
+    check(oracle(model, a), a, first.prompt_logprobs)
+    check(oracle(model, b), b, other.prompt_logprobs)
     assert plain.outputs[0].token_ids == other.outputs[0].token_ids
 
 
@@ -112,7 +113,7 @@ def test_preemption_keeps_every_prompt_position_once(hf):
     outs = run(eng, [(p, dict(SP.__dict__, max_tokens=20)) for p in ps])
     assert any(scoring) and not all(scoring)
     for out, p in zip(outs, ps, strict=True):
-        check(oracle(model, p), p, out.prompt_logprobs, out.prompt_token_ranks)
+        check(oracle(model, p), p, out.prompt_logprobs)
 
 
 @pytest.mark.parametrize("spec", ["tiny-llama-mod", "tiny-mistral-mod"])
@@ -131,8 +132,7 @@ def test_routed_model_prompt_logprobs_equal_its_uncached_graph(spec):
     eng = Engine(step, None, m.model, block_size=8, num_blocks=64, max_num_batched_tokens=5)
     outs = run(eng, [(ps[0], SP)]) + run(eng, [(ps[1], SP)])
     for out, p in zip(outs, ps, strict=True):
-        check(forward_logits(ref_gm, torch.tensor([p]))[0].log_softmax(-1), p, out.prompt_logprobs,
-              out.prompt_token_ranks)
+        check(forward_logits(ref_gm, torch.tensor([p]))[0].log_softmax(-1), p, out.prompt_logprobs)
 
 
 def test_a_16bit_model_keeps_the_prompt_rows_logits_in_its_dtype(monkeypatch):

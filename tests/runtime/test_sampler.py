@@ -228,11 +228,14 @@ def test_logprobs_of_the_greedy_token_and_the_top_k_match_log_softmax():
     assert out.tokens[:2] == logits[:2].argmax(-1).tolist() and out.logprobs[1] is None
     top = ref[0].topk(4)
     assert list(out.logprobs[0]) == top.indices.tolist()  # ranked, the greedy token first
-    assert out.logprobs[0][out.tokens[0]] == pytest.approx(float(ref[0].max()), abs=1e-6)
-    assert list(out.logprobs[0].values()) == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert out.logprobs[0][out.tokens[0]].logprob == pytest.approx(float(ref[0].max()), abs=1e-6)
+    assert [lp.logprob for lp in out.logprobs[0].values()] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert [lp.rank for lp in out.logprobs[0].values()] == [1, 2, 3, 4]
     # logprobs=0: only the sampled token, from the raw distribution (before temperature), as vLLM v1 reports
     assert list(out.logprobs[2]) == [out.tokens[2]]
-    assert out.logprobs[2][out.tokens[2]] == pytest.approx(float(ref[2, out.tokens[2]]), abs=1e-6)
+    got = out.logprobs[2][out.tokens[2]]
+    assert got.logprob == pytest.approx(float(ref[2, out.tokens[2]]), abs=1e-6)
+    assert got.rank == int((ref[2] >= ref[2, out.tokens[2]]).sum())  # vLLM's: the tokens at least as likely
 
 
 def test_logprobs_keep_the_sampled_token_when_it_is_outside_the_top_k():
@@ -240,7 +243,8 @@ def test_logprobs_keep_the_sampled_token_when_it_is_outside_the_top_k():
     params = SamplingParams(temperature=0, logprobs=1, repetition_penalty=1e3)
     out = sample_batch(logits, [params], [None], [(0, 1, 2)])  # the penalty makes token 3 the greedy pick
     assert out.tokens == [3] and list(out.logprobs[0]) == [0, 3]
-    assert out.logprobs[0][3] == pytest.approx(float(logits.log_softmax(-1)[0, 3]), abs=1e-6)
+    assert out.logprobs[0][3].logprob == pytest.approx(float(logits.log_softmax(-1)[0, 3]), abs=1e-6)
+    assert (out.logprobs[0][0].rank, out.logprobs[0][3].rank) == (1, 4)  # the least likely of 4 tokens
 
 
 def test_logprobs_do_not_change_the_tokens():
@@ -265,7 +269,8 @@ def test_logprobs_on_a_vocab_smaller_than_k_list_every_token():
     ref = logits.log_softmax(-1)
     for row, lp in enumerate(out.logprobs):
         assert sorted(lp) == list(range(5)) and next(iter(lp)) == out.tokens[row]
-        assert [lp[t] for t in range(5)] == pytest.approx(ref[row].tolist(), abs=1e-6)
+        assert [lp[t].logprob for t in range(5)] == pytest.approx(ref[row].tolist(), abs=1e-6)
+        assert [v.rank for v in lp.values()] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(top_k=3),

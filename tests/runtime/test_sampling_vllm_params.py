@@ -284,7 +284,9 @@ def test_logprobs_stay_those_of_the_raw_distribution():
     out = final(engine(), params)
     toks = PROMPT[:]
     for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
-        assert lp[tok] == pytest.approx(float(fake_logits(toks, V).float().log_softmax(-1)[tok]), abs=1e-5)
+        raw = fake_logits(toks, V).float().log_softmax(-1)
+        assert lp[tok].logprob == pytest.approx(float(raw[tok]), abs=1e-5)
+        assert lp[tok].rank == int((raw >= raw[tok]).sum()) > 1  # the bias picked a token the model ranks lower
         toks.append(tok)
 
 

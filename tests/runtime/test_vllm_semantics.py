@@ -85,7 +85,7 @@ def test_cumulative_logprob_is_the_sum_of_the_tokens_logprobs(kind):
         o = out.outputs[0]
         ids += o.delta_token_ids
         lps += o.delta_logprobs
-        assert o.cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(lps, ids, strict=True)))
+        assert o.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(lps, ids, strict=True)))
         last = o
     assert len(ids) == 9 and last.cumulative_logprob < 0
     plain, _ = run(engine(), SamplingParams(seed=1, max_tokens=9))

@@ -106,14 +106,14 @@ def test_stop_string_ends_generation_and_is_trimmed(client):
 
 
 def _engine_logprobs(llm, prompt: str, max_tokens: int, logprobs: int):
-    """Token ids and {token_id: logprob} per token from a fresh engine, for the same greedy request."""
+    """Token ids and {token_id: logprob value} per token from a fresh engine, for the same greedy request."""
     from kiln.runtime.engine import Engine
     from kiln.runtime.sampling_params import SamplingParams
 
     ref = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
     ref.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs))
     out = ref.run()[0].outputs[0]
-    return out.token_ids, out.logprobs
+    return out.token_ids, [{t: v.logprob for t, v in d.items()} for d in out.logprobs]
 
 
 def test_completion_logprobs_equal_the_engine_streamed_or_not(client, llm):

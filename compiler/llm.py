@@ -133,14 +133,24 @@ class LLM:
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
         use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation ([{"role": ..., "content": ...}, ...]) or to each of
         a list of them, through the model's chat template (the checkpoint's or the GGUF's; kiln's default for a
-        model without one), in one continuous batch. The final outputs, in order."""
-        return self.generate(self.chat_prompts(messages), sampling_params, use_tqdm=use_tqdm)
+        model without one), in one continuous batch. The final outputs, in order. add_generation_prompt and
+        continue_final_message are vLLM's (and transformers' apply_chat_template's): with continue_final_message
+        (and add_generation_prompt False) the prompt ends inside the final message, which the reply continues."""
+        prompts = self.chat_prompts(messages, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def chat_prompts(self, messages: Sequence[dict] | Sequence[Sequence[dict]]) -> list[str]:
+    def chat_prompts(self, messages: Sequence[dict] | Sequence[Sequence[dict]], *, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> list[str]:
         """The prompt text `chat` sends for each conversation."""
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt cannot both be true (as in vLLM and "
+                               "transformers); pass add_generation_prompt=False to continue the final message")
         if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence) or not messages:
             raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (one "
                                "conversation) or a list of such lists")
@@ -153,7 +163,8 @@ class LLM:
             try:
                 # OpenAI's content parts made text as the server makes them (the caller's dicts are left as they are)
                 msgs = [{**m, "content": message_text(m["content"])} for m in conv]
-                prompts.append(template.render(msgs))
+                prompts.append(template.render(msgs, add_generation_prompt,
+                                               continue_final_message=continue_final_message))
             except (ChatTemplateError, RequestError) as e:
                 raise RequestError(f"conversation {i}: {e}") from None
         return prompts

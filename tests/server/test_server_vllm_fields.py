@@ -145,3 +145,21 @@ def test_a_chat_stream_opens_with_a_role_chunk_per_choice_as_vllm(url):
         entries = [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
         assert [e["token"] for e in entries] == [e["token"] for e in want["logprobs"]["content"]]
         assert mine[-1]["finish_reason"] == "length"
+
+
+def test_llm_chat_continues_the_final_message_as_the_server_does(url, llm):
+    """LLM.chat takes vLLM's add_generation_prompt and continue_final_message, giving the prompt (and so the reply)
+    the server gives for the same fields; both true is refused naming both."""
+    from kiln import SamplingParams
+
+    msgs = [*JOINED, {"role": "assistant", "content": "Sure, "}]
+    assert llm.chat_prompts(msgs, add_generation_prompt=False, continue_final_message=True) == [
+        "<|system|>\nBe brief.\n<|user|>\nHi\nthere\n<|assistant|>\nSure, "]
+    assert llm.chat_prompts(JOINED, add_generation_prompt=False) == ["<|system|>\nBe brief.\n<|user|>\nHi\nthere\n"]
+    (want,) = llm.chat(msgs, SamplingParams(**GREEDY), add_generation_prompt=False, continue_final_message=True)
+    r = _post(url, "/v1/chat/completions", {"messages": msgs, "return_token_ids": True, "add_generation_prompt": False,
+                                            "continue_final_message": True, **GREEDY}).json()
+    assert r["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert r["choices"][0]["token_ids"] == want.outputs[0].token_ids
+    with pytest.raises(RequestError, match="continue_final_message and add_generation_prompt cannot both be true"):
+        llm.chat(msgs, continue_final_message=True)

@@ -219,6 +219,17 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str) -> C
     return compile_fx(gm, list(example_inputs), config_patches=list_mode_options(mode) or None)
 
 
+def _may_record_grad(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """Whether running the graph can record an autograd graph: an input (parameters are inputs) requires grad and
+    gradients are on, at compile time or switched on inside the graph (`with torch.enable_grad()` in a forward
+    called under no_grad: a _set_grad_enabled(True) node), which the compile-time mode does not show."""
+    wants = any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+    wants = wants or any(p.requires_grad for p in gm.parameters())
+    switched = any(n.args[:1] == (True,) for n in gm.graph.find_nodes(op="call_function",
+                                                                        target=torch._C._set_grad_enabled))
+    return wants and (torch.is_grad_enabled() or switched)
+
+
 def kiln_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -239,7 +250,7 @@ def kiln_backend(
     _dump(dump, "01_normalized.py", gm)
     fallbacks = _fallbacks(gm, nz.rejections, opts.fallback)
     regions = extract_regions(gm, example_inputs, use_kernels=opts.use_kernels, dump_dir=dump, overrides=opts.passes)
-    grad = torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+    grad = _may_record_grad(gm, example_inputs)
     # Dynamo guards on grad mode and requires_grad, so a graph compiled here never runs in the other case.
     retarget(gm, "autograd" if grad else "op" if opts.fallback == "inductor" else "direct")
     _dump(dump, "02_regions.py", gm)

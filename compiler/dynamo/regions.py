@@ -171,6 +171,10 @@ def _is_weight(node: object, example: object) -> bool:
         return False
     if isinstance(example, FakeTensor):
         return False
+    # An inference tensor (made under torch.inference_mode, as serving code often loads weights) has no version
+    # counter to tell an in-place change by: it stays a live input, read afresh on every call.
+    if example.is_inference():
+        return False
     return isinstance(example, torch.nn.Parameter) or "_buffers_" in node.name
 
 

@@ -5,6 +5,8 @@ variable key length, backward (inference only) and the backend's option errors."
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -150,3 +152,44 @@ def test_dump_dir_option_is_validated(tmp_path):
     with pytest.raises(KilnError, match="options=.*expected a dict"):
         parse_options("fallback=eager")  # type: ignore[arg-type]
     assert parse_options({"dump_dir": tmp_path / "d"}).dump_dir == str(tmp_path / "d")
+
+
+class GradInside(torch.nn.Module):
+    """A forward that turns gradients on itself (an energy model's forces, dE/dx, are computed this way), so
+    called under no_grad it still records an autograd graph: Dynamo's graph holds _set_grad_enabled(True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        with torch.enable_grad():
+            return self.b(torch.nn.functional.silu(self.a(x)))
+
+
+@pytest.mark.parametrize("fallback", ["eager", "inductor"])
+def test_gradients_switched_on_inside_the_graph_are_refused_not_lost(fallback):
+    """Compiled under no_grad, such a graph still needs the regions' backward: a KilnError names it, where the
+    inference op once let backward run and leave every .grad None (or drop the kiln regions' terms of dE/dx)."""
+    model, x = GradInside(), torch.randn(4, 16)
+    compiled = torch.compile(model, backend="kiln", options={"fallback": fallback})
+    warned = pytest.warns(UserWarning, match="runs without inductor") if fallback == "inductor" else nullcontext()
+    with torch.no_grad(), warned:
+        out = compiled(x)
+    assert out.requires_grad and torch.allclose(out, model(x), atol=1e-5)
+    with pytest.raises(KilnError, match="for inference"):
+        out.pow(2).sum().backward()
+
+
+def test_weights_made_under_inference_mode_are_read_live():
+    """Inference tensors have no version counter to freeze weights by: they stay inputs of the region, read on every
+    call, so an in-place change under inference_mode is seen."""
+    before = STATS.regions
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.SiLU(), torch.nn.Linear(64, 32)).eval()
+        x = torch.randn(4, 32)
+        compiled = torch.compile(model, backend="kiln", options=EAGER)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)
+        model[0].weight.mul_(2)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)
+    assert STATS.regions > before  # kiln's regions ran, not a fallback of the whole graph

@@ -1,5 +1,7 @@
 """Host wrappers for the norm family (templates/norm.py.j2): rms_norm and layer_norm, optionally fused
-with the residual add that precedes them (out = norm(x + residual), plus the sum for the next layer)."""
+with the residual add that precedes them (out = norm(x + residual), plus the sum for the next layer), and
+head_rms_norm (rms_norm over each head of flat heads: Qwen3's q/k norms), the same kernel with one program per
+row and head."""
 
 from __future__ import annotations
 
@@ -22,12 +24,16 @@ def _norm(
     residual: torch.Tensor | None,
     out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
+    per_head: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     check_tensor(x, "x")
-    d = x.shape[-1]
     check_tensor(weight, "weight", ndim=1)
-    if weight.shape[0] != d:
+    d = weight.shape[0] if per_head else x.shape[-1]  # the features one program normalizes
+    if per_head and (d == 0 or x.shape[-1] % d):
+        raise CodegenError(f"weight has {d} features, and x's {x.shape[-1]} are not a whole number of such heads")
+    if not per_head and weight.shape[0] != d:
         raise CodegenError(f"weight has {weight.shape[0]} features but x has {d}")
+    heads = x.shape[-1] // d if per_head else 1
     if bias is not None:
         check_tensor(bias, "bias", ndim=1)
         if bias.shape[0] != d:
@@ -47,7 +53,7 @@ def _norm(
     block_d = next_power_of_2(d)
     consts = {
         "BLOCK_D": block_d,
-        "IS_RMS": op == "rms_norm",
+        "IS_RMS": op != "layer_norm",
         "HAS_RESIDUAL": residual is not None,
         "HAS_BIAS": bias is not None,
     }
@@ -57,7 +63,7 @@ def _norm(
         D=d, eps=float(eps),
     )  # fmt: skip
     if x2.shape[0] > 0:
-        launch("norm", op, (x2.shape[0],), args, consts, {"num_warps": _num_warps(block_d)})
+        launch("norm", op, (x2.shape[0], heads), args, consts, {"num_warps": _num_warps(block_d)})
     return out if residual is None else (out, residual_out)
 
 
@@ -75,6 +81,13 @@ def rms_norm(
     With `residual`, returns (rms_norm(x + residual), x + residual): the fused pre-norm residual add.
     """
     return _norm("rms_norm", x, weight, None, eps, residual, out, residual_out)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """kiln::head_rms_norm: rms_norm over each head of x [..., H * D] with weight [D] shared by the heads. x may be
+    a row-strided view (a piece of the fused qkv projection); out is contiguous."""
+    return _norm("head_rms_norm", x, weight, None, eps, None, out, None, per_head=True)
 
 
 def layer_norm(

@@ -14,6 +14,8 @@ is the single place that defines them:
     layers.{i}.{attn}.k.weight         [kv_heads * head_dim, dim]   (.bias if qkv_bias)
     layers.{i}.{attn}.v.weight         [kv_heads * head_dim, dim]   (.bias if qkv_bias)
     layers.{i}.{attn}.o.weight         [dim, heads * head_dim]      (.bias [dim] if out_bias)
+    layers.{i}.{attn}.q_norm.weight    [head_dim]                   (qk_norm: shared by every q head)
+    layers.{i}.{attn}.k_norm.weight    [head_dim]                   (qk_norm: shared by every k head)
     layers.{i}.{mlp}.gate.weight       [ffn, dim]                   (gated activations only; .bias if bias)
     layers.{i}.{mlp}.up.weight         [ffn, dim]                   (.bias [ffn] if bias)
     layers.{i}.{mlp}.down.weight       [dim, ffn]                   (.bias [dim] if bias)
@@ -91,6 +93,9 @@ class AttentionCall:
     qkv_bias: bool = False
     out_bias: bool = False
     rope: bool = True  # rotary embedding on q and k (only meaningful when the model has rope)
+    # "rms": an RMSNorm over each head of q and of k (weights [head_dim], the model norm's eps), after the
+    # projections and before rope (Qwen3); None: no q/k norm
+    qk_norm: Literal["rms"] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,9 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{p}.o.weight"] = (cfg.dim, q_out)
                 if site.out_bias:
                     shapes[f"{p}.o.bias"] = (cfg.dim,)
+                if site.qk_norm:
+                    shapes[f"{p}.q_norm.weight"] = (cfg.head_dim,)
+                    shapes[f"{p}.k_norm.weight"] = (cfg.head_dim,)
             else:
                 projs = [("gate", cfg.ffn, cfg.dim)] if site.gated else []
                 projs += [("up", cfg.ffn, cfg.dim), ("down", cfg.dim, cfg.ffn)]

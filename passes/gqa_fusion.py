@@ -2,13 +2,13 @@
 
 Matches:
 - kiln::attention (or kiln::flash_attention) whose q, k and v arguments are kiln::linear nodes, each
-  optionally behind a kiln::rope, all three reading the same input x, (each may have other readers too), with
-  weights (and biases, if any) read by get_attr;
+  optionally behind a kiln::rope and a kiln::head_rms_norm (the q/k norm, before rope), all three reading the
+  same input x, (each may have other readers too), with weights (and biases, if any) read by get_attr;
 - kiln::gated_act whose gate and up arguments are kiln::linear nodes on one input, likewise.
 Emits: one kiln::linear over the concatenated weight (a new parameter `<site>.qkv.weight` or
 `<site>.gate_up.weight`; the old ones are deleted once nothing reads them), biases concatenated with zeros
 for the missing ones when at least one projection has a bias, then aten.split_with_sizes on the last dim
-and one getitem per projection feeding what the old linears fed (rope, attention, gated_act).
+and one getitem per projection feeding what the old linears fed (head_rms_norm, rope, attention, gated_act).
 Repeat-kv patterns: none here. Spec-built graphs are GQA-native (kiln::attention takes the head counts and
 flat k/v with num_kv_heads heads), so there is no expand/reshape/repeat_interleave to remove; the
 torch.compile normalizer is what maps Dynamo's repeat_kv + sdpa onto kiln::attention, and this pass then
@@ -33,9 +33,12 @@ _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
 
 
 def _projection(arg: object) -> fx.Node | None:
-    """The kiln::linear behind an attention input, looking through one rope; None if it is not one."""
+    """The kiln::linear behind an attention input, looking through one rope, then one head_rms_norm (a q/k norm);
+    None if it is not one."""
     node = arg
     if is_call(node, kiln_ops.rope.default):
+        node = node.args[0]
+    if is_call(node, kiln_ops.head_rms_norm.default):
         node = node.args[0]
     return node if is_call(node, kiln_ops.linear.default) else None
 

@@ -6,6 +6,8 @@ so rotating the adjacent q|k columns of the fused projection at once equals rota
 Emits: the split becomes split_with_sizes(qkv, [q + k, v], -1); one kiln::rope on piece 0 (a strided view,
 which the rope kernel takes as is), then split_with_sizes(rotated, [q, k], -1) whose pieces replace the two
 ropes; v's getitem moves to index 1. One kernel launch instead of two per layer.
+A site with a q/k norm (kiln::head_rms_norm between the split and each rope, Qwen3) does not match: its ropes
+read two separate normed tensors, not adjacent columns of the projection.
 Requires: gqa_fusion (without it q and k are separate tensors and nothing matches).
 """
 

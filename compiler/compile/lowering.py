@@ -61,6 +61,10 @@ def k_rms_norm(x, weight, eps):
     return norm.rms_norm(x, weight, eps)
 
 
+def k_head_rms_norm(x, weight, eps):
+    return norm.head_rms_norm(x, weight, eps)
+
+
 def k_layer_norm(x, weight, bias, eps):
     return norm.layer_norm(x, weight, bias, eps)
 
@@ -187,6 +191,7 @@ KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.linear.default: k_linear,
     kiln_ops.add.default: k_add,
     kiln_ops.rms_norm.default: k_rms_norm,
+    kiln_ops.head_rms_norm.default: k_head_rms_norm,
     kiln_ops.layer_norm.default: k_layer_norm,
     kiln_ops.add_rms_norm.default: k_add_rms_norm,
     kiln_ops.add_layer_norm.default: k_add_layer_norm,

@@ -24,7 +24,7 @@ from kiln.model_config import ModelConfig, RopeScaling
 
 MAGIC = b"GGUF"
 # GGUF architecture -> the HF model_type kiln's importer knows (its hyperparameter keys are prefixed by the arch).
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _FIX = "re-download or re-convert it with llama.cpp's convert_hf_to_gguf.py"
 
 

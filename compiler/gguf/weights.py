@@ -25,6 +25,7 @@ from kiln.quant.formats import QuantizedWeight
 BLOCK = 32  # Q4_0, Q4_1 and Q8_0 blocks: 32 weights along K with one f16 scale (and Q4_1 an f16 minimum)
 _SITE_NAMES = {"attn_norm": "norm0.weight", "ffn_norm": "norm1.weight",
                "attn_q": "attn0.q", "attn_k": "attn0.k", "attn_v": "attn0.v", "attn_output": "attn0.o",
+               "attn_q_norm": "attn0.q_norm.weight", "attn_k_norm": "attn0.k_norm.weight",  # qwen3
                "ffn_gate": "mlp0.gate", "ffn_up": "mlp0.up", "ffn_down": "mlp0.down"}
 _TOP = {"token_embd.weight": "embed.weight", "output_norm.weight": "final_norm.weight",
         "output.weight": "lm_head.weight"}

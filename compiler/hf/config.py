@@ -1,6 +1,6 @@
 """Hugging Face config.json -> ModelConfig, and the .kiln text `kiln import` prints for it (kiln.hf.to_spec).
 
-Supported families: llama, mistral (and ministral), qwen2, gpt2. config.json is read as transformers reads
+Supported families: llama, mistral (and ministral), qwen2, qwen3, gpt2. config.json is read as transformers reads
 it (kiln.hf.values: typed values, key precedence, the keys each family reads); the values are then checked by
 the spec validator itself, on the spec kiln would write. Anything kiln cannot express raises a KilnError naming
 the config key and the file; keys transformers ignores for the family are ignored too, and named in a note.
@@ -28,7 +28,8 @@ from kiln.model_config import (
 from kiln.spec.formatter import format_spec
 from kiln.spec.loader import parse_and_resolve
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "gpt2")
+QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (not hidden_size / heads)
 # HF activation names -> kiln activation of the gated MLP (llama family) or the plain MLP (gpt2).
 _GATED = {
     "silu": "swiglu",
@@ -70,11 +71,11 @@ def load_hf_config(hf_dir: str | Path) -> dict:
     return hf
 
 
-def _standard_body(window: int | None, qkv_bias: bool, out_bias: bool, act: str, mlp_bias: bool):
+def _standard_body(window: int | None, qkv_bias: bool, out_bias: bool, act: str, mlp_bias: bool,
+                   qk_norm: bool = False):
     x = Var("x")
-    attn = AttentionCall(
-        NormCall(x, "norm0"), "attn0", causal=True, window=window, qkv_bias=qkv_bias, out_bias=out_bias
-    )
+    attn = AttentionCall(NormCall(x, "norm0"), "attn0", causal=True, window=window, qkv_bias=qkv_bias,
+                         out_bias=out_bias, qk_norm="rms" if qk_norm else None)
     mlp = MlpCall(NormCall(x, "norm1"), "mlp0", act=act, bias=mlp_bias)
     return (LayerAssign("x", Add(x, attn)), LayerAssign("x", Add(x, mlp)))
 
@@ -121,15 +122,18 @@ def _llama_family(r: Reader, model_type: str) -> ModelConfig:
     if kv_heads is None:
         kv_heads = heads
         r.derive("kv_heads", "heads")
+    qwen3 = model_type == "qwen3"
     head_dim = r.int("head_dim", "head_dim", default=None)
-    if head_dim is None:  # transformers: hidden_size // num_attention_heads
+    if head_dim is None and qwen3:  # Qwen3Config has a head_dim of its own
+        head_dim = QWEN3_HEAD_DIM
+        r.origins.setdefault("head_dim", []).append(f"head_dim (absent: the class default {QWEN3_HEAD_DIM})")
+    elif head_dim is None:  # transformers: hidden_size // num_attention_heads
         head_dim = dim // heads if heads > 0 else 0
         r.derive("head_dim", "dim", "heads")
-    # Only Llama has bias switches; Mistral's and Qwen2's attention ignore attention_bias (Qwen2 always has
-    # q/k/v biases), as transformers does.
-    llama = model_type == "llama"
-    attention_bias = llama and r.bool("attention_bias", False)
-    mlp_bias = llama and r.bool("mlp_bias", False)
+    # Llama's and Qwen3's attention_bias switches biases on q, k, v and o; Mistral's and Qwen2's attention ignore
+    # it (Qwen2 always has q/k/v biases), as transformers does. Only Llama has mlp_bias.
+    attention_bias = model_type in ("llama", "qwen3") and r.bool("attention_bias", False)
+    mlp_bias = model_type == "llama" and r.bool("mlp_bias", False)
     return ModelConfig(
         name="hf",
         vocab=r.int("vocab", "vocab_size"),
@@ -147,6 +151,7 @@ def _llama_family(r: Reader, model_type: str) -> ModelConfig:
             attention_bias,
             _act(r, "hidden_act", "silu", _GATED, model_type),
             mlp_bias,
+            qk_norm=qwen3,  # Qwen3: RMSNorm over each head of q and k, with rms_norm_eps
         ),
         rope=rope_config(r, context),
         positions="rope",

@@ -38,7 +38,7 @@ def _site_words(cfg: ModelConfig, context: int) -> dict[str, object]:
             # a window that spans the served context masks nothing (Mistral's 4096 served at 4096 is no window)
             window = "none" if e.window is None or e.window >= context else e.window
             out |= {f"{e.site} window": window, f"{e.site} causal": e.causal, f"{e.site} qkv_bias": e.qkv_bias,
-                    f"{e.site} out_bias": e.out_bias}
+                    f"{e.site} out_bias": e.out_bias, f"{e.site} qk_norm": e.qk_norm or "none"}
             if cfg.positions == "rope":  # the flag means nothing with learned or no positions
                 out[f"{e.site} rope"] = e.rope
         elif isinstance(e, MlpCall):

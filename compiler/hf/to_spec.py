@@ -56,6 +56,8 @@ def _expr(e: LayerExpr) -> Expr:
             kw["out_bias"] = Bool(True)
         if not e.rope:
             kw["rope"] = Bool(False)
+        if e.qk_norm:
+            kw["qk_norm"] = Name(e.qk_norm)
         return Call("attention", (_expr(e.arg),), _kw(**kw))
     if isinstance(e, MlpCall):
         kw = {"act": Name(e.act)}

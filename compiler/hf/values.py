@@ -45,6 +45,10 @@ FAMILY_KEYS = {
     "qwen2": frozenset(
         [*_LLAMA_BASE, *_ROPE, "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"]
     ),
+    "qwen3": frozenset(
+        [*_LLAMA_BASE, *_ROPE, "use_sliding_window", "sliding_window", "max_window_layers", "layer_types",
+         "attention_bias"]
+    ),
     "gpt2": frozenset(
         """vocab_size n_embd n_head n_layer n_positions n_inner n_ctx hidden_size num_attention_heads
         num_hidden_layers max_position_embeddings activation_function layer_norm_epsilon resid_pdrop embd_pdrop
@@ -245,7 +249,8 @@ def _layer_types(r: Reader, layers: int) -> list[str] | None:
 
 # The config classes' sliding_window when config.json has no such key, as transformers reads it (an explicit null
 # means no window; Qwen2 slides only with use_sliding_window)
-DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "ministral": 4096, "qwen2": 4096}
+DEFAULT_SLIDING_WINDOW = {"mistral": 4096, "ministral": 4096, "qwen2": 4096, "qwen3": 4096}
+QWEN = ("qwen2", "qwen3")  # the families whose window follows use_sliding_window and max_window_layers
 
 
 def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
@@ -253,11 +258,11 @@ def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
 
     transformers: mistral slides every layer by `sliding_window`, unless config.json has `layer_types` (then
     AutoConfig loads it as Ministral, which slides only the "sliding_attention" layers, by default all).
-    qwen2 slides only with use_sliding_window, on the layers layer_types names, by default those at index >=
-    max_window_layers.
+    qwen2 and qwen3 slide only with use_sliding_window, on the layers layer_types names, by default those at index
+    >= max_window_layers.
     """
     types = _layer_types(r, layers)
-    if model_type == "qwen2" and not r.bool("use_sliding_window", False):
+    if model_type in QWEN and not r.bool("use_sliding_window", False):
         return None
     if "sliding_window" not in r.hf and model_type in DEFAULT_SLIDING_WINDOW:  # absent: the config class's default
         window = DEFAULT_SLIDING_WINDOW[model_type]
@@ -266,15 +271,15 @@ def layer_window(r: Reader, model_type: str, layers: int) -> int | None:
         window = r.int("window", "sliding_window", default=None)
     if window is None:
         return None
-    if types is None and model_type == "qwen2":
-        first = r.int("max_window_layers", "max_window_layers", default=28)  # Qwen2Config's default
+    if types is None and model_type in QWEN:
+        first = r.int("max_window_layers", "max_window_layers", default=28)  # Qwen2Config's and Qwen3Config's
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     if types is None or set(types) == {"sliding_attention"}:
         return window
     if set(types) == {"full_attention"}:
         return None
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    fix = ("set max_window_layers to 0 or >= num_hidden_layers" if model_type == "qwen2" and "layer_types" not in r.hf
+    fix = ("set max_window_layers to 0 or >= num_hidden_layers" if model_type in QWEN and "layer_types" not in r.hf
            else "a checkpoint trained with mixed layers cannot be served with one setting")
     raise KilnError(
         f"{r.source}: {model_type} with a sliding window on some layers only (config key `layer_types`: layers "

@@ -22,7 +22,8 @@ from kiln.model_config import ModelConfig, param_shapes
 from kiln.progress import PROGRESS_THRESHOLD
 
 Convert = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-_PREFIX = {"llama": "model.", "mistral": "model.", "ministral": "model.", "qwen2": "model.", "gpt2": "transformer."}
+_PREFIX = {"llama": "model.", "mistral": "model.", "ministral": "model.", "qwen2": "model.", "qwen3": "model.",
+           "gpt2": "transformer."}
 _SITES = {  # kiln site -> HF module, per naming scheme
     "llama": {"norm0": "input_layernorm", "attn0": "self_attn", "norm1": "post_attention_layernorm", "mlp0": "mlp"},
     "gpt2": {"norm0": "ln_1", "attn0": "attn", "norm1": "ln_2", "mlp0": "mlp"},
@@ -32,6 +33,8 @@ _LLAMA_PROJ = {
     "k": "k_proj",
     "v": "v_proj",
     "o": "o_proj",
+    "q_norm": "q_norm",  # Qwen3's per-head q/k norms
+    "k_norm": "k_norm",
     "gate": "gate_proj",
     "up": "up_proj",
     "down": "down_proj",

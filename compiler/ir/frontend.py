@@ -178,6 +178,9 @@ class _Builder:
     def attention(self, x: fx.Node, site: AttentionCall, prefix: str, positions: fx.Node) -> fx.Node:
         cfg = self.cfg
         q, k, v = (self.linear(x, f"{prefix}.{p}", site.qkv_bias) for p in ("q", "k", "v"))
+        if site.qk_norm:  # per head, before rope (Qwen3); eps is the model norm's
+            q, k = (self.op(kiln_ops.head_rms_norm.default, (t, self.attr(f"{prefix}.{p}_norm.weight"), cfg.norm.eps),
+                            f"{prefix}.{p}_norm") for t, p in ((q, "q"), (k, "k")))
         if cfg.positions == "rope" and site.rope:
             inv_freq = self.attr(INV_FREQ)
             q = self.op(kiln_ops.rope.default, (q, positions, inv_freq), f"{prefix}.q_rope")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.errors import KilnError
-from kiln.ir.registry import kiln_op
+from kiln.ir.registry import kiln_op, reference
 from kiln.ir.signatures import ATTENTION
 
 _ACTS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -54,6 +54,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @rms_norm.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
+
+
+@kiln_op("kiln::head_rms_norm", mutates_args=())
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm over each head of flat heads: x [..., H * D], weight [D] shared by every head (Qwen3's q/k norm)."""
+    d = weight.shape[0]
+    if x.shape[-1] % d:
+        raise KilnError(f"head_rms_norm: {x.shape[-1]} features are not whole heads of {d}")
+    heads = x.view(*x.shape[:-1], x.shape[-1] // d, d)
+    return reference("rms_norm")(heads, weight, eps).reshape(x.shape)
+
+
+@head_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @kiln_op("kiln::layer_norm", mutates_args=())

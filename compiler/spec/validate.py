@@ -62,8 +62,9 @@ FLOAT_LIMITS = {  # key -> (largest value, why): beyond these the fp32 arithmeti
 }
 MAX_WEIGHT_BYTES = 1 << 40  # 1 TiB; see the module docstring
 POSITIONS = ("rope", "learned", "none")
-LAYER_OPS = {"norm": (), "attention": ("causal", "window", "bias", "qkv_bias", "out_bias", "rope"),
+LAYER_OPS = {"norm": (), "attention": ("causal", "window", "bias", "qkv_bias", "out_bias", "rope", "qk_norm"),
              "mlp": ("act", "bias")}
+QK_NORMS = ("rms",)  # attention(qk_norm = rms): a per-head RMSNorm of q and k before rope (Qwen3)
 _SITE_PREFIX = {"norm": "norm", "attention": "attn", "mlp": "mlp"}
 
 
@@ -180,7 +181,8 @@ class _Layer:
         prefix = _SITE_PREFIX[c.func]
         site = f"{prefix}{self.counts[prefix]}"
         self.counts[prefix] += 1
-        vals = {k: _int(self.r, v, k, *SIZE_LIMITS[k]) if k == "window" else _bool(self.r, v, k)
+        vals = {k: _int(self.r, v, k, *SIZE_LIMITS[k]) if k == "window"
+                else _qk_norm(self.r, v) if k == "qk_norm" else _bool(self.r, v, k)
                 for k, v in kw.items() if k != "act"}
         if vals.get("causal") is False:  # the torch.compile backend builds non-causal kiln::attention itself
             self.r.error(kw["causal"], "attention(causal = false) cannot be served: kiln generates left to right "
@@ -203,7 +205,24 @@ class _Layer:
             return MlpCall(args[0], site, vals["act"], vals.get("bias", False))
         bias = vals.get("bias", False)
         return AttentionCall(args[0], site, vals.get("causal", True), vals.get("window"),
-                             vals.get("qkv_bias", bias), vals.get("out_bias", bias), vals.get("rope", True))
+                             vals.get("qkv_bias", bias), vals.get("out_bias", bias), vals.get("rope", True),
+                             vals.get("qk_norm"))
+
+
+def _qk_norm(r: _Report, e: Expr) -> str | None:
+    """attention(qk_norm = rms): the kind alone; its eps is the model norm's, as in Qwen3's checkpoints."""
+    hint = ("`qk_norm = rms` normalizes each head of q and k before rope (weights [head_dim], the model norm's "
+            "eps); leave it out for no q/k norm")
+    if isinstance(e, Call) and e.func in QK_NORMS:
+        r.error(e, f"qk_norm = {e.func} takes no arguments: the q/k norm uses the eps of the model's `norm`", hint)
+        return None
+    if isinstance(e, Name) and e.id in QK_NORMS:
+        return e.id
+    if isinstance(e, Name):
+        r.error(e, f"unknown qk_norm `{e.id}`{_suggest(e.id, QK_NORMS)}", hint)
+    else:
+        r.error(e, f"qk_norm must be {' or '.join(QK_NORMS)}, got {format_expr(e)}", hint)
+    return None
 
 
 def _walk(body: tuple[LayerAssign, ...]):

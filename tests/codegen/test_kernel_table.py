@@ -101,6 +101,9 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         kiln_ops.linear.default: lambda: (r(rows, d), r(24, d, scale=d**-0.5), r(24)),
         kiln_ops.add.default: lambda: (r(rows, d), r(rows, d)),
         kiln_ops.rms_norm.default: lambda: (r(rows, d), r(d), 1e-5),
+        # q of a fused qkv projection: a row-strided view, normalized per head
+        kiln_ops.head_rms_norm.default: lambda: (r(1, seq, (heads + 2 * kv_heads) * hd)[..., : heads * hd], r(hd),
+                                                 1e-6),
         kiln_ops.layer_norm.default: lambda: (r(rows, d), r(d), r(d), 1e-5),
         kiln_ops.add_rms_norm.default: lambda: (r(rows, d), r(rows, d), r(d), 1e-5),
         kiln_ops.add_layer_norm.default: lambda: (r(rows, d), r(rows, d), r(d), r(d), 1e-5),

@@ -81,3 +81,29 @@ def test_norm_rejects_bad_inputs():
         rms_norm(x.transpose(1, 2), torch.randn(3), 1e-5)
     with pytest.raises(CodegenError, match="out"):
         rms_norm(x, torch.randn(64), 1e-5, out=torch.empty(2, 3, 65))
+
+
+@pytest.mark.parametrize(("heads", "d"), [(1, 40), (3, 24), (5, 16), (7, 96)])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_head_rms_norm_matches_reference_on_strided_heads(heads, d, rows):
+    """Qwen3's q/k norm: each head of a row normalized with one shared weight, x a piece of a fused projection."""
+    from kiln.codegen.norm import head_rms_norm
+
+    torch.manual_seed(rows * 100 + heads * d)
+    b, t = ROWS[rows]
+    fused = torch.randn(b, t, (2 * heads + 1) * d) * 3 + 0.5
+    x = fused[..., heads * d : 2 * heads * d]  # the middle piece: rows (2 * heads + 1) * d apart, offset
+    w = torch.randn(d)
+    out = _poisoned(x.contiguous())
+    got = head_rms_norm(x, w, 1e-6, out=out)
+    assert got is out
+    per_head = torch.stack([ops.rms_norm(x[..., h * d : (h + 1) * d], w, 1e-6) for h in range(heads)], -2)
+    torch.testing.assert_close(got, per_head.reshape(x.shape), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ops.head_rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_head_rms_norm_rejects_partial_heads():
+    from kiln.codegen.norm import head_rms_norm
+
+    with pytest.raises(CodegenError, match="whole number"):
+        head_rms_norm(torch.randn(2, 3, 40), torch.randn(16), 1e-6)

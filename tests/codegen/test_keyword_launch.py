@@ -132,6 +132,7 @@ def _run_every_wrapper() -> None:
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     x, w = r(3, 40), r(40)
     norm.rms_norm(x, w, 1e-5, residual=r(3, 40))
+    norm.head_rms_norm(r(3, 5 * 8), r(8), 1e-6)
     norm.layer_norm(x, w, r(40), 1e-5)
     rope.rope(r(1, 5, 4 * 16), torch.arange(5)[None], torch.rand(8))
     act.gated_act(r(3, 52), r(3, 52), "silu")

@@ -17,7 +17,7 @@ from kiln.ir.frontend import build_graph
 from kiln.spec.loader import load_spec
 from tests.support.hf_models import prompts, save_hf_model
 
-SPECS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-gpt2")
+SPECS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gpt2")
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -63,7 +63,7 @@ def test_without_kernels_runs_the_level2_references():
     assert close(compiled(tokens, positions), build_graph(cfg)(tokens, positions))
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_compiled_equals_hf(family, tmp_path):
     hf = save_hf_model(family, tmp_path, hidden_size=64)  # head_dim 16: the smallest the flash kernel takes
     cfg = config_from_hf(load_hf_config(tmp_path))

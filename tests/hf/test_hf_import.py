@@ -111,7 +111,8 @@ def test_gpt2_fields(tmp_path):
 @pytest.mark.parametrize(
     "hf, match",
     [
-        ({"model_type": "falcon"}, "'falcon' is not supported; supported: llama, mistral, ministral, qwen2, gpt2"),
+        ({"model_type": "falcon"},
+         "'falcon' is not supported; supported: llama, mistral, ministral, qwen2, qwen3, gpt2"),
         (
             {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "scale_attn_by_inverse_layer_idx": True},
             "scale_attn_by_inverse_layer_idx",

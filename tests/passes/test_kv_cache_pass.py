@@ -20,7 +20,7 @@ from kiln.step import step_input_names
 from tests.support.paged_helper import row_positions, shuffled_block_tables, step_batch
 
 kiln_ops = torch.ops.kiln
-SPECS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-gpt2"]
+SPECS = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gpt2"]
 LENS = [7, 8, 10, 12]  # final lengths of the four sequences
 STEP1 = [(0, 5), (0, 9), (0, 11)]  # sequences 1..3: their cached prefixes
 STEP2 = [(0, 7), (5, 8), (9, 10), (11, 12)]  # prefill, chunk after a prefix, two decodes

@@ -32,12 +32,19 @@ def _gpt2_mod():
     return dataclasses.replace(load_spec("tiny-gpt2").model, route=ModConfig(0.5, 2))
 
 
+def _qwen3_mod():
+    """q/k norms (kiln::head_rms_norm) in the compact body, head_dim 32 != dim / heads."""
+    return dataclasses.replace(load_spec("tiny-qwen3").model, route=ModConfig(0.5, 2))
+
+
 CASES = {  # name -> (config, form, fused threshold kernel, body reads positions)
     "llama-threshold-causal": (partial(_cfg, "tiny-llama-mod"), "causal", True, True),
     "llama-training": (partial(_cfg, "tiny-llama-mod"), "training", False, True),
     "mistral-predictor-causal": (partial(_cfg, "tiny-mistral-mod"), "causal", False, True),
     "mistral-training-0.3": (partial(_cfg, "tiny-mistral-mod", capacity=0.3), "training", False, True),
     "gpt2-threshold-causal": (_gpt2_mod, "causal", True, False),
+    "qwen3-threshold-causal": (_qwen3_mod, "causal", True, True),
+    "qwen3-training": (_qwen3_mod, "training", False, True),
 }
 
 

@@ -56,7 +56,7 @@ def fake_quantized(scheme: QuantScheme, spec: str = "tiny-llama"):
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(bits=8), QuantScheme(bits=4, group=32)], ids=lambda s: s.label)
-@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("spec", ["tiny-llama", "tiny-gpt2", "tiny-qwen3"])
 def test_check_pass_on_dequantized_weights(scheme, spec):
     n = len(linears(fused(spec))) - 1  # every linear but the lm_head
     op = W8 if scheme.bits == 8 else W4

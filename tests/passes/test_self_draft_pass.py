@@ -35,6 +35,7 @@ CASES = {  # name -> (config, L)
     "parallel attention + mlp": (dataclasses.replace(tiny_parallel(), layers=3), 2),
     "no final norm": (dataclasses.replace(tiny_llama(layers=2), final_norm=False), 1),
     "mistral (sliding window)": (load_spec("tiny-mistral").model, 1),
+    "qwen3 (q/k norms, head_dim != dim / heads)": (load_spec("tiny-qwen3").model, 1),
 }
 
 

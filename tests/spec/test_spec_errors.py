@@ -118,6 +118,14 @@ CASES = {
     # an unread assignment built dead ops whose weights became required checkpoint tensors
     "unused variable": (("    x = x + attention", "    h = norm(x)\n    x = x + attention"),
                         "`h` is assigned but never used", 12, 5, "remove the assignment"),
+    # attention(qk_norm = rms): Qwen3's per-head q/k norm, whose eps is the model norm's
+    "unknown qk_norm": (("causal = true", "qk_norm = rsm"), "unknown qk_norm `rsm`; did you mean `rms`?", 12, 42,
+                        "`qk_norm = rms` normalizes each head of q and k"),
+    "qk_norm not a norm kind": (("causal = true", "qk_norm = true"), "qk_norm must be rms, got true", 12, 42,
+                                "leave it out for no q/k norm"),
+    "qk_norm with its own eps": (("causal = true", "qk_norm = rms(eps = 1e-6)"),
+                                 "qk_norm = rms takes no arguments: the q/k norm uses the eps of the model's `norm`",
+                                 12, 42, "the model norm's eps"),
     "overwritten before use": (("    x = x + attention(norm(x), causal = true)",
                                 "    h = norm(x)\n    h = norm(x)\n    x = x + attention(h, causal = true)"),
                                "`h` is assigned but never used", 12, 5, "remove the assignment"),

@@ -12,8 +12,8 @@ from kiln.errors import KilnError, SpecError
 from kiln.model_config import param_shapes
 from kiln.spec.loader import DEFAULT_SPEC, LoadedSpec, bundled_specs, load_spec, parse_and_resolve
 
-REAL = ("gpt2", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.1", "qwen2.5-0.5b")
-TINY = ("tiny-gpt2", "tiny-llama", "tiny-llama-mod", "tiny-mistral", "tiny-mistral-mod", "tiny-qwen2")
+REAL = ("gpt2", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b-v0.1", "qwen2.5-0.5b", "qwen3-0.6b")
+TINY = ("tiny-gpt2", "tiny-llama", "tiny-llama-mod", "tiny-mistral", "tiny-mistral-mod", "tiny-qwen2", "tiny-qwen3")
 GGUF = ("smollm2-135m",)  # real specs whose weights ship as a GGUF in a Python package
 
 
@@ -75,6 +75,7 @@ PARAMS = {
     "llama-3.1-8b": 8_030_261_248,
     "mistral-7b-v0.1": 7_241_732_096,
     "qwen2.5-0.5b": 494_032_768,
+    "qwen3-0.6b": 596_049_920,  # 0.44B without the (tied) embedding, as its model card says
     "smollm2-135m": 134_515_008,
 }
 
@@ -94,6 +95,9 @@ def test_tiny_specs_are_small_and_cover_each_family():
     assert load_spec("tiny-llama").compile.dtype == "fp32"
     assert models["tiny-qwen2"].body[0].value.right.qkv_bias and models["tiny-qwen2"].tie_embeddings
     assert models["tiny-qwen2"].norm.eps == 1e-6
+    qwen3 = models["tiny-qwen3"]
+    assert qwen3.body[0].value.right.qk_norm == "rms" and not qwen3.body[0].value.right.qkv_bias
+    assert qwen3.heads * qwen3.head_dim != qwen3.dim and qwen3.tie_embeddings
     gpt2 = models["tiny-gpt2"]
     assert gpt2.positions == "learned" and gpt2.norm.kind == "layer" and gpt2.body[1].value.right.bias
 

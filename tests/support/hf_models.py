@@ -26,7 +26,8 @@ SMALL = dict(
     pad_token_id=0,
 )
 MISTRAL_WINDOW = 4
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+QWEN3_HEAD_DIM = 16  # explicit, and not hidden_size / heads (8), as in the real Qwen3 checkpoints
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 
 
 def _config(family: str, **overrides):
@@ -46,6 +47,8 @@ def _config(family: str, **overrides):
         return tf.MistralConfig(**{**SMALL, "sliding_window": MISTRAL_WINDOW, **overrides})
     if family == "qwen2":
         return tf.Qwen2Config(**{**SMALL, "tie_word_embeddings": True, **overrides})
+    if family == "qwen3":  # q_norm / k_norm over each head; no q/k/v biases by default
+        return tf.Qwen3Config(**{**SMALL, "head_dim": QWEN3_HEAD_DIM, "tie_word_embeddings": True, **overrides})
     if family == "gpt2":
         base = dict(
             n_embd=32,

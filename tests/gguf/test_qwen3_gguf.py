@@ -14,7 +14,7 @@ from kiln.gguf.config import config_from_gguf, open_gguf
 from kiln.hf.config import config_from_hf
 from kiln.ir.frontend import build_graph, random_weights
 from kiln.model_config import AttentionCall, ModelConfig
-from tests.support.gguf_helper import MERGES, SPECIALS, TEMPLATE, tokens
+from tests.support.gguf_helper import MERGES, SPECIALS, TEMPLATE, tokens, write_hparams
 
 _NAMES = {"norm0.weight": "attn_norm", "norm1.weight": "ffn_norm", "attn0.q.weight": "attn_q",
           "attn0.k.weight": "attn_k", "attn0.v.weight": "attn_v", "attn0.o.weight": "attn_output",
@@ -38,17 +38,7 @@ def write_qwen3_gguf(path: Path, cfg: ModelConfig, linear_type: str = "F32", see
     weights = random_weights(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed)
     writer = GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(cfg.layers)
-    writer.add_context_length(cfg.context)
-    writer.add_embedding_length(cfg.dim)
-    writer.add_feed_forward_length(cfg.ffn)
-    writer.add_head_count(cfg.heads)
-    writer.add_head_count_kv(cfg.kv_heads)
-    writer.add_key_length(cfg.head_dim)  # the converter writes head_dim here (it is not dim / heads)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(1000000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    write_hparams(writer, cfg, rope_theta=1000000.0, eps=1e-6, key_length=True)  # head_dim is not dim / heads
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     toks = tokens()

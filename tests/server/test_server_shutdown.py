@@ -64,6 +64,17 @@ def _check_aborted(got: dict, eng) -> None:
     assert not eng.has_unfinished() and not eng.block_manager.tables  # every KV block back in the pool
 
 
+def _serve(server) -> tuple[threading.Thread, socket.socket, str]:
+    """Run a DrainingServer in a thread on a free port until it has started: the thread, its socket and its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return thread, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 def test_requests_past_the_drain_deadline_are_aborted_with_a_503(llm):
     from kiln.server import ServerConfig
     from kiln.server.background import serve_in_thread
@@ -84,13 +95,7 @@ def test_a_forced_exit_answers_the_requests_in_flight_with_json(llm):
 
     eng = _slow_engine(llm)
     server = DrainingServer(build_app(eng, ServerConfig(model_name="tiny-llama")), None, log_level="critical")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread, sock, url = _serve(server)
     got, threads = _clients(url)
     _wait_running(url, 2)
     server.handle_exit(signal.SIGINT, None)  # Ctrl-C: the drain starts, with no bound
@@ -112,13 +117,7 @@ def test_health_answers_503_once_the_drain_begins_while_requests_in_flight_finis
 
     app = build_app(_slow_engine(llm), ServerConfig(model_name="tiny-llama"))
     server = DrainingServer(app, None, log_level="critical")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread, sock, url = _serve(server)
     got: dict = {}
     body = {**LONG, "max_tokens": 60}
     client = threading.Thread(target=lambda: got.update(r=httpx.post(f"{url}/v1/completions", json=body, timeout=60)))

@@ -47,16 +47,20 @@ _GGUF_NAMES = {"norm0.weight": "attn_norm", "norm1.weight": "ffn_norm", "attn0.q
                "mlp0.gate.weight": "ffn_gate", "mlp0.up.weight": "ffn_up", "mlp0.down.weight": "ffn_down"}
 
 
-def write_hparams(writer, cfg) -> None:
-    """A llama-family ModelConfig's hyperparameters as GGUF metadata (rope theta 10000, rms eps 1e-5)."""
+def write_hparams(writer, cfg, *, rope_theta: float = 10000.0, eps: float = 1e-5, key_length: bool = False) -> None:
+    """A llama-family ModelConfig's hyperparameters as GGUF metadata. key_length: write head_dim as the key and value
+    lengths too, as llama.cpp's converter does where head_dim is not dim / heads (Qwen3)."""
     writer.add_block_count(cfg.layers)
     writer.add_context_length(cfg.context)
     writer.add_embedding_length(cfg.dim)
     writer.add_feed_forward_length(cfg.ffn)
     writer.add_head_count(cfg.heads)
     writer.add_head_count_kv(cfg.kv_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
+    if key_length:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(eps)
     writer.add_rope_dimension_count(cfg.head_dim)
 
 

@@ -286,7 +286,13 @@ def kiln_backend(
         STATS.guards.append(guard)
 
         def run(*args: Any) -> Any:
-            return compiled(*args) if guard(args) else original.forward(*args)
+            if guard(args):
+                return compiled(*args)
+            if guard.failures == 1:  # once per graph: every call like this one loses kiln and the fallback
+                warnings.warn(f"kiln: graph {index}: an attention mask failed its run-time check (padding, or a "
+                              "sliding window longer than the calls it was compiled on saw); such calls run the "
+                              "graph as torch, without kiln's kernels or inductor", stacklevel=2)
+            return original.forward(*args)
 
     else:
         run = compiled

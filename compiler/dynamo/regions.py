@@ -17,6 +17,7 @@ passed instead (correct, slower).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import operator
 import os
@@ -100,6 +101,9 @@ def retarget(gm: fx.GraphModule, how: str) -> None:
     gm.recompile()
 
 
+MAX_REFREEZES = 2  # per region: a weight load or two is re-frozen; one that changes on every call is not
+
+
 @dataclass
 class Region:
     rid: int
@@ -112,6 +116,10 @@ class Region:
     nodes: list[str] = field(default_factory=list)  # the kiln nodes of the outer graph it replaced
     inputs: list[str] = field(default_factory=list)  # the outer graph's nodes it reads
     fallbacks: int = 0
+    # Builds `fast` again over other frozen weights (extract_regions sets it): a weight changed in place, through
+    # .data or load_state_dict is frozen anew, at most MAX_REFREEZES times per region.
+    rebuild: Callable[[dict], Callable] | None = None
+    refreezes: int = 0
 
     def __post_init__(self) -> None:
         # Per-call work is a few attribute reads: the frozen weights as flat tuples, the live inputs' indices.
@@ -131,16 +139,30 @@ class Region:
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # Contiguous in and out: kernels take dense rows, and the fake kernel promises dense outputs.
+        if self.fast is not None and not self._weights_ok(inputs) and self._may_refreeze():
+            self._refreeze(inputs)
         if self.fast is not None and self._weights_ok(inputs):
             outs = self.fast(*[inputs[i].contiguous() for i in self._live])
         else:
             if self.fallbacks == 0 and self.fast is not None:
-                warnings.warn(
-                    f"kiln region {self.rid}: a frozen weight changed; running its reference ops", stacklevel=2
-                )
+                warnings.warn(f"kiln region {self.rid}: a frozen weight changed again after {self.refreezes} "
+                              "re-freezes; running its reference ops from now on (recompile to freeze it again)",
+                              stacklevel=2)
             self.fallbacks += 1
             outs = self.ref(*[x.contiguous() for x in inputs])
         return [o.contiguous() for o in outs]
+
+    def _may_refreeze(self) -> bool:
+        # Not while a CUDA graph is captured (a rebuild compiles), nor for a weight that changes on every call (a
+        # buffer the forward writes): a few re-freezes, then the reference ops.
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return self.rebuild is not None and self.refreezes < MAX_REFREEZES and not capturing
+
+    def _refreeze(self, inputs: Sequence[torch.Tensor]) -> None:
+        self.refreezes += 1
+        self.frozen = {i: (inputs[i], inputs[i]._version) for i in self.frozen}
+        self.fast = self.rebuild(self.frozen)
+        self.__post_init__()
 
     def fake(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [o.contiguous() for o in self.ref(*[x.contiguous() for x in inputs])]
@@ -239,6 +261,11 @@ def _build(
     return _flat_weights(gm).forward, compiled.passes, kernels  # forward: no nn.Module __call__ per region call
 
 
+def _rebuild(ref: fx.GraphModule, frozen: dict, *, names: dict, use_kernels: bool | None,
+             overrides: dict[str, bool] | None) -> Callable:
+    return _build(ref, frozen, names, use_kernels, None, overrides)[0]
+
+
 def _split_at_writes(graph: fx.Graph, parts: list[list[fx.Node]], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """The partitions (nodes in graph order) cut at every in-place op that lies between their nodes.
 
@@ -306,6 +333,7 @@ def extract_regions(
         region.nodes, region.inputs = [n.name for n in kiln_nodes], [a.name for a in node.args]
         sub_dump = Path(dump_dir) / f"region_{len(regions)}" if dump_dir is not None else None
         region.fast, region.passes, region.kernels = _build(ref, frozen, names, use_kernels, sub_dump, overrides)
+        region.rebuild = functools.partial(_rebuild, ref, names=names, use_kernels=use_kernels, overrides=overrides)
         _REGIONS[rid] = region
         regions.append(region)
         with gm.graph.inserting_before(node):

@@ -207,15 +207,30 @@ def test_entry_point_without_importing_kiln():
     assert "'linear': 1" in out.stdout and "'act': 1" in out.stdout
 
 
-def test_a_weight_replaced_through_data_is_noticed():
+def test_changed_weights_are_frozen_anew_a_few_times_then_read_by_the_reference_ops():
+    """A weight replaced through .data (same Parameter, same _version) or loaded in place (load_state_dict) is
+    noticed and frozen into the region again, so the kernels keep running; a weight that keeps changing (a third
+    time) sends the region to its reference ops, with a warning. Every result equals eager."""
+    from kiln.dynamo import regions as regions_module
+
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)).eval()
     compiled = torch.compile(model, backend="kiln", options=EAGER)
     x = torch.randn(2, 3, 64)
+    known = set(regions_module._REGIONS)
     with torch.no_grad():
         assert close(compiled(x), model(x))
+        (region,) = [r for rid, r in regions_module._REGIONS.items() if rid not in known]
         model[0].weight.data = torch.randn(64, 64)  # the same Parameter object, at the same _version
-        with pytest.warns(UserWarning, match="a frozen weight changed"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
             assert close(compiled(x), model(x))
+            model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})  # in place
+            assert close(compiled(x), model(x))
+        assert (region.refreezes, region.fallbacks) == (2, 0)
+        model[2].bias.add_(1.0)
+        with pytest.warns(UserWarning, match="a frozen weight changed again after 2 re-freezes"):
+            assert close(compiled(x), model(x))
+        assert close(compiled(x), model(x)) and (region.refreezes, region.fallbacks) == (2, 2)
 
 
 def test_use_kernels_is_a_bool_and_needs_cuda_or_the_interpreter(monkeypatch):

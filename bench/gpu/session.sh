@@ -74,7 +74,7 @@ phase_tests() {
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
       > "$OUT/logs/versions.log" 2>&1
   # About 240 tests, most compiling kernels on a cold Triton cache, in what call 1's budget leaves
-  # (tests/bench/test_gpu_session.py); -v: a run cut short by its limit (no junit XML then) still shows in its log
+  # (a test checks the budget); -v: a run cut short by its limit (no junit XML then) still shows in its log
   # which tests passed, --durations where the time went.
   run pytest-gpu 190 "$PY" -m pytest -m gpu -v -p no:cacheprovider --durations=25 \
       --junitxml="$R/gpu-tests-$DEV-$DAY.xml"

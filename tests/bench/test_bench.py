@@ -82,6 +82,10 @@ def test_speculative_bench_runs_a_spec_with_random_weights(tmp_path, monkeypatch
     # Random weights rarely copy, so n-gram lookup may find nothing to propose; the self drafter always drafts.
     assert all(x["proposed"] > 0 for x in rows if x["drafter"] == "self")
     assert all(x["proposed"] == 0 for x in rows if x["drafter"] == "none")
+    # timed from the step where both requests have their first token (the prefill is no drafter's work)
+    assert all(x["timed_tokens"] == 2 * (4 - 1) for x in rows)
+    assert all(x["tokens_per_s"] == pytest.approx(x["timed_tokens"] / x["seconds"], rel=0.01) for x in rows)
+    assert r["commit"] and r["device"]  # the run metadata at the top, where collect.py reads the commit
 
 
 def test_speculative_bench_records_a_failing_drafter_and_saves_every_row_as_it_ends(tmp_path, monkeypatch):
@@ -135,7 +139,7 @@ def test_speculative_bench_writes_a_failed_run_when_the_target_cannot_run(tmp_pa
     r = json.loads(next(tmp_path.glob("speculative-tiny-llama-*.json")).read_text())
     what = {"load_model": "did not load", "compile_step": "did not compile"}[broken]
     assert r["status"] == f"failed: the target model {what}: RuntimeError: CUDA out of memory"
-    assert r["results"] == [] and r["meta"]["commit"]
+    assert r["results"] == [] and r["commit"]
 
 
 def _host_step(monkeypatch):

@@ -160,6 +160,9 @@ class LLM:
         for i, conv in enumerate(convs):
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise RequestError(f"conversation {i} must be a non-empty list of dicts with 'role' and 'content'")
+            if continue_final_message and conv[-1]["content"] is None:  # as the server and transformers refuse it
+                raise RequestError(f"conversation {i}: continue_final_message: the final message has no content to "
+                                   'continue; give it text (an empty string "" continues from the start of the reply)')
             try:
                 # OpenAI's content parts made text as the server makes them (the caller's dicts are left as they are)
                 msgs = [{**m, "content": message_text(m["content"])} for m in conv]

@@ -84,7 +84,10 @@ class Detokenizer:
         cache = self._token_text
         text = cache.get(token_id) if cache is not None else None
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            try:  # an alternative the request never produced must not fail it (a slow tokenizer raises on some ids)
+                text = self.tokenizer.decode([token_id])
+            except Exception:
+                return None
             if cache is not None:
                 cache[token_id] = text
         return text

@@ -219,12 +219,12 @@ class Request:
         lps, ids = self.output_logprobs, self.output_token_ids
         if self._lp_count > len(lps):  # a failed step's tokens were rolled back: sum again
             self._lp_count, self._lp_sum = 0, 0.0
-        text = self.detokenizer.token_str
+        text = self.detokenizer.token_str  # never raises: a token whose text fails to decode gets None
         for i in range(self._lp_count, len(lps)):
             d = lps[i]
-            self._lp_sum += d[ids[i]].logprob
             for t, lp in d.items():
                 lp.decoded_token = text(t)
+            self._lp_sum += d[ids[i]].logprob
         self._lp_count = len(lps)
         return self._lp_sum
 

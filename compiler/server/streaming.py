@@ -44,7 +44,7 @@ class Choices:
         self.tokenizer = tokenizer
         self.echo, self.prompt_only, self.shown_prompt = echo, prompt_only, prompt_logprobs
         self.echoed = [False] * len(request_ids)
-        # per choice (prompt ids, prompt logprobs, ranks), from its first output that has them
+        # per choice (prompt ids, prompt logprobs), from its first output that has them
         self.prompt: list[tuple | None] = [None] * len(request_ids)
 
     @property
@@ -53,7 +53,7 @@ class Choices:
 
     def update(self, item: RequestOutput | Exception) -> tuple[int, str, list[int], str | None, list | None]:
         """Apply one output; (choice index, new text, new token ids, finish reason or None, the new tokens'
-        (token id, {token id: logprob}) or None when not asked). An engine failure, or an APIError the engine loop
+        (token id, {token id: Logprob}) or None when not asked). An engine failure, or an APIError the engine loop
         delivered instead of an output, raises."""
         if isinstance(item, APIError):  # the server's own end of the request (the shutdown drain's deadline)
             raise item.again()

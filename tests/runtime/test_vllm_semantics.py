@@ -144,3 +144,41 @@ def test_engine_arguments_are_checked_by_name(kw, needle):
     with pytest.raises(KilnError) as err:
         engine(context=64, **kw)
     assert needle in str(err.value)
+
+
+class RaisingDecode(ByteTokenizer):
+    """decode([id]) raises for the ids in `bad` alone (slow sentencepiece tokenizers raise on some ids), so only a
+    Logprob's decoded_token for one of them can fail, never the output's own text."""
+
+    def __init__(self, vocab: int, bad: set[int]):
+        super().__init__(vocab)
+        self.bad = bad
+
+    def decode(self, ids):
+        if len(ids) == 1 and ids[0] in self.bad:
+            raise IndexError(f"piece id {ids[0]} is out of range")
+        return super().decode(ids)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_an_alternative_whose_text_fails_to_decode_gets_none_and_fails_nothing(kind):
+    """decoded_token is made for every top-k alternative and prompt entry, tokens no output carries: a decode that
+    raises for one leaves it None; the request and its batch mates end normally, cumulative_logprob intact."""
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=4, prompt_logprobs=4, output_kind=kind)
+    plain, _ = run(engine(), sp)
+    alternatives = {t for d in plain.logprobs for t in d} - set(plain.token_ids) - set(PROMPT)
+    bad = set(sorted(alternatives)[:2])
+    e = engine(tokenizer=RaisingDecode(V, bad))
+    mate = e.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=5))
+    rid = e.add_request(prompt_token_ids=PROMPT, params=sp)
+    outs: dict[str, list] = {}
+    for out in e.stream():
+        outs.setdefault(out.request_id, []).append(out)
+    got = outs[rid][-1].outputs[0]
+    assert outs[mate][-1].outputs[0].finish_reason == "length" and got.finish_reason == "length"
+    lps = [d for o in outs[rid] for d in o.outputs[0].delta_logprobs or []] if kind == "delta" else got.logprobs
+    prompt_lps = outs[rid][0].prompt_logprobs
+    assert got.cumulative_logprob == pytest.approx(plain.cumulative_logprob)
+    seen = [(t, v.decoded_token) for d in lps + prompt_lps[1:] for t, v in d.items()]
+    assert {t for t, text in seen if text is None} == bad & {t for t, _ in seen} != set()
+    assert all(text == chr(t) for t, text in seen if t not in bad)

@@ -163,3 +163,6 @@ def test_llm_chat_continues_the_final_message_as_the_server_does(url, llm):
     assert r["choices"][0]["token_ids"] == want.outputs[0].token_ids
     with pytest.raises(RequestError, match="continue_final_message and add_generation_prompt cannot both be true"):
         llm.chat(msgs, continue_final_message=True)
+    with pytest.raises(RequestError, match="the final message has no content to continue"):
+        llm.chat([*JOINED, {"role": "assistant", "content": None}], add_generation_prompt=False,
+                 continue_final_message=True)

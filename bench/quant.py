@@ -28,6 +28,7 @@ import argparse
 import itertools
 import os
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -74,34 +75,51 @@ def all_shapes(specs: list[str]) -> list[tuple[str, str, int, int]]:
     return [(spec, name, n, k) for spec in specs for name, n, k in linear_shapes(spec)]
 
 
-def measure_shapes(shapes, ms: list[int], ceiling: float, device: str = "cuda", dtype=torch.bfloat16) -> list[dict]:
-    """One row per (shape, scheme, M): time, bytes, GB/s, share of copy bandwidth, speed-up, error, tile."""
-    rows = []
+def measure_shapes(shapes, ms: list[int], ceiling: float, device: str = "cuda", dtype=torch.bfloat16,
+                   on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """One row per (shape, scheme, M): time, bytes, GB/s, share of copy bandwidth, speed-up, error, tile. A (shape,
+    scheme) that raises is one row with its `error`, and the next still runs; on_row(rows) after every row (the
+    caller writes the file: a run cut short by its time limit keeps what it measured)."""
+    rows: list[dict] = []
     for spec, name, n, k in shapes:
-        base = {}
+        base: dict[int, float] = {}
         for scheme in SCHEMES:
-            probe = Linear(n, k, scheme, device, dtype)
-            lin = Linear(n, k, scheme, device, dtype, copies=copies_for(probe.nbytes, device))
-            del probe
-            x_all = torch.randn(max(ms), k, device=device, dtype=dtype)
-            for m in ms:
-                x, out = x_all[:m], torch.empty(m, n, device=device, dtype=dtype)
-                err = lin.check(x)
-                sec = time_linear(lin, x, out)
-                nbytes = lin.nbytes + x.element_size() * m * (k + n)
-                if scheme == "bf16":
-                    base[m] = sec
-                rows.append({"spec": spec, "linear": name, "n": n, "k": k, "m": m, "scheme": scheme, "us": sec * 1e6,
-                             "bytes": nbytes, "gb_per_s": nbytes / sec / 1e9,
-                             "pct_of_copy_bw": 100 * nbytes / sec / 1e9 / ceiling,
-                             "speedup_vs_bf16": base[m] / sec if m in base else None, "max_rel_err": err,
-                             "tile": chosen_tile(lin, m, device), "weight_copies": len(lin.parts)})  # fmt: skip
-                r = rows[-1]
-                print(f"{spec:<13}{name:<8}{n:>7}{k:>6}{m:>4} {scheme:<10}{r['us']:>9.2f} us{r['gb_per_s']:>7.0f} GB/s"
-                      f"{r['pct_of_copy_bw']:>5.0f}%{r['speedup_vs_bf16'] or 0:>6.2f}x  err {err:.1e}")  # fmt: skip
-            del lin
+            try:
+                for row in _scheme_rows(spec, name, n, k, scheme, ms, ceiling, device, dtype, base):
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(rows)
+            except Exception as e:
+                rows.append({"spec": spec, "linear": name, "n": n, "k": k, "scheme": scheme,
+                             "error": f"{type(e).__name__}: {e}"[:1000]})
+                print(f"bench: {spec} {name} {scheme} failed: {rows[-1]['error']}", file=sys.stderr)
+                if on_row is not None:
+                    on_row(rows)
             torch.cuda.empty_cache()
     return rows
+
+
+def _scheme_rows(spec: str, name: str, n: int, k: int, scheme: str, ms: list[int], ceiling: float, device: str,
+                 dtype, base: dict[int, float]) -> Iterator[dict]:
+    """measure_shapes' rows of one (shape, scheme), one per M; base: bf16's seconds per M (filled by bf16, first)."""
+    probe = Linear(n, k, scheme, device, dtype)
+    lin = Linear(n, k, scheme, device, dtype, copies=copies_for(probe.nbytes, device))
+    del probe
+    x_all = torch.randn(max(ms), k, device=device, dtype=dtype)
+    for m in ms:
+        x, out = x_all[:m], torch.empty(m, n, device=device, dtype=dtype)
+        err = lin.check(x)
+        sec = time_linear(lin, x, out)
+        nbytes = lin.nbytes + x.element_size() * m * (k + n)
+        if scheme == "bf16":
+            base[m] = sec
+        r = {"spec": spec, "linear": name, "n": n, "k": k, "m": m, "scheme": scheme, "us": sec * 1e6,
+             "bytes": nbytes, "gb_per_s": nbytes / sec / 1e9, "pct_of_copy_bw": 100 * nbytes / sec / 1e9 / ceiling,
+             "speedup_vs_bf16": base[m] / sec if m in base else None, "max_rel_err": err,
+             "tile": chosen_tile(lin, m, device), "weight_copies": len(lin.parts)}  # fmt: skip
+        print(f"{spec:<13}{name:<8}{n:>7}{k:>6}{m:>4} {scheme:<10}{r['us']:>9.2f} us{r['gb_per_s']:>7.0f} GB/s"
+              f"{r['pct_of_copy_bw']:>5.0f}%{r['speedup_vs_bf16'] or 0:>6.2f}x  err {err:.1e}")  # fmt: skip
+        yield r
 
 
 def sweep_one(lin: Linear, m: int, ceiling: float) -> tuple[float, object, int, float] | None:
@@ -207,9 +225,17 @@ def main(argv: list[str] | None = None) -> int:
         result = {"benchmark": "quant-sweep", **run_metadata(), "copy_gb_per_s": ceiling, "sweep": winners}
         print(f"wrote {write_json(result_path(args.out_dir, 'quant-sweep'), result)}")
         return 0
-    result = {"benchmark": "quant", **run_metadata(), "copy_gb_per_s": ceiling,
-              "shapes": measure_shapes(all_shapes(specs), ms, ceiling), "step": {"spec": args.step_spec, "batch": 1}}
-    path = write_json(result_path(args.out_dir, "quant"), result)  # written now: the step part must not lose it
+    path = result_path(args.out_dir, "quant")
+    result = {"benchmark": "quant", **run_metadata(), "copy_gb_per_s": ceiling, "status": "partial: shapes",
+              "shapes": [], "step": {"spec": args.step_spec, "batch": 1}}
+
+    def save_shapes(rows: list[dict]) -> None:  # after every row: a run cut short keeps what it measured
+        result["shapes"] = rows
+        write_json(path, result)
+
+    measure_shapes(all_shapes(specs), ms, ceiling, on_row=save_shapes)
+    result["status"] = "partial: the whole step"
+    write_json(path, result)  # written now: the step part must not lose it
     steps = []
     for scheme in SCHEMES:
         try:
@@ -227,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['speedup_vs_bf16'] or 0:.2f}x; {lp['launches_per_step']} launches (profiler: "
               f"{lp['profiled_kernels_per_step']}); not fused: {', '.join(lp['not_fused'])}")  # fmt: skip
     result["step"]["rows"] = steps
+    result["status"] = "complete"
     write_json(path, result)
     print(f"wrote {path}")
-    return 0 if all("error" not in r for r in steps) else 1
+    return 0 if all("error" not in r for r in steps + result["shapes"]) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -84,3 +84,26 @@ def test_per_shape_rows_and_sweep_winners_on_cpu(bench, monkeypatch):
                                       ("quant_gemm", 4, 128, 16)]  # fmt: skip
     assert all(w["candidates"] == 2 for w in winners)
     json.dumps({"shapes": rows, "sweep": winners})
+
+
+def test_a_failing_scheme_is_its_rows_error_and_every_row_is_handed_on(bench, monkeypatch):
+    """A (shape, scheme) that raises is recorded as one row with its error and the next still runs; on_row gets the
+    rows after each one, so the GPU run writes its file as it goes (a time limit keeps what was measured)."""
+    import quant_linear
+
+    monkeypatch.setattr(quant_linear, "time_calls", lambda fns: 1e-5)
+    real_check = quant_linear.Linear.check
+
+    def check(self, x, *a, **k):
+        if self.scheme == "int8":
+            raise RuntimeError("illegal memory access")
+        return real_check(self, x, *a, **k)
+
+    monkeypatch.setattr(quant_linear.Linear, "check", check)
+    seen = []
+    rows = bench.measure_shapes([("test", "odd", 40, 256)], [1, 17], ceiling=100.0, device="cpu",
+                                dtype=torch.float32, on_row=lambda r: seen.append(len(r)))
+    assert [(r["scheme"], r.get("m"), r.get("error")) for r in rows] == [
+        ("bf16", 1, None), ("bf16", 17, None), ("int8", None, "RuntimeError: illegal memory access"),
+        ("int4-g128", 1, None), ("int4-g128", 17, None)]
+    assert seen == [1, 2, 3, 4, 5]

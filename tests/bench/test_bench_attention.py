@@ -159,3 +159,24 @@ def test_a_failing_tune_is_recorded_for_its_head_dim_and_the_next_head_dim_runs(
         (64, 1, 40), (64, 1, 77), (64, 3, 40), (64, 3, 77)]
     assert all(r["kiln_ms"] > 0 for r in saved["rows"])
     assert "FAILED: tuning for head dim 32" in capsys.readouterr().err
+
+
+def test_decode_target_is_met_only_in_every_head_dim(bench_path):
+    """target_met needs batch 64, context 4096 at >= 70% of copy bandwidth in every head dim of the run: a head dim
+    whose row failed, or that has no row (its tuning failed), does not meet it; None where no head dim has the point."""
+    import argparse
+
+    mod = _load("decode_attention")
+    args = argparse.Namespace(heads=32, kv_heads=8, block_size=16, dtype="bf16", head_dims="64,128")
+
+    def met(rows):
+        return mod._result(args, {}, {}, (64, 4096), rows, [], 3e12, [])["target_met"]
+
+    def row(d, share=0.8, **kw):
+        return {"batch": 64, "context": 4096, "head_dim": d, "kiln_of_copy_bw": share, **kw}
+
+    assert met([row(64), row(128)]) is True
+    assert met([row(64), row(128, share=0.6)]) is False
+    assert met([row(64)]) is False  # head dim 128 measured nothing
+    assert met([row(64), {"batch": 64, "context": 4096, "head_dim": 128, "error": "mismatch 0.3"}]) is False
+    assert met([{**row(64), "context": 512}]) is None

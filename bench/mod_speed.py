@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import sys
 import time
 from pathlib import Path
 
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict:
               "eager": args.eager,
               "narrow_min_rows": args.narrow_min_rows, "narrow_bucket": args.narrow_bucket,
               "calibration": {"prompts": args.calib_prompts, "len": args.calib_len},
-              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes, "rows": []}
+              "copy_bandwidth_gb_s": round(copy_bw / 1e9, 2), "weight_bytes": weight_bytes,
+              "status": "partial: started", "rows": []}
     cuda_graphs = False if args.eager else None
     loads = [("prefill", Workload(args.prefill_prompts, args.prefill_len, 1, args.temperature,
                                   args.max_num_batched_tokens, args.prefix_caching, cuda_graphs))]
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     loads += [(f"decode_{b}_p{p}", Workload(b, p, args.new_tokens, args.temperature, max(b * p, 16),
                                             args.prefix_caching, cuda_graphs))
               for b, p in args.extra_decode]
+    failed = False
     for load, w in loads:
         row = {"workload": load, "prompts": w.prompts, "prompt_len": w.prompt_len, "new_tokens": w.new_tokens}
         sides = [("dense", dense, w), ("routed", routed, w)]
@@ -285,36 +288,51 @@ def main(argv: list[str] | None = None) -> dict:
         # Decode: the dense twin again with async scheduling off: how much of its speed rests on hiding host work.
         sides += [("dense_sync", dense, dataclasses.replace(w, async_scheduling=False))] if w.new_tokens > 1 else []
         for side, m, wl in sides:
-            row[side] = measure(m["step"], m["cfg"], wl, args.seed + 11 + len(result["rows"]), bs, layers)
+            try:  # a side that raises is its error, and the others still run (the GPU run must not lose them)
+                row[side] = measure(m["step"], m["cfg"], wl, args.seed + 11 + len(result["rows"]), bs, layers)
+            except Exception as e:
+                row[side] = {"error": f"{type(e).__name__}: {e}"[:1000]}
+                say(f"{load} {side} FAILED: {row[side]['error']}")
+                failed = True
             _free()  # the engine's pools go before the next one is sized
-            if w.new_tokens > 1:
+            if w.new_tokens > 1 and "error" not in row[side]:
                 per_step = decode_bytes(m["step"].step, weight_bytes, w.prompts,
                                         w.prompt_len + w.new_tokens / 2, row[side]["kv_bytes_per_token"])
                 row[side]["bytes_per_step"] = round(per_step)
                 row[side]["bandwidth_share"] = float(f"{row[side]['tok_s'] / w.prompts * per_step / copy_bw:.4g}")
+        ok = {side for side, *_ in sides if "error" not in row[side]}
         for side in ("routed", "routed_padded"):
-            if side in row:
+            if {side, "dense"} <= ok:
                 row[f"{side}_over_dense"] = round(row[side]["tok_s"] / row["dense"]["tok_s"], 3)
-        if "dense_sync" in row:
+        if {"routed", "dense_sync"} <= ok:
             row["routed_over_dense_sync"] = round(row["routed"]["tok_s"] / row["dense_sync"]["tok_s"], 3)
-        if w.new_tokens > 1:  # the most a memory-bound decode can gain: the bytes a step must read, dense / routed
-            row["routed_over_dense_bytes_bound"] = round(row["dense"]["bytes_per_step"]
+        if w.new_tokens > 1 and {"routed", "dense"} <= ok:  # the most a memory-bound decode can gain: bytes a
+            row["routed_over_dense_bytes_bound"] = round(row["dense"]["bytes_per_step"]  # step reads, dense / routed
                                                          / row["routed"]["bytes_per_step"], 3)
         target = TARGETS.get(load.split("_p")[0])  # the batch-64 decode target holds at any prompt length
         if target is not None:
             row["target"] = target
-        say(f"{load}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "
-            f"{row['routed_over_dense']:.2f}x{f' (target {target}x)' if target is not None else ''}"
-            + (f", routed without narrowing {row['routed_padded_over_dense']:.2f}x" if "routed_padded" in row else "")
-            + (f", over dense without async scheduling {row['routed_over_dense_sync']:.2f}x"
-               if "dense_sync" in row else "")
-            + f"; routed fraction per layer {row['routed']['routed_fraction']}")
+        if {"routed", "dense"} <= ok:
+            say(f"{load}: dense {row['dense']['tok_s']:.1f} tok/s, routed {row['routed']['tok_s']:.1f} tok/s, "
+                f"{row['routed_over_dense']:.2f}x{f' (target {target}x)' if target is not None else ''}"
+                + (f", routed without narrowing {row['routed_padded_over_dense']:.2f}x"
+                   if "routed_padded_over_dense" in row else "")
+                + (f", over dense without async scheduling {row['routed_over_dense_sync']:.2f}x"
+                   if "routed_over_dense_sync" in row else "")
+                + f"; routed fraction per layer {row['routed']['routed_fraction']}")
         result["rows"].append(row)
+        result["status"] = f"partial: {len(result['rows'])} of {len(loads)} workloads"
         if save:
             write_json(path, result)  # after every workload: a run cut short keeps what it measured
+    result["status"] = "complete"
+    if save:
+        write_json(path, result)
     say(f"wrote {path}" if save else "smoke: no file written (--save-smoke writes it)")
+    if failed:
+        say("FAILED: some workloads' sides raised (their error is in the JSON)")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    rows = main()["rows"]
+    sys.exit(1 if any("error" in side for r in rows for side in r.values() if isinstance(side, dict)) else 0)

@@ -147,3 +147,23 @@ def test_routed_rows_are_counted_after_replays_and_without_padding(bench):
         assert step.rows == len(prompts) * (9 + max_tokens - 1)  # each prompt token and each fed-back token once
         counted.append(step.fractions([1]))
     assert counted[0] == counted[1] and 0 < counted[0]["1"] < 1, counted
+
+
+def test_a_side_that_raises_is_its_error_and_the_run_goes_on(bench, tmp_path, monkeypatch):
+    """The dense twin without async scheduling fails on every decode workload: each row keeps the other sides and
+    their ratio, the failed side holds its error (collect.py reports it), and the file says complete at the end."""
+    def measure(step, cfg, w, *rest):
+        if w.async_scheduling is False:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return {"tok_s": 2.0 if getattr(step, "num_routed_layers", 0) else 1.0, "kv_bytes_per_token": 1.0,
+                "routed_fraction": {}}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    result = bench.main(["--smoke", "--save-smoke", "--out-dir", str(tmp_path)])
+    saved = json.loads(next(tmp_path.glob("mod_speed-*.json")).read_text())
+    assert saved["status"] == "complete" and saved["rows"] == result["rows"] and len(result["rows"]) == 4
+    for row in result["rows"]:
+        assert row["routed_over_dense"] == 2.0
+        if row["new_tokens"] > 1:
+            assert row["dense_sync"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+            assert "routed_over_dense_sync" not in row and row["routed_over_dense_bytes_bound"] > 0

@@ -36,11 +36,16 @@ def run(spec: str, tokens: int, prompt_len: int, device: str, seed: int = 0) -> 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     ref_gm = copy.deepcopy(m.gm)  # compile_step rewrites its graph in place
     step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda")
-    engine = Engine(step, m.tokenizer, m.model, max_num_seqs=1)
+    # No prefix caching: the warm-up runs the same prompt, and the timed run must compute it as the uncached one does
+    engine = Engine(step, m.tokenizer, m.model, max_num_seqs=1, enable_prefix_caching=False)
+
+    hits = []
 
     def cached() -> list[int]:
         engine.add_request(prompt_token_ids=prompt, params=params)
-        return engine.run()[0].outputs[0].token_ids
+        out = engine.run()[0]
+        hits.append(out.metrics.num_cached_tokens)  # 0: the prompt is computed, as in the uncached run
+        return out.outputs[0].token_ids
 
     def uncached() -> list[int]:
         return generate(ref_gm, prompt, params, context=m.model.context).token_ids
@@ -58,6 +63,7 @@ def run(spec: str, tokens: int, prompt_len: int, device: str, seed: int = 0) -> 
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         result[name] = {"seconds": elapsed, "tokens_per_s": len(out) / elapsed, "token_ids": out}
+    result["cached"]["prompt_tokens_from_prefix_cache"] = hits[-1]
     result["ratio"] = result["cached"]["tokens_per_s"] / result["uncached"]["tokens_per_s"]
     result["same_tokens"] = result["cached"]["token_ids"] == result["uncached"]["token_ids"]
     return result

@@ -55,11 +55,12 @@ def test_bench_throughput_plain_table_and_bad_flags(capsys):
 
 def test_kv_cache_bench_writes_its_json(tmp_path, monkeypatch):
     mod = load_script("kv_cache.py", monkeypatch)
-    assert mod.main(["--tokens", "12", "--prompt-len", "5", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
+    assert mod.main(["--tokens", "12", "--prompt-len", "40", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
     files = list(tmp_path.glob("kv_cache-tiny-llama-cpu-*.json"))
     assert len(files) == 1
     r = json.loads(files[0].read_text())
     assert r["same_tokens"] and r["tokens"] == 12 and r["ratio"] > 0
+    assert r["cached"]["prompt_tokens_from_prefix_cache"] == 0  # the warm-up's prompt is not reused
     assert {"torch", "triton", "commit", "date", "device"} <= set(r)
 
 

@@ -47,7 +47,8 @@ constants (eps, the attention scale) as inputs; a claim specializes them with a 
 inductor may make Dynamo restart the frame once to specialize the rest (the backend works on a copy of
 Dynamo's graph, which Dynamo then clears, so kiln simply builds that graph again).
 Masks computed in the graph are claimed behind a run-time value check (kiln.dynamo.masks): a call with
-padding runs the original graph eagerly. Weights are frozen into the kiln regions, guarded per call (memory
+padding runs the original graph, compiled by inductor at the first such call when that is the fallback (else
+eagerly), and says so once. Weights are frozen into the kiln regions, guarded per call (memory
 address and version counter, so `param.data = ...` is seen too).
 
 In-place ops in the graph (`+=`, `x[i] = v`, `.mul_`, ReLU(inplace=True)) run as torch where they stand; no claim
@@ -219,6 +220,14 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str) -> C
     return compile_fx(gm, list(example_inputs), config_patches=list_mode_options(mode) or None)
 
 
+def _unclaimed(original: fx.GraphModule, opts: Any, grad: bool) -> Callable[..., Any]:
+    """Dynamo's graph as it came, for the calls whose masks kiln did not claim: compiled by inductor (through
+    torch.compile, which traces and guards its shapes itself) when that is the fallback, else run as torch."""
+    if opts.fallback != "inductor" or grad:
+        return original.forward
+    return torch.compile(_copy(original), backend="inductor", mode=opts.mode if opts.mode != "default" else None)
+
+
 def _may_record_grad(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
     """Whether running the graph can record an autograd graph: an input (parameters are inputs) requires grad and
     gradients are on, at compile time or switched on inside the graph (`with torch.enable_grad()` in a forward
@@ -285,14 +294,18 @@ def kiln_backend(
     if guard is not None:
         STATS.guards.append(guard)
 
+        unguarded: list[Callable[..., Any]] = []  # made at the first failure: most graphs never fail
+
         def run(*args: Any) -> Any:
             if guard(args):
                 return compiled(*args)
-            if guard.failures == 1:  # once per graph: every call like this one loses kiln and the fallback
+            if not unguarded:
+                unguarded.append(_unclaimed(original, opts, grad))
+                how = "as torch" if unguarded[0] == original.forward else "by inductor"
                 warnings.warn(f"kiln: graph {index}: an attention mask failed its run-time check (padding, or a "
                               "sliding window longer than the calls it was compiled on saw); such calls run the "
-                              "graph as torch, without kiln's kernels or inductor", stacklevel=2)
-            return original.forward(*args)
+                              f"graph without kiln's kernels ({how})", stacklevel=2)
+            return unguarded[0](*args)
 
     else:
         run = compiled

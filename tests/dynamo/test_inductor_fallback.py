@@ -217,3 +217,26 @@ def test_generate_compiles_as_many_graphs_as_backend_eager():
         counts[backend] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     model.forward = forward
     assert counts["kiln"] == counts["eager"], counts
+
+
+def test_a_call_whose_mask_fails_the_check_is_compiled_by_inductor_not_run_as_torch():
+    """Left padding makes the mask no longer causal: such calls run Dynamo's graph without kiln's claims, and with
+    fallback="inductor" that graph is compiled by inductor (once, at the first such call), not run eagerly."""
+    model, tokens = build_hf_model("llama"), prompts(length=8)  # eager attention: the mask is a graph input
+    ones, padded = torch.ones_like(tokens), torch.ones_like(tokens)
+    padded[0, :3] = 0
+    compiled = torch.compile(model, backend="kiln")
+    with torch.no_grad():
+        compiled(tokens, attention_mask=ones)
+        graphs, kiln_graphs, fails = torch._dynamo.utils.counters["stats"]["unique_graphs"], STATS.graphs, \
+            STATS.mask_fallbacks
+        with pytest.warns(UserWarning, match=r"without kiln's kernels \(by inductor\)"):
+            got = compiled(tokens, attention_mask=padded).logits
+        want = model(tokens, attention_mask=padded).logits
+        again = compiled(tokens, attention_mask=padded).logits
+    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[0, 3:], want[0, 3:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(again, got)
+    # the two padded calls failed the check; inductor compiled the unclaimed graph once (not through kiln)
+    assert (STATS.mask_fallbacks, STATS.graphs) == (fails + 2, kiln_graphs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1

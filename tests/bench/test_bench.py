@@ -242,6 +242,18 @@ def test_step_host_time_runs_on_cpu_and_builds_a_consistent_decode_batch(tmp_pat
     assert json.loads(next(tmp_path.glob("step_host_time-smoke-*.json")).read_text())["rows"] == result["rows"]
 
 
+def test_step_host_time_times_a_random_kv_pool(monkeypatch):
+    """Device times are never taken over an all-zero pool: every tensor of the KVCache is filled (int8 codes and
+    positive fp32 scales for an int8 cache)."""
+    from kiln.step import KVCache
+
+    mod = load_script("step_host_time.py", monkeypatch)
+    kv = mod.random_fill(KVCache(torch.zeros(2, 2, 3, 4, 2, 8, dtype=torch.int8), torch.zeros(2, 2, 3, 4, 2)))
+    assert (kv.data != 0).float().mean() > 0.9 and kv.scales.min() > 0 and kv.routed is None
+    kv = mod.random_fill(KVCache(torch.zeros(2, 2, 3, 4, 2, 8, dtype=torch.bfloat16)))
+    assert (kv.data != 0).all() and kv.data.abs().max() <= 1
+
+
 def test_step_host_time_smoke_writes_no_file_without_save_smoke(tmp_path, monkeypatch):
     """Like every bench script's --smoke: nothing is written (bench/results/ included) unless --save-smoke."""
     mod = load_script("step_host_time.py", monkeypatch)

@@ -41,6 +41,13 @@ class LoadedModel:
     # Weights stored quantized (a `kiln quantize` checkpoint's scheme, "gguf" for a GGUF's kept linears): the
     # compile config then asks for no quantize pass, since there is nothing left to quantize.
     stored_quantize: str | None = None
+    random_seed: int | None = None  # the seed of seeded random weights, None when weights were loaded
+
+    def weights_label(self) -> str:
+        """What the load line says of the weights: random ones must never pass for loaded ones."""
+        if self.random_seed is None:
+            return ""
+        return f", random weights (seed {self.random_seed}; give --weights for real ones)"
 
     def quantize_label(self) -> str | None:
         """The weights' quantization as run: the compile config's scheme, else how they were stored."""
@@ -159,7 +166,8 @@ def load_model(
     if routers is not None:
         cfg, comp, gm = _with_routers(cfg, comp, gm, routers)
     tokenizer = load_tokenizer(weights_dir, vocab=cfg.vocab)
-    return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source)
+    return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source,
+                       random_seed=seed if weights_dir is None else None)
 
 
 def _load_quantized(

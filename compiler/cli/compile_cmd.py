@@ -79,7 +79,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from kiln.codegen import autotune
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.compile.driver import compile_model, emit
+    from kiln.compile.driver import compile_model, emit, kernels_usable
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.ir.frontend import TORCH_DTYPES, build_graph
@@ -88,6 +88,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from kiln.ir.text import weight_bytes
 
     tuned_before = dataclasses.replace(autotune.stats())
+    if not kernels_usable():  # before any work: it renders and loads every kernel of the step
+        raise KilnError("kiln compile loads the kernels it renders: it needs CUDA, or Triton's interpreter on a CPU; "
+                        "run it as `TRITON_INTERPRET=1 kiln compile ...` (`kiln check` checks a spec without kernels)")
 
     emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
     if emit_dir is not None:

@@ -57,8 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     total = len(prompt_ids) + params.max_tokens
     engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
     quant = m.quantize_label()
-    say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}{', ' + quant if quant else ''}) "
-        f"in {time.perf_counter() - t0:.2f}s")
+    say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}{', ' + quant if quant else ''}"
+        f"{m.weights_label()}) in {time.perf_counter() - t0:.2f}s")
     st = engine.stats
     if st.routed_blocks:  # Mixture-of-Depths: routed layers cache only their routed tokens
         say(f"{describe_route(m.model)}, served in the causal form (router score > threshold, or predictor logit "

@@ -66,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        chat_template=chat_template_of(m.tokenizer))
     app = build_app(engine, cfg)
     say(f"serving {name} on http://{args.host}:{sock.getsockname()[1]}/v1 ({m.device}, "
-        f"{engine.block_manager.num_usable_blocks} KV blocks, chat template: {cfg.chat_template.origin})")
+        f"{engine.block_manager.num_usable_blocks} KV blocks, chat template: {cfg.chat_template.origin}"
+        f"{m.weights_label()})")
     server = DrainingServer(app, args.timeout_graceful_shutdown, log_level=args.log_level)
     try:
         server.run(sockets=[sock])

@@ -66,6 +66,8 @@ def test_run_plain_text_goes_to_stdout(capsys):
     assert code == 0
     assert out.endswith("\n")
     assert "loaded tiny-llama" in err
+    # random weights never pass for loaded ones (a copied spec of a bundled model loses its packaged weights)
+    assert "(fp32, random weights (seed 0; give --weights for real ones))" in err
 
 
 @pytest.mark.parametrize(

@@ -169,3 +169,11 @@ def test_help_texts_say_what_the_flags_take(capsys):
         assert "or a .gguf file" in _help(capsys, *cmd) and "not a `kiln quantize` output" in _help(capsys, *cmd)
     assert "(default bench/results, relative to the working directory" in _help(capsys, "bench", "serve")
     assert "for a GGUF, its general.name metadata" in _help(capsys, "import")
+
+
+def test_compile_without_cuda_or_the_interpreter_says_how_to_run_it(capsys, monkeypatch):
+    import kiln.compile.driver as driver
+
+    monkeypatch.setattr(driver, "kernels_usable", lambda: False)
+    code, _, err = run_cli(capsys, "compile", "tiny-llama")
+    assert code == 2 and "run it as `TRITON_INTERPRET=1 kiln compile ...`" in err

@@ -24,6 +24,14 @@ log = logging.getLogger("kiln.cli")
 DRAIN_S = 30.0  # --timeout-graceful-shutdown's default
 
 
+def server_root(url: str) -> str:
+    """--base-url as a server's root: the URL `kiln serve` prints (and OpenAI clients take) ends in /v1, and a bare
+    host:port gets http://."""
+    url = url.strip().rstrip("/")
+    url = url.removesuffix("/v1").rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -108,7 +116,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or args.request_rate <= 0 or (args.max_concurrency or 1) < 1:
         raise KilnError("--num-requests, --request-rate and --max-concurrency must be positive")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    base = args.base_url.rstrip("/")
+    base = server_root(args.base_url)
     try:
         models = httpx.get(f"{base}/v1/models", headers=headers, timeout=30)
         if models.status_code == 401:
@@ -176,7 +184,8 @@ def add_bench_serve_parser(bsub: argparse._SubParsersAction) -> None:
                         description="Replay a seeded trace of streamed completions against a running server at "
                         "a request rate (Poisson) or a fixed concurrency; report throughput and TTFT / TPOT / "
                         "inter-token latency (mean, p50, p99) and write JSON under --out-dir.")
-    b.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server, as `kiln serve` prints it (with or without /v1; default http://127.0.0.1:8000)")
     b.add_argument("--api-key", metavar="KEY", help="the server's --api-key")
     b.add_argument("--num-requests", type=int, default=64, help="requests in the trace (default 64)")
     b.add_argument("--input-len", default="16:128", metavar="LO:HI", help="prompt lengths, uniform (16:128)")

@@ -44,6 +44,11 @@ class ServerConfig:
     chat_template: ChatTemplate | None = None
 
 
+def _model_of(body: object) -> object:
+    """The body's model field as sent (checked before the rest of the body is validated)."""
+    return body.get("model") if isinstance(body, dict) else None
+
+
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(config.model_name)
     loop = EngineLoop(engine, metrics)
@@ -106,8 +111,8 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [card]}
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != config.model_name:
+    def check_model(name: object) -> None:
+        if isinstance(name, str) and name != config.model_name:
             raise APIError(404, f"model {name!r} does not exist; this server serves {config.model_name!r} "
                            "(GET /v1/models)", param="model", code="model_not_found")
 
@@ -118,8 +123,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = CompletionRequest.model_validate(await read_json(request, config.max_body_bytes))
-        check_model(req.model)  # first, as vLLM: a wrong model is the error, not what its prompt would be
+        body = await read_json(request, config.max_body_bytes)
+        check_model(_model_of(body))  # first, as vLLM: a wrong model is the error, not what its fields would be
+        req = CompletionRequest.model_validate(body)
         req.check()
         given = req.prompts()
         # Off the event loop: a long prompt's tokenization would stall every stream being served.
@@ -132,8 +138,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = ChatCompletionRequest.model_validate(await read_json(request, config.max_body_bytes))
-        check_model(req.model)
+        body = await read_json(request, config.max_body_bytes)
+        check_model(_model_of(body))
+        req = ChatCompletionRequest.model_validate(body)
         req.check()
         msgs = [m.template_message() for m in req.messages]
         try:

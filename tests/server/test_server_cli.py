@@ -44,6 +44,13 @@ def test_kiln_serve_process_answers_and_stops():
     assert "serving tiny-llama on http://127.0.0.1" in proc.stderr.read()
 
 
+def test_bench_serve_takes_the_url_serve_prints_or_a_bare_host():
+    from kiln.cli.serve import server_root
+
+    assert server_root("http://127.0.0.1:8000/v1") == server_root("127.0.0.1:8000/") == "http://127.0.0.1:8000"
+    assert server_root("https://host/kiln/v1/") == "https://host/kiln"
+
+
 def test_serve_refuses_a_bad_port():
     res = subprocess.run([sys.executable, "-m", "kiln", "serve", "tiny-llama", "--port", "70000"],
                          capture_output=True, text=True, timeout=120)
@@ -58,7 +65,8 @@ def test_bench_serve_reports_latencies_and_writes_json(tmp_path, capsys):
 
     llm = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
     with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama")) as url:
-        rc = main(["bench", "serve", "--base-url", url, "--num-requests", "8", "--input-len", "4:12",
+        # the URL as `kiln serve` prints it, /v1 and all
+        rc = main(["bench", "serve", "--base-url", f"{url}/v1/", "--num-requests", "8", "--input-len", "4:12",
                    "--output-len", "4:8", "--request-rate", "50", "--out-dir", str(tmp_path), "--json"])
     assert rc == 0
     res = json.loads(capsys.readouterr().out)

@@ -200,3 +200,12 @@ def test_a_stop_tokens_text_is_left_out_unless_include_stop_str_in_output(url, l
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "stop" and choice["token_ids"] == greedy.token_ids[:cut]
         assert choice["text"] == llm.tokenizer.decode(greedy.token_ids[: cut if include else cut - 1])
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_model_is_the_error_whatever_else_the_body_gets_wrong(url, route):
+    """vLLM checks the model before the fields: a client that names the wrong model learns that first."""
+    for bad in ({"max_tokens": "bad"}, {"temperature": -1}, {"not_a_field": 1}):
+        body = {"model": "nope", "prompt": "x", "messages": [{"role": "user", "content": "x"}], **bad}
+        r = _post(url, route, body)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", (bad, r.text)

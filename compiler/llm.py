@@ -353,6 +353,9 @@ def _text_prompts(prompts: object) -> list[tuple[str, object]]:
     if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
         raise RequestError(f"prompts must be a str, a {{'prompt': str}} or {{'prompt_token_ids': [...]}} dict, or "
                            f"a list of those, not {type(prompts).__name__} (token ids go in prompt_token_ids)")
+    if prompts and all(isinstance(p, int) for p in prompts):
+        raise RequestError("prompts is a list of ints: one prompt's token ids go in prompt_token_ids=[...] (or "
+                           "prompts=[{'prompt_token_ids': [...]}]), as in vLLM; prompts takes text")
     return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
 

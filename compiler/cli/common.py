@@ -92,7 +92,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                    "call runs; each output then comes one step later (default: on for CUDA, off elsewhere)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each decode step before the last one's sampled ids reach the host "
-                   "(implies --overlap-outputs; default: on for CUDA without speculation or Mixture-of-Depths)")
+                   "(implies --overlap-outputs; default: on for CUDA without speculation)")
 
 
 # ---- flag values and output paths ------------------------------------------------------------------------

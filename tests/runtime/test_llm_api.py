@@ -333,6 +333,8 @@ def test_bad_new_parameters_of_a_batch_are_named_and_nothing_is_queued(llm):
         llm.generate("a", {"presence_penalty": 3})
     with pytest.raises(RequestError, match="prompt_logprobs = 21 is out of range; allowed: None"):
         llm.generate("a", {"prompt_logprobs": 21})
+    with pytest.raises(RequestError, match=r"prompts is a list of ints: one prompt's token ids go in prompt_token_ids"):
+        llm.generate([1, 2, 3])
     assert not llm.engine.has_unfinished() and not llm._queues
 
 

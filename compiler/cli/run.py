@@ -17,7 +17,7 @@ from kiln.cli.common import (
     serving_engine,
 )
 from kiln.cli.gguf import chat_prompt
-from kiln.errors import KilnError
+from kiln.errors import KilnError, UsageError
 from kiln.spec.validate import describe_route
 
 
@@ -46,6 +46,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop), speculate=True)
     params.validate()
+    if args.chat and args.prompt_ids is not None:  # ids are the prompt as given: there is no text to wrap
+        raise UsageError("--chat wraps --prompt's text in the chat template; --prompt-ids is the prompt as given "
+                         "(render the template yourself, or pass --prompt)")
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,
                    quantize=args.quantize, routers=args.routers)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -104,7 +105,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kiln",
+    card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "kiln",
             "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab}
 
     @app.get("/v1/models")

@@ -177,3 +177,8 @@ def test_compile_without_cuda_or_the_interpreter_says_how_to_run_it(capsys, monk
     monkeypatch.setattr(driver, "kernels_usable", lambda: False)
     code, _, err = run_cli(capsys, "compile", "tiny-llama")
     assert code == 2 and "run it as `TRITON_INTERPRET=1 kiln compile ...`" in err
+
+
+def test_chat_with_prompt_ids_is_refused_not_ignored(capsys):
+    code, _, err = run_cli(capsys, "run", "--prompt-ids", "1,2", "--chat")
+    assert code == 2 and "--chat wraps --prompt's text in the chat template; --prompt-ids is the prompt as given" in err

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -72,7 +73,8 @@ def test_null_means_the_default_and_types_are_strict(url):
 
 
 def test_models_by_id(url):
-    assert httpx.get(f"{url}/v1/models/tiny-llama", timeout=30).json()["id"] == "tiny-llama"
+    card = httpx.get(f"{url}/v1/models/tiny-llama", timeout=30).json()
+    assert card["id"] == "tiny-llama" and abs(card["created"] - time.time()) < 3600  # when the server started
     r = httpx.get(f"{url}/v1/models/gpt-4", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 

@@ -84,6 +84,9 @@ def parse_scheme(text: str, **overrides) -> QuantScheme:
     """A scheme from a short name (CLI --quantize): int8, int4, int4-g64, int4-gptq, int4-gptq-g128-asym, ..."""
     parts = text.strip().lower().split("-")
     head, opts = parts[0], parts[1:]
+    if head == "gguf":  # the GGUF loader takes it (keep a GGUF's quantized linears); anywhere else it means nothing
+        raise KilnError(f"--quantize {text!r} keeps a GGUF file's quantized linears: it needs GGUF weights (--weights "
+                        "FILE.gguf); to quantize these weights use int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
     if head not in ("int8", "int4"):
         raise KilnError(f"--quantize {text!r}: expected int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
     scheme = QuantScheme(bits=8) if head == "int8" else QuantScheme(bits=4, group=128, auto_group=True)

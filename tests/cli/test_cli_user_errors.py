@@ -182,3 +182,8 @@ def test_compile_without_cuda_or_the_interpreter_says_how_to_run_it(capsys, monk
 def test_chat_with_prompt_ids_is_refused_not_ignored(capsys):
     code, _, err = run_cli(capsys, "run", "--prompt-ids", "1,2", "--chat")
     assert code == 2 and "--chat wraps --prompt's text in the chat template; --prompt-ids is the prompt as given" in err
+
+
+def test_quantize_gguf_without_gguf_weights_says_what_it_needs(capsys):
+    code, _, err = run_cli(capsys, "run", "tiny-llama", "--quantize", "gguf", "--prompt", "hi")
+    assert code == 2 and "keeps a GGUF file's quantized linears: it needs GGUF weights (--weights FILE.gguf)" in err

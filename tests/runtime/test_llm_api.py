@@ -157,7 +157,7 @@ INPUT_TABLE = [
     ("empty prompt_token_ids", lambda: {"prompt_token_ids": []}, (RequestError, "prompt_token_ids is empty")),
     ("integer as prompt_token_ids", lambda: {"prompt_token_ids": 5}, (RequestError, "not int")),
     ("token ids as prompts", lambda: {"prompts": [[1, 2, 3]]}, None),
-    ("a number as a prompt", lambda: {"prompts": [5]}, (RequestError, "prompts[0] is int, not a prompt")),
+    ("a number as a prompt", lambda: {"prompts": [5]}, (RequestError, "prompts is a list of ints")),
     ("a number as prompts", lambda: {"prompts": 5}, (RequestError, "or a list of those, not int")),
     ("out-of-range numpy id", lambda: {"prompt_token_ids": _np().array([1, 10**6])}, (RequestError, "out of range")),
     ("vLLM token prompt dict", lambda: {"prompts": {"prompt_token_ids": [1, 2, 3]}}, None),

@@ -14,7 +14,7 @@ from kiln.gguf.config import config_from_gguf, open_gguf
 from kiln.hf.config import config_from_hf
 from kiln.ir.frontend import build_graph, random_weights
 from kiln.model_config import AttentionCall, ModelConfig
-from tests.support.gguf_helper import MERGES, SPECIALS, TEMPLATE, tokens, write_hparams
+from tests.support.gguf_helper import tokens, write_hparams, write_tokenizer
 
 _NAMES = {"norm0.weight": "attn_norm", "norm1.weight": "ffn_norm", "attn0.q.weight": "attn_q",
           "attn0.k.weight": "attn_k", "attn0.v.weight": "attn_v", "attn0.o.weight": "attn_output",
@@ -39,16 +39,8 @@ def write_qwen3_gguf(path: Path, cfg: ModelConfig, linear_type: str = "F32", see
     g = torch.Generator().manual_seed(seed)
     writer = GGUFWriter(str(path), "qwen3")
     write_hparams(writer, cfg, rope_theta=1000000.0, eps=1e-6, key_length=True)  # head_dim is not dim / heads
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    toks = tokens()
-    writer.add_token_list(toks)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(toks) - len(SPECIALS)))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
+    write_tokenizer(writer, pre="qwen2", bos=0)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(TEMPLATE)
     qtype = GGMLQuantizationType[linear_type]
     stored = {}
     for name, w in weights.items():

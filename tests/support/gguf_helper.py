@@ -64,6 +64,19 @@ def write_hparams(writer, cfg, *, rope_theta: float = 10000.0, eps: float = 1e-5
     writer.add_rope_dimension_count(cfg.head_dim)
 
 
+def write_tokenizer(writer, *, pre: str, bos: int) -> None:
+    """The tiny byte-level BPE tokenizer (tokens(), MERGES, eos 2) and TEMPLATE as GGUF metadata."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    toks = tokens()
+    writer.add_token_list(toks)
+    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(toks) - len(SPECIALS)))
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(TEMPLATE)
+
+
 def write_tiny_gguf(path: Path, *, linear_type: str = "Q4_1", arch: str = "llama", seed: int = 0) -> dict:
     """Write the tiny model; returns its weights in kiln's names and HF order (what the GGUF stores, dequantized)."""
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -74,15 +87,7 @@ def write_tiny_gguf(path: Path, *, linear_type: str = "Q4_1", arch: str = "llama
     qtype = GGMLQuantizationType[linear_type]
     writer = GGUFWriter(str(path), arch)
     write_hparams(writer, cfg)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    toks = tokens()
-    writer.add_token_list(toks)
-    writer.add_token_types([3] * len(SPECIALS) + [1] * (len(toks) - len(SPECIALS)))
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(TEMPLATE)
+    write_tokenizer(writer, pre="default", bos=1)
     stored = {}
     for name, w in weights.items():
         if name == "embed.weight":

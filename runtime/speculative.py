@@ -30,11 +30,11 @@ from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepModel, Verifier, VerifyBatch, kv_bytes_per_block
 
 # Speculate only while at most this many decodes run. Measured by bench/speculative.py on the development CPU, on an
-# otherwise idle machine (bench/results/speculative-cpu--x86-64--2-threads-2026-11-24.json, "crossover"): with
-# SmolLM2-135M the n-gram drafter beat plain decoding at every batch measured (2.8x at 1, 1.4x at 8, 1.3x at 32 on a
-# copying prompt); the self drafter (8 of 30 layers, ~1% of drafts accepted) lost at every batch. The default follows
-# the drafter that pays, up to the largest batch measured; a GPU should measure its own crossover, and
-# Engine(speculation_max_batch=...) overrides this.
+# otherwise idle machine (bench/results/speculative-smollm2-135m-cpu--x86-64--2-threads-2026-11-24.json,
+# "crossover"): with SmolLM2-135M the n-gram drafter beat plain decoding at every batch measured (3.0x at 1, 1.1x at
+# 8, 1.35x at 32 on a copying prompt); the self drafter (8 of 30 layers, ~1% of drafts accepted) lost at every batch.
+# The default follows the drafter that pays, up to the largest batch measured; a GPU should measure its own
+# crossover, and Engine(speculation_max_batch=...) overrides this.
 DEFAULT_SPECULATION_MAX_BATCH = 32
 
 

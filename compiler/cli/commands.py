@@ -28,6 +28,7 @@ from kiln.cli.run import add_run_parser
 from kiln.cli.serve import add_serve_parser
 from kiln.cli.spec_files import add_spec_file_parsers
 from kiln.cli.train_router import add_train_router_parser
+from kiln.cli.unknown_flags import check_unknown_flags
 from kiln.errors import KilnError, SpecError
 
 REPORT_BUGS = "the kiln issue tracker"
@@ -66,6 +67,8 @@ def _debug_everywhere(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    check_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
     setup_logging(args.debug)
     try:

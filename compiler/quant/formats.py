@@ -85,10 +85,11 @@ def parse_scheme(text: str, **overrides) -> QuantScheme:
     parts = text.strip().lower().split("-")
     head, opts = parts[0], parts[1:]
     if head == "gguf":  # the GGUF loader takes it (keep a GGUF's quantized linears); anywhere else it means nothing
-        raise KilnError(f"--quantize {text!r} keeps a GGUF file's quantized linears: it needs GGUF weights (--weights "
-                        "FILE.gguf); to quantize these weights use int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
+        raise KilnError(f"quantize {text!r} (--quantize) keeps a GGUF file's quantized linears: it needs GGUF weights "
+                        "(--weights FILE.gguf); to quantize these weights use int8 or "
+                        "int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
     if head not in ("int8", "int4"):
-        raise KilnError(f"--quantize {text!r}: expected int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
+        raise KilnError(f"quantize {text!r} (--quantize): expected int8 or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]")
     scheme = QuantScheme(bits=8) if head == "int8" else QuantScheme(bits=4, group=128, auto_group=True)
     for opt in opts:
         if opt in METHODS:
@@ -98,7 +99,7 @@ def parse_scheme(text: str, **overrides) -> QuantScheme:
         elif opt.startswith("g") and opt[1:].isdigit():
             scheme = replace(scheme, group=int(opt[1:]), auto_group=False)
         else:
-            raise KilnError(f"--quantize {text!r}: unknown part {opt!r} (rtn, gptq, g32, g64, g128, asym)")
+            raise KilnError(f"quantize {text!r} (--quantize): unknown part {opt!r} (rtn, gptq, g32, g64, g128, asym)")
     return replace(scheme, **overrides)
 
 

@@ -176,7 +176,7 @@ def test_run_with_quantize_flag_and_bad_scheme(capsys):
     assert len(json.loads(out)["token_ids"]) == 4
     code, _, err = run_cli(capsys, "run", "--quantize", "int5", "--prompt", "x")
     assert code == 2
-    assert "--quantize 'int5'" in err and "int8" in err
+    assert "quantize 'int5' (--quantize)" in err and "int8" in err
 
 
 def test_compile_reports_quantized_weight_bytes(capsys):

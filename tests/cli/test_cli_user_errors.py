@@ -187,3 +187,26 @@ def test_chat_with_prompt_ids_is_refused_not_ignored(capsys):
 def test_quantize_gguf_without_gguf_weights_says_what_it_needs(capsys):
     code, _, err = run_cli(capsys, "run", "tiny-llama", "--quantize", "gguf", "--prompt", "hi")
     assert code == 2 and "keeps a GGUF file's quantized linears: it needs GGUF weights (--weights FILE.gguf)" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        # a misspelt required flag: argparse alone says "--prompt --prompt-ids is required"
+        (["run", "tiny-llama", "--promt", "hi"], "run: error: unrecognized argument --promt: did you mean --prompt?"),
+        (["bench", "throughput", "--num-reqests", "3"], "argument --num-reqests: did you mean --num-requests?"),
+        (["serve", "--max-num-seqs", "4", "--frobnicate"], "--frobnicate: see `kiln serve --help` for its flags"),
+    ],
+)
+def test_a_misspelt_flag_is_named_with_the_closest_one(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_flag_values_and_abbreviations_are_not_taken_for_flags(capsys):
+    # a value after its flag, a value after "=", and argparse's unique prefix (--max-tok) all pass the check
+    code, out, _ = run_cli(capsys, "run", "--stop=--x", "--prompt-ids", "1,2", "--max-tok", "2", "--temperature", "0",
+                           "--json")
+    assert code == 0 and '"token_ids"' in out

@@ -34,7 +34,7 @@ from kiln.codegen._host import BoundKernels, recording
 from kiln.errors import CodegenError
 from kiln.ir.ops_mod import mod_rows
 from kiln.ir.ops_mod_step import check_compact, narrow_compact, narrow_rows
-from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION, PAGED_ATTENTION
+from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION, PAGED_ATTENTION, QK_NORM_ROPE
 from kiln.quant.formats import dequantize_parts
 
 kiln_ops = torch.ops.kiln
@@ -79,6 +79,14 @@ def k_add_layer_norm(x, residual, weight, bias, eps):
 
 def k_rope(x, positions, inv_freq):
     return rope.rope(x, positions, inv_freq)
+
+
+QK_NORM_ROPE.implements(rope.qk_norm_rope)  # codegen may not import kiln.ir: its wrapper is checked here
+
+
+@QK_NORM_ROPE.implements
+def k_qk_norm_rope(qk, q_weight, k_weight, q_features, eps, positions, inv_freq):
+    return rope.qk_norm_rope(*QK_NORM_ROPE.values(locals()))
 
 
 def k_gated_act(gate, up, kind):
@@ -196,6 +204,7 @@ KERNEL_TABLE: dict[Any, Callable] = {
     kiln_ops.add_rms_norm.default: k_add_rms_norm,
     kiln_ops.add_layer_norm.default: k_add_layer_norm,
     kiln_ops.rope.default: k_rope,
+    kiln_ops.qk_norm_rope.default: k_qk_norm_rope,
     kiln_ops.gated_act.default: k_gated_act,
     kiln_ops.act.default: k_act,
     kiln_ops.attention.default: k_attention,

@@ -8,6 +8,9 @@ kernel for FakeTensor propagation. Lowering (kiln.compile.lowering) maps each to
   kiln::attention with a tile config (made by flash_tiling); its signature is kiln.ir.signatures.FLASH_ATTENTION
 - kiln::add_rms_norm(x, residual, weight, eps) -> (normed, sum): rms_norm(x + residual) and the sum (norm_fusion)
 - kiln::add_layer_norm(x, residual, weight, bias, eps) -> (normed, sum): likewise for layer norm (norm_fusion)
+- kiln::qk_norm_rope(qk, q_weight, k_weight, q_features, eps, positions, inv_freq): the q/k norms then rope
+  over the q|k slab of a fused projection (rope_fusion at a Qwen3 site); its signature is
+  kiln.ir.signatures.QK_NORM_ROPE
 
 Fused projections (gqa_fusion) need no op of their own: one kiln::linear over a concatenated weight followed
 by aten.split_with_sizes.
@@ -19,7 +22,7 @@ import torch
 
 import kiln.ir.ops  # noqa: F401  (the Level-1 ops the references call)
 from kiln.ir.registry import kiln_op, reference
-from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION
+from kiln.ir.signatures import ATTENTION, FLASH_ATTENTION, QK_NORM_ROPE
 
 kiln_ops = torch.ops.kiln
 
@@ -77,8 +80,35 @@ def _(x, residual, weight, bias, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
+@kiln_op(QK_NORM_ROPE.op, mutates_args=(), schema=QK_NORM_ROPE.schema())
+@QK_NORM_ROPE.implements
+def qk_norm_rope(
+    qk: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_features: int,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> torch.Tensor:
+    """rope(head_rms_norm(q, q_weight, eps)) | rope(head_rms_norm(k, k_weight, eps)) for q = qk[..., :q_features],
+    k = the rest: qk [B, T, (Hq + Hk) * D] (the adjacent q|k columns of a fused projection), weights [D]. Each
+    head's norm output is rounded to qk's dtype before its rotation, as between the two unfused ops."""
+    norm, rope = reference("head_rms_norm"), reference("rope")
+    q, k = qk[..., :q_features], qk[..., q_features:]
+    q = rope(norm(q, q_weight, eps), positions, inv_freq)
+    k = rope(norm(k, k_weight, eps), positions, inv_freq)
+    return torch.cat((q, k), dim=-1)
+
+
+@qk_norm_rope.register_fake
+def _(qk, *rest):
+    return torch.empty_like(qk, memory_format=torch.contiguous_format)
+
+
 LEVEL2_OPS = (
     kiln_ops.flash_attention.default,
     kiln_ops.add_rms_norm.default,
     kiln_ops.add_layer_norm.default,
+    kiln_ops.qk_norm_rope.default,
 )

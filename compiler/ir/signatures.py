@@ -1,7 +1,8 @@
-"""The attention ops' signatures, written once: each parameter's name, position and schema type.
+"""The attention ops' signatures (and the fused q/k norm + rope's), written once: each parameter's name, position
+and schema type.
 
 The op registrations (kiln.ir.ops, ops_level2, ops_paged) take their torch schema from here, and every Python
-function that has an attention op's signature (the references, lowering's kernel calls, codegen's wrappers)
+function that has one of these signatures (the references, lowering's kernel calls, codegen's wrappers)
 is checked against it when it is defined (`implements`), so a renamed, reordered or missing parameter fails
 at import instead of binding a value to the wrong name. Code that reads an attention node's arguments can
 name them (`ATTENTION.bind(node.args)`) instead of counting positions.
@@ -121,3 +122,12 @@ PAGED_SCALES = (Param("kv_scales", "Tensor?", mutated=True),)
 ATTENTION = OpSignature("kiln::attention", QKV + ATTENTION_PARAMS)
 FLASH_ATTENTION = OpSignature("kiln::flash_attention", QKV + ATTENTION_PARAMS + TILE)
 PAGED_ATTENTION = OpSignature("kiln::paged_attention", QKV + PAGED_CACHE + PAGED_STEP + ATTENTION_PARAMS + PAGED_SCALES)
+
+# kiln::qk_norm_rope (ops_level2, made by rope_fusion): head_rms_norm's arguments for q and k over the q|k slab, the
+# column where k starts, then rope's.
+QK_NORM_ROPE = OpSignature(
+    "kiln::qk_norm_rope",
+    _params(
+        "Tensor qk, Tensor q_weight, Tensor k_weight, SymInt q_features, float eps, Tensor positions, Tensor inv_freq"
+    ),
+)

@@ -25,7 +25,7 @@ RENDER_CASES = {
         tile={"BLOCK_D": 128, "num_warps": 4},
         params={"IS_RMS": True, "HAS_RESIDUAL": True, "HAS_BIAS": False},
     ),
-    "rope": dict(op="rope", tile={"BLOCK_H": 4, "BLOCK_HALF": 32, "num_warps": 4}, params={}),
+    "rope": dict(op="qk_norm_rope", tile={"BLOCK_H": 4, "BLOCK_HALF": 32, "num_warps": 4}, params={"NORM": True}),
     "act": dict(op="gated_act", tile={"BLOCK_SIZE": 1024, "num_warps": 4}, params={"ACT": "silu", "GATED": True}),
     "flash_attn": dict(
         op="attention",

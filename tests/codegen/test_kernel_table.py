@@ -108,6 +108,9 @@ def _examples(size: str, dtype: torch.dtype, device: str) -> dict[object, Callab
         kiln_ops.add_rms_norm.default: lambda: (r(rows, d), r(rows, d), r(d), 1e-5),
         kiln_ops.add_layer_norm.default: lambda: (r(rows, d), r(rows, d), r(d), r(d), 1e-5),
         kiln_ops.rope.default: lambda: (r(1, seq, (heads + kv_heads) * hd), pos, inv_freq),
+        # the q|k columns of a fused qkv projection (a row-strided view): q/k norms, then rope, in one kernel
+        kiln_ops.qk_norm_rope.default: lambda: (r(1, seq, (heads + 2 * kv_heads) * hd)[..., : (heads + kv_heads) * hd],
+                                                r(hd), r(hd), heads * hd, 1e-6, pos, inv_freq),
         kiln_ops.gated_act.default: lambda: (r(rows, ffn), r(rows, ffn), "silu"),
         kiln_ops.act.default: lambda: (r(rows, ffn), "gelu_tanh"),
         kiln_ops.attention.default: lambda: (*qkv(), *attn),

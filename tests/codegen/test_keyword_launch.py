@@ -135,6 +135,7 @@ def _run_every_wrapper() -> None:
     norm.head_rms_norm(r(3, 5 * 8), r(8), 1e-6)
     norm.layer_norm(x, w, r(40), 1e-5)
     rope.rope(r(1, 5, 4 * 16), torch.arange(5)[None], torch.rand(8))
+    rope.qk_norm_rope(r(1, 5, 8 * 16)[..., : 6 * 16], r(16), r(16), 4 * 16, 1e-6, torch.arange(5)[None], torch.rand(8))
     act.gated_act(r(3, 52), r(3, 52), "silu")
     act.act(r(3, 52), "relu")
     flash_attn.flash_attention(r(1, 5, 4 * 16), r(1, 7, 2 * 16), r(1, 7, 2 * 16), 4, 2, True, 3, 0.25)

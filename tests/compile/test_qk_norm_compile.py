@@ -61,7 +61,10 @@ def test_every_pass_composes_with_qk_norm_on_the_kernels(off, routed):
                                            if p not in OFF[off]]
     assert compiled.passes == expected
     launched = {r.params.get("op") for r in compiled.kernels}
-    assert "head_rms_norm" in launched  # the q/k norms run on the norm kernel, one program per row and head
+    # With rope_fusion the q/k norms run in the rope kernel (kiln::qk_norm_rope: norms and ropes in one launch),
+    # else on the norm kernel, one program per row and head.
+    fused = "rope_fusion" in expected
+    assert ("qk_norm_rope" in launched) == fused and ("head_rms_norm" in launched) != fused
     assert _close(got, want), (got - want).abs().max()
 
 

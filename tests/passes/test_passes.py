@@ -89,9 +89,10 @@ def _gqa_fused(cfg: ModelConfig):
 def test_rope_fusion(spec):
     cfg = load_spec(spec).model
     attn, _, rope = counts(cfg)
-    # A q/k norm between the split and the ropes: separate tensors, nothing to fuse (tiny-qwen3).
-    fuses = rope and not qk_normed(cfg)
-    delta = {ops.rope.default: -attn, SPLIT: attn, operator.getitem: attn} if fuses else {}
+    delta = {ops.rope.default: -attn, SPLIT: attn, operator.getitem: attn} if rope else {}
+    if rope and qk_normed(cfg):  # tiny-qwen3: both q/k norms and both ropes become one kiln::qk_norm_rope
+        delta = {ops.rope.default: -2 * attn, ops.head_rms_norm.default: -2 * attn, ops.qk_norm_rope.default: attn,
+                 SPLIT: attn, operator.getitem: attn}  # fmt: skip
     check_pass(rope_fusion.PASS, partial(_gqa_fused, cfg), inputs(cfg), delta)
 
 

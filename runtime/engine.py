@@ -35,159 +35,37 @@ is refused.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
 
-from kiln.errors import KilnError, RequestError
-from kiln.runtime.async_steps import AsyncSteps, InFlight
-from kiln.runtime.block_manager import BlockManager
+from kiln.errors import RequestError
+from kiln.runtime.async_steps import InFlight
 from kiln.runtime.detokenizer import Detokenizer
-from kiln.runtime.engine_args import check_engine_args
-from kiln.runtime.engine_stats import EngineStats, SpecCounters, collect_stats, kv_waste
-from kiln.runtime.kv_pool import choose_num_blocks, routed_bytes_per_block
-from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.outputs import Made, OutputMaker
+from kiln.runtime.engine_setup import EngineSetup
+from kiln.runtime.engine_stats import EngineStats, collect_stats, kv_waste
+from kiln.runtime.outputs import Made
 from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.prompt_logprobs import launch_prompt, prompt_rows, take_prompt
 from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_params_for_model, check_prompt
-from kiln.runtime.routed_blocks import make_block_manager, pool_bytes
 from kiln.runtime.sampler import make_generator
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
-from kiln.runtime.spec_step import SpecStep
-from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, Draft, ModelDrafter, NgramDrafter, SpecRow
-from kiln.step import ModelLimits, StepModel, TokenizerLike
+from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from kiln.runtime.speculative import Draft, SpecRow
 
 __all__ = ["Engine", "EngineStats"]
 
 log = logging.getLogger("kiln.runtime")
 
 
-class Engine:
-    def __init__(
-        self,
-        step_model: StepModel,
-        tokenizer: TokenizerLike | None,
-        cfg: ModelLimits,
-        *,
-        num_blocks: int | None = None,
-        block_size: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        use_cuda_graphs: bool | None = None,
-        pad_decode_batches: bool = False,
-        scheduling_policy: str = "continuous",
-        max_model_len: int | None = None,
-        drafter: NgramDrafter | ModelDrafter | None = None,
-        speculation_max_batch: int | None = None,
-        routed_num_blocks: int | None = None,
-        overlap_outputs: bool | None = None,
-        async_scheduling: bool | None = None,
-    ):
-        """drafter: speculative decoding (the verifier is step_model.verify). speculation_max_batch: speculate only
-        while at most this many decode-ready requests run (None: DEFAULT_SPECULATION_MAX_BATCH, measured).
-        routed_num_blocks: blocks in each routed layer's pool of a Mixture-of-Depths model (None: from its routed
-        capacity, see runtime/kv_pool.py). overlap_outputs: build each step's outputs during the next step's model
-        call (see step(); None: on for a CUDA model, whose calls are asynchronous, off elsewhere, where it could
-        only delay the outputs). async_scheduling: schedule and launch the next decode step before this one's
-        sampled ids reach the host (see step(); implies overlap_outputs; None: on for a CUDA model with
-        overlap_outputs on and no drafter, which it is not built for)."""
-        block_size = check_engine_args(step_model, cfg, drafter, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens, num_blocks=num_blocks,
-                                       block_size=block_size, max_model_len=max_model_len,
-                                       gpu_memory_utilization=gpu_memory_utilization,
-                                       speculation_max_batch=speculation_max_batch,
-                                       flags=dict(enable_prefix_caching=enable_prefix_caching,
-                                                  use_cuda_graphs=use_cuda_graphs, overlap_outputs=overlap_outputs,
-                                                  async_scheduling=async_scheduling))
-        self.model = step_model
-        self.tokenizer = tokenizer
-        self.cfg = cfg
-        # max_model_len below the model's context shrinks the smallest acceptable pool (one max-length sequence).
-        self.max_model_len = cfg.context if max_model_len is None else max_model_len
-        # An eos id past the model's vocabulary can never be sampled; kept, min_tokens' mask would index past the
-        # logits (a device-side assert on CUDA).
-        self.eos_token_ids = tuple(t for t in getattr(tokenizer, "eos_token_ids", ()) or () if t < step_model.vocab)
-        self.verify = getattr(step_model, "verify", None) if drafter is not None else None
-        extra = drafter.kv_bytes_per_block(block_size) if drafter is not None else 0
-        extra += routed_bytes_per_block(step_model, block_size)
-        n = choose_num_blocks(step_model, self.max_model_len, block_size=block_size, num_blocks=num_blocks,
-                              gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-                              extra_bytes_per_block=extra)
-        self.block_manager: BlockManager = make_block_manager(
-            step_model, n, block_size, self.max_model_len, enable_prefix_caching, routed_num_blocks)
-        self.kv_bytes, self.kv_bytes_dense = pool_bytes(step_model, self.block_manager)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, policy=scheduling_policy)
-        graphs = step_model.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        if graphs and step_model.device.type != "cuda":  # asked for, not silently dropped
-            log.warning("use_cuda_graphs=True has no effect on a %s model (CUDA graphs need CUDA); decoding eagerly",
-                        step_model.device.type)
-        spec_batch = DEFAULT_SPECULATION_MAX_BATCH if speculation_max_batch is None else speculation_max_batch
-        # Verification batches get graphs (or padding) up to the batch where speculation turns itself off.
-        self.runner = ModelRunner(step_model, self.block_manager, max_num_seqs=max_num_seqs,
-                                  max_model_len=self.max_model_len, use_cuda_graphs=graphs,
-                                  pad_decode_batches=pad_decode_batches, spec_k=drafter.k if drafter is not None else 0,
-                                  spec_max_batch=spec_batch)
-        self.drafter = drafter
-        if drafter is not None:
-            drafter.bind(step_model, self.block_manager, self.runner.kv_cache, max_num_seqs=max_num_seqs,
-                         max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                         use_cuda_graphs=graphs, pad_decode_batches=pad_decode_batches, max_batch=spec_batch)
-            self.scheduler.spec_k = drafter.k
-            self.scheduler.spec_max_batch = spec_batch
-        self.requests: dict[str, Request] = {}  # unfinished requests by id
-        overlap = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
-        if async_scheduling and overlap_outputs is False:
-            raise KilnError("async_scheduling makes every output one step() call later, as overlap_outputs does: "
-                            "it is not built with overlap_outputs off; leave one of them unset")
-        if async_scheduling is None:
-            async_scheduling = overlap and step_model.device.type == "cuda" and drafter is None
-        self.output = OutputMaker(self.scheduler, self.block_manager, self.requests, self.eos_token_ids, overlap)
-        self.ahead = AsyncSteps(self.scheduler, self.runner, self.output)  # the step in flight (async scheduling)
-        self._async = False
-        self.async_scheduling = bool(async_scheduling)  # refused with a drafter; turns the overlap on
-        self.spec_counters = SpecCounters()
-        self.spec = None if drafter is None else SpecStep(drafter, self.verify, self.output, self.spec_counters)
-        self._ids = itertools.count()
-        self._seed_note = False  # said once that seeded sampling does not speculate
-        self.num_steps = 0
-        self.num_batched_tokens = 0
+class Engine(EngineSetup):
+    """Requests in, one batched model step at a time, outputs out (see the module docstring); the constructor, which
+    builds the engine's parts, and the overlap_outputs / async_scheduling switches are EngineSetup's
+    (runtime/engine_setup.py)."""
 
     @property
     def num_generated_tokens(self) -> int:
         return self.output.num_generated_tokens
-
-    @property
-    def overlap_outputs(self) -> bool:
-        """Whether each step's output work runs during the next step's model call (see step())."""
-        return self.output.overlap
-
-    @overlap_outputs.setter
-    def overlap_outputs(self, on: bool) -> None:
-        if not on:
-            self.async_scheduling = False  # it makes outputs one call later by construction
-        self.output.overlap = bool(on)
-
-    @property
-    def async_scheduling(self) -> bool:
-        """Whether a decode step is scheduled and launched before the last one's sampled ids are read (step())."""
-        return self._async
-
-    @async_scheduling.setter
-    def async_scheduling(self, on: bool) -> None:
-        if on and self.drafter is not None:
-            raise KilnError("async_scheduling is not built for speculative decoding (the drafter reads the last "
-                            "step's tokens on the host); leave async_scheduling unset (or False)")
-        if not on:
-            self.ahead.land()
-        else:
-            self.output.overlap = True
-        self._async = bool(on)
 
     # ---- requests -----------------------------------------------------------------------------------------
 

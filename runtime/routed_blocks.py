@@ -17,13 +17,8 @@ BlockManager (the scheduler, engine and runner use it unchanged) that keeps the 
 - free(request): every group's table (preemption by recompute restarts at c_j = 0; chunked prefill carries c_j
   from chunk to chunk because nothing but record changes it).
 
-Async scheduling (runtime/async_steps.py): the step after the one in flight is scheduled and prepared before that
-step's flags are on the host. Inside `ahead()` append_slots records nothing (it reserves the worst case for the
-tokens in flight too, since `_known` stops before them), and the model runner gathers c_j from the mirror, which
-stops before the step in flight, and adds that step's routed counts on the device (`pending_step`). The next
-record_step then records the step in flight, whose flags are due at the same time as its sampled ids. free and
-commit record the pending step only when it ran the request's tokens they need (`_settle_for`), so taking in a
-step's outputs does not wait for the next step.
+Async scheduling (runtime/async_steps.py): ahead(), pending_step() and free / commit recording only what they need
+(pending.settle_for) keep a step in flight's routing pending; runtime/pending_step.py (`pending`) says how.
 
 Prefix caching: the dense group's cache over full blocks, plus an entry per hashed block holding every routed
 layer's c_j and blocks at that boundary (shared on a hit, partial tails copied); runtime/routed_prefix.py has the
@@ -41,98 +36,18 @@ here only ever sees the dense group.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
 
-from kiln.errors import KilnError
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.kv_pool import routed_pool_blocks
+from kiln.runtime.pending_step import PendingRouting, PendingStep
+from kiln.runtime.routed_groups import _give_back, _take
 from kiln.runtime.routed_prefix import RoutedPrefixCache
-from kiln.runtime.routed_state import FlagCopy, LensView, RoutedState, step_counts
-from kiln.step import StepModel, kv_bytes_per_block, kv_bytes_per_layer_block, num_routed_layers
-
-log = logging.getLogger("kiln.runtime")
-
-
-def make_block_manager(model: StepModel, num_blocks: int, block_size: int, context: int,
-                       enable_prefix_caching: bool, routed_num_blocks: int | None = None) -> BlockManager:
-    """The engine's block manager: a BlockManager, or for a model with routed layers a RoutedBlockManager whose
-    routed pools are sized by kv_pool.routed_pool_blocks (and logged with the KV memory they save)."""
-    routed = num_routed_layers(model)
-    if not routed:
-        if routed_num_blocks is not None:
-            raise KilnError("routed_num_blocks is for Mixture-of-Depths models; this model routes no layer")
-        return BlockManager(num_blocks, block_size, enable_prefix_caching)
-    nr = routed_pool_blocks(model, num_blocks, context, block_size=block_size, routed_num_blocks=routed_num_blocks)
-    bm = RoutedBlockManager(num_blocks, block_size, routed, nr, enable_prefix_caching)
-    have, dense = pool_bytes(model, bm)
-    log.info("KV cache: %d blocks for %d dense layers, %d per routed layer for %d routed layers: %.1f MiB, %.1f MiB "
-             "(%.0f%%) less than caching every token in every layer", num_blocks - 1, model.num_layers, nr - 1, routed,
-             have / 2**20, (dense - have) / 2**20, 100 * (1 - have / dense))
-    return bm
-
-
-def _take(g: BlockManager, table: list[int], k: int) -> None:
-    """g.append_slots growing a routed table by k blocks, room checked: a routed group never hashes a block (its
-    prefix caching is off; RoutedBlockManager keeps entries itself), so there is nothing to evict, and the
-    per-call bookkeeping is done (reserved every step where a routed table is full, this is the hot path)."""
-    fq, refs = g.free_queue, g.ref_counts
-    for _ in range(k):
-        block = fq.popitem(last=False)[0]
-        refs[block] = 1
-        table.append(block)
-
-
-def _give_back(g: BlockManager, request_id: str, keep: int) -> None:
-    """g.truncate(request_id, tokens of `keep` blocks) for a routed table's reserved, private tail blocks."""
-    table = g.tables[request_id]
-    dropped = table[keep:]
-    del table[keep:]
-    for listener in g.on_truncate:
-        listener(request_id, keep)
-    fq, refs = g.free_queue, g.ref_counts
-    for block in reversed(dropped):
-        assert refs[block] == 1, f"routed block {block} is shared"
-        refs[block] = 0
-        fq[block] = None
-        fq.move_to_end(block, last=False)
-
-
-def pool_bytes(model: StepModel, bm: BlockManager) -> tuple[int, int]:
-    """(bytes of the KV pools, bytes they would take if every layer cached every token in the dense pool's blocks)."""
-    block = kv_bytes_per_layer_block(model, bm.block_size)
-    have = dense = bm.num_blocks * kv_bytes_per_block(model, bm.block_size)
-    for g in getattr(bm, "routed", ()):
-        have += g.num_blocks * block
-        dense += bm.num_blocks * block
-    return have, dense
-
-
-@dataclass
-class PendingStep:
-    """A step whose routing is not recorded yet (record_step): its requests, where each started and how many tokens
-    it ran (None: one each), its flags as the step returned them (on the device on CUDA: the next step ahead adds
-    its counts there) and their copy on its way to the host."""
-
-    ids: list[str]
-    starts: list[int]
-    num_new: list[int] | None
-    flags: torch.Tensor | np.ndarray
-    host: torch.Tensor | np.ndarray
-    event: torch.cuda.Event | None
-    _where: dict[str, int] | None = None
-
-    def index(self, request_id: str) -> int | None:
-        """The request's position in the step, or None."""
-        if self._where is None:
-            self._where = {rid: i for i, rid in enumerate(self.ids)}
-        return self._where.get(request_id)
+from kiln.runtime.routed_state import LensView, RoutedState, step_counts
 
 
 class RoutedBlockManager(BlockManager):
@@ -146,9 +61,7 @@ class RoutedBlockManager(BlockManager):
         self.state = RoutedState(num_routed_layers)  # c_j and the routed tables by request slot (numpy)
         self.routed_lens = LensView(self.state, self.settle)  # c_j per routed layer: entries written in its cache
         self._known: dict[str, int] = {}  # tokens (from the start) whose routing routed_lens accounts for
-        self._pending: PendingStep | None = None  # a step's routing not recorded yet (record_step)
-        self._ahead = False  # inside ahead(): append_slots records nothing
-        self._flags = FlagCopy()
+        self.pending = PendingRouting(self._record)  # a step's routing not recorded yet (record_step), ahead()
         # Tokens (from the start) every routed table has room for: append_slots up to it reserves nothing routed.
         self._limit: dict[str, int] = {}
         self.prefix = RoutedPrefixCache(self.routed, block_size)  # routed prefix-cache entries (routed_prefix.py)
@@ -170,26 +83,13 @@ class RoutedBlockManager(BlockManager):
             self.settle()
         return self.state
 
-    @contextmanager
-    def ahead(self) -> Iterator[None]:
+    def ahead(self) -> AbstractContextManager[None]:
         """Scheduling the step after the one in flight: append_slots reserves without recording that step."""
-        self._ahead = True
-        try:
-            yield
-        finally:
-            self._ahead = False
+        return self.pending.ahead()
 
     def pending_step(self) -> PendingStep | None:
         """The step whose routing is not recorded yet (the one in flight, under async scheduling), or None."""
-        return self._pending
-
-    def _settle_for(self, request_id: str, before: int | None = None) -> None:
-        """Record the pending step if it ran the request's tokens (only those from before `before` on, if given)."""
-        p = self._pending
-        if p is not None:
-            i = p.index(request_id)
-            if i is not None and (before is None or p.starts[i] < before):
-                self.settle()
+        return self.pending.step
 
     # ---- prefix caching (the routed entries: runtime/routed_prefix.py) -------------------------------------
 
@@ -235,7 +135,7 @@ class RoutedBlockManager(BlockManager):
         return got
 
     def commit(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        self._settle_for(request_id, num_computed)  # the boundaries of the blocks it commits are recorded
+        self.pending.settle_for(request_id, num_computed)  # the boundaries of the blocks it commits are recorded
         old = len(self._chain.get(request_id, []))
         super().commit(request_id, token_ids, num_computed)
         self.prefix.add(request_id, self._chain.get(request_id, []), old, self.cached)
@@ -260,7 +160,7 @@ class RoutedBlockManager(BlockManager):
         return min((len(g.table(request_id)) * bs - c for g, c in zip(self.routed, lens, strict=True)), default=bs)
 
     def append_slots(self, request_id: str, num_tokens: int) -> bool:
-        if self._pending is not None and not self._ahead:
+        if self.pending.step is not None and not self.pending.scheduling_ahead:
             self.settle()
         if num_tokens <= self._limit.get(request_id, -1):  # every routed table has room: only the dense one grows
             table = self.tables.get(request_id)
@@ -316,16 +216,11 @@ class RoutedBlockManager(BlockManager):
         not wait for the step here: the engine's work between the model call and reading the sampled ids (the
         previous step's outputs, with overlap_outputs) runs while the device computes, as for a dense model."""
         self.settle()
-        ids = [s.request.request_id for s in seqs]
-        starts = [s.start for s in seqs]
-        num_new = None if plain_decodes else [s.num_new for s in seqs]
-        self._pending = PendingStep(ids, starts, num_new, routed, *self._flags.start(routed))
+        self.pending.start(seqs, routed, plain_decodes)
 
     def settle(self) -> None:
         """Record the pending step's routing (record_step), waiting for its flags' copy if it is in flight."""
-        p, self._pending = self._pending, None
-        if p is not None:
-            self._record(p.ids, p.starts, p.num_new, FlagCopy.wait(p.host, p.event))
+        self.pending.settle()
 
     def _record(self, request_ids: Sequence[str], starts: Sequence[int], num_new: Sequence[int] | None,
                 routed: np.ndarray) -> None:
@@ -367,7 +262,7 @@ class RoutedBlockManager(BlockManager):
         self._limit.update(zip(request_ids, (np.asarray(done) + room).tolist(), strict=True))
 
     def free(self, request_id: str) -> None:
-        self._settle_for(request_id)
+        self.pending.settle_for(request_id)
         super().free(request_id)  # on_free listeners still see the routed lengths
         for g in self.routed:
             g.free(request_id)

@@ -48,11 +48,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kiln.server import ServerConfig, build_app
     from kiln.server.drain import DrainingServer
 
+    logging.getLogger("kiln.server").setLevel(args.log_level.upper())  # --log-level info shows ignored fields
     if not 0 <= args.port <= 65535:
         raise KilnError(f"--port {args.port}: give a TCP port from 0 to 65535")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise UsageError(f"--max-prompt-tokens {args.max_prompt_tokens}: give a number of tokens >= 1, or omit it "
                          "(prompts up to --max-model-len)")
+    if args.max_body_bytes < 0:
+        raise UsageError(f"--max-body-bytes {args.max_body_bytes}: give a size in bytes >= 1, or 0 for no limit")
+    if args.max_waiting is not None and args.max_waiting < 1:
+        raise UsageError(f"--max-waiting {args.max_waiting}: give a number of requests >= 1, or omit it (no limit, "
+                         "as vLLM)")
+    if any(not n for n in args.served_model_name or ()):
+        raise UsageError("--served-model-name: give non-empty model ids")
     if not args.timeout_graceful_shutdown >= 0:  # NaN included
         raise UsageError(f"--timeout-graceful-shutdown {args.timeout_graceful_shutdown:g}: give seconds >= 0 (0: "
                          "abort the requests in flight at once)")
@@ -68,10 +76,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.warning("--max-prompt-tokens %d is over the max model length of %d (--max-model-len, default the model's "
                     "context), which limits prompts already: the flag has no effect; give a value below %d or drop "
                     "it", args.max_prompt_tokens, engine.max_model_len, engine.max_model_len)
-    name = args.served_model_name or m.model.name
-    cfg = ServerConfig(model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                       max_prompt_tokens=args.max_prompt_tokens, max_waiting=args.max_waiting,
-                       chat_template=chat_template_of(m.tokenizer))
+    names, aliases = served_names(args, m.model.name)
+    name = names[0]
+    cfg = ServerConfig(model_name=names, model_aliases=aliases, api_key=args.api_key,
+                       max_body_bytes=args.max_body_bytes or None, max_prompt_tokens=args.max_prompt_tokens,
+                       max_waiting=args.max_waiting, chat_template=chat_template_of(m.tokenizer),
+                       allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                       allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = build_app(engine, cfg)
     say(f"serving {name} on http://{args.host}:{sock.getsockname()[1]}/v1 ({m.device}, "
         f"{engine.block_manager.num_usable_blocks} KV blocks, chat template: {cfg.chat_template.origin}"
@@ -82,6 +93,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def served_names(args: argparse.Namespace, spec_name: str) -> tuple[list[str], list[str]]:
+    """The model ids `kiln serve` answers to: (served, also accepted). --served-model-name's, as vLLM's (the first
+    reported, all listed and accepted); by default the model argument as the user gave it (SPEC, else --weights),
+    as vLLM names a model by the path or id it was given, with the spec's own name (kiln's earlier default) and
+    --weights as given accepted too."""
+    if args.served_model_name:
+        return list(args.served_model_name), []
+    given = [a for a in (args.spec, args.weights) if a]
+    first = given[0] if given else spec_name
+    aliases = [a for a in dict.fromkeys([*given, spec_name]) if a != first]
+    return [first], aliases
+
+
+def json_list(flag: str):
+    """An argparse type: a JSON list of strings (vLLM's --allowed-origins and the like)."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"{flag} {text}: give a JSON list of strings, e.g. "
+                                             '\'["https://example.com"]\' (default ["*"]: any)')
+        return value
+
+    return parse
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -139,7 +179,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                         "max_concurrency": args.max_concurrency}, **res}
     if args.out_dir:
         slug = "".join(c if c.isalnum() else "-" for c in result["device"].lower()).strip("-")[:40]
-        path = Path(args.out_dir) / f"serve-{card['id']}-{slug}-{result['date'][:10]}.json"
+        model = "".join(c if c.isalnum() or c in "-._" else "-" for c in card["id"]).strip("-.") or "model"
+        path = Path(args.out_dir) / f"serve-{model}-{slug}-{result['date'][:10]}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
         say(f"wrote {path}")
@@ -150,20 +191,33 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions (streaming "
-                       "with SSE), /v1/models, /health and /metrics (Prometheus).")
+                       "with SSE), /v1/models, vLLM's /tokenize, /detokenize, /version and /ping, /health and "
+                       "/metrics (Prometheus).")
     s.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
     s.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 routes")
-    s.add_argument("--served-model-name", metavar="NAME", help="the model id clients use (default: the spec's name)")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize")
+    s.add_argument("--served-model-name", metavar="NAME", nargs="+",
+                   help="the model ids clients use, as vLLM's: the first is reported, every one is accepted "
+                   "(default: SPEC as given, else --weights as given; the spec's own name is accepted too)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most (default 64)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
     s.add_argument("--max-model-len", type=int, help="prompt + output tokens at most (default: the context)")
     s.add_argument("--max-prompt-tokens", type=int, help="prompt tokens at most (default: --max-model-len)")
-    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body size limit (1 MiB)")
-    s.add_argument("--max-waiting", type=int, default=256,
-                   help="queued requests at most; more get 503 with Retry-After (default 256)")
+    s.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                   help="request body size limit in bytes; more get 413 (default 32 MiB: a 128k-token prompt as "
+                   "token ids is about 1 MiB; 0: no limit, as vLLM)")
+    s.add_argument("--max-waiting", type=int,
+                   help="queued requests at most; more get 503 with Retry-After (default: no limit, as vLLM)")
+    s.add_argument("--allowed-origins", type=json_list("--allowed-origins"), default=["*"], metavar="JSON",
+                   help='CORS: the origins browsers may call from, a JSON list (default ["*"], as vLLM)')
+    s.add_argument("--allowed-methods", type=json_list("--allowed-methods"), default=["*"], metavar="JSON",
+                   help='CORS: the HTTP methods allowed, a JSON list (default ["*"])')
+    s.add_argument("--allowed-headers", type=json_list("--allowed-headers"), default=["*"], metavar="JSON",
+                   help='CORS: the request headers allowed, a JSON list (default ["*"])')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     s.add_argument("--seed", type=seed_arg, default=0, help="seed of random weights (default 0)")
     s.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(s)

@@ -3,8 +3,9 @@
     from kiln.server import ServerConfig, build_app
     app = build_app(llm_engine, ServerConfig(model_name="tiny-llama"))   # an ASGI app for uvicorn
 
-Modules: protocol (request / response models, the error shape), engine_loop (the thread that drives
-Engine.step and routes outputs to per-request asyncio queues), body (reading and checking a request body),
+Modules: protocol (request / response models), errors (the error shape), fields (the request fields beyond
+kiln's: ignored metadata, unsupported fields, typos), engine_loop (the thread that drives Engine.step and routes
+outputs to per-request asyncio queues), body (reading and checking a request body),
 middleware (API key, JSON 500s), metrics (Prometheus), streaming (responses and SSE), app (the FastAPI routes and
 limits), drain (uvicorn's server with a bounded shutdown drain), background (serve_in_thread).
 """

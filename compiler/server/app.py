@@ -1,48 +1,85 @@
-"""The FastAPI app: OpenAI routes over one EngineLoop, with auth, limits and OpenAI-shaped errors.
+"""The FastAPI app: OpenAI routes over one EngineLoop, with auth, limits, CORS and OpenAI-shaped errors.
 
 Bodies are read by kiln.server.body (limits, JSON, Unicode, pydantic's errors as 400s); kiln.server.middleware holds
-the API key check and the JSON 500 for anything unexpected. A request's model is checked first, as vLLM does, and
-all its engine requests (prompts x n) are added to the engine in one go.
+the API key check and the JSON 500 for anything unexpected; Starlette's CORSMiddleware, outermost, answers browsers'
+preflights and puts the CORS headers on every response (errors included). A request's model is checked first, as
+vLLM does, and all its engine requests (prompts x n) are added to the engine in one go. Besides the OpenAI routes,
+vLLM's /tokenize, /detokenize, /version and /ping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.middleware.cors import CORSMiddleware
 
+from kiln import __version__
 from kiln.chat_template import ChatTemplate, ChatTemplateError, chat_template_of
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
 from kiln.server.body import read_json, validation_error
 from kiln.server.engine_loop import EngineLoop
+from kiln.server.fields import ignored_reason
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.middleware import BearerAuth, CatchAll
-from kiln.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, request_error
+from kiln.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    error_body,
+    request_error,
+)
 from kiln.server.streaming import Choices, completion_body, sse_stream
 
 log = logging.getLogger("kiln.server")
 _GONE = object()  # put in a non-streaming request's sink when its client disconnects
+MAX_BODY_BYTES = 32 << 20  # --max-body-bytes' default: a 131072-token context as token ids (~1 MiB) many times over
+GUARDED = ("/v1", "/tokenize", "/detokenize")  # the routes --api-key guards
 
 
 @dataclass
 class ServerConfig:
-    model_name: str
+    """model_name: the model id the server reports (in responses, /health and /metrics), or a list of ids (vLLM's
+    --served-model-name): the first is reported, every one is listed in /v1/models and accepted as a request's model;
+    model_aliases: more ids accepted as a request's model, not listed."""
+
+    model_name: str | Sequence[str]
     api_key: str | None = None
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int | None = MAX_BODY_BYTES  # None or 0: no limit
     max_prompt_tokens: int | None = None  # None: the engine's max_model_len
-    max_waiting: int = 256  # requests queued (not yet running) before new ones get 503 + Retry-After
+    max_waiting: int | None = None  # requests queued (not yet running) before new ones get 503 (None: no limit)
     default_max_tokens: int = 16  # completions without max_tokens (chat defaults to the rest of the context)
     chat_template: ChatTemplate | None = None
+    model_aliases: Sequence[str] = ()
+    # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials
+    allowed_origins: Sequence[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: Sequence[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: Sequence[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+    @property
+    def model_names(self) -> list[str]:
+        """The served model ids, the reported one first."""
+        names = [self.model_name] if isinstance(self.model_name, str) else list(self.model_name)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"model_name: give one or more non-empty model ids, not {self.model_name!r}")
+        return names
 
 
 def _model_of(body: object) -> object:
@@ -51,10 +88,14 @@ def _model_of(body: object) -> object:
 
 
 def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    metrics = ServerMetrics(config.model_name)
+    names = config.model_names
+    served = names[0]  # what responses, /health and /metrics report, as vLLM reports its first name
+    accepted = {*names, *config.model_aliases}
+    metrics = ServerMetrics(served)
     loop = EngineLoop(engine, metrics)
     chat = config.chat_template or chat_template_of(engine.tokenizer)
     max_prompt = config.max_prompt_tokens or engine.max_model_len
+    logged: set[str] = set()  # the ignored request fields logged so far: each once per server
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -79,7 +120,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(404)
     async def _not_found(request: Request, e) -> JSONResponse:  # OpenAI's type for an unknown URL too
-        return JSONResponse(error_body(f"no route {request.method} {request.url.path}; the API is under /v1",
+        method, path = request.method, request.url.path
+        routes = _routes(app)
+        hint = ""
+        if not path.startswith("/v1/") and f"{method} /v1{path}" in routes:  # an OpenAI base URL without /v1
+            hint = f"did you mean {method} /v1{path}? "
+        return JSONResponse(error_body(f"no route {method} {path}; {hint}kiln serves {', '.join(routes)}",
                                        "invalid_request_error"), status_code=404)
 
     @app.exception_handler(405)
@@ -88,9 +134,25 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                        "invalid_request_error"), status_code=405)
 
     if config.api_key:
-        app.add_middleware(BearerAuth, api_key=config.api_key)
-    app.add_middleware(CatchAll)  # added last: the outermost, so it covers BearerAuth too
+        app.add_middleware(BearerAuth, api_key=config.api_key, guarded=GUARDED)
+    app.add_middleware(CatchAll)  # outside BearerAuth, so it covers it too
+    # Outermost: a preflight is answered before the API key is asked for, and every response (a 401, CatchAll's
+    # 500) carries the CORS headers a browser needs to read it.
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)
 
+    def parse(model: type[BaseModel], body: object):
+        """The body as `model` (a 400 for what it cannot take); each ignored field's name is logged once."""
+        ignored: set[str] = set()
+        req = model.model_validate(body, context={"ignored": ignored})
+        for name in sorted(ignored - logged):
+            logged.add(name)
+            log.info("ignoring the request field %r (%s: it changes nothing kiln computes); logged once",
+                     name, ignored_reason(name) or "metadata")
+        return req
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) /health
     @app.get("/health")
     async def health() -> Response:
         if app.state.draining:  # a load balancer stops sending requests; those in flight still finish
@@ -99,34 +161,43 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return JSONResponse(err.body(), status_code=err.status)
         if not loop.alive:
             return JSONResponse(error_body("the engine loop is not running", "internal_error"), status_code=503)
-        return JSONResponse({"status": "ok", "model": config.model_name, "device": str(engine.model.device)})
+        return JSONResponse({"status": "ok", "model": served, "device": str(engine.model.device)})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "kiln",
-            "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab}
+    created = int(time.time())
+
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "kiln",
+                "max_model_len": engine.max_model_len, "vocab_size": engine.model.vocab}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(n) for n in names]}
 
     def check_model(name: object) -> None:
-        if isinstance(name, str) and name != config.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {config.model_name!r} "
-                           "(GET /v1/models)", param="model", code="model_not_found")
+        """A 404 for a model this server does not serve; none given (or "") is the served one, as in vLLM."""
+        if isinstance(name, str) and name and name not in accepted:
+            served_as = " or ".join(repr(n) for n in names)
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served_as} (GET /v1/models)",
+                           param="model", code="model_not_found")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        check_model(model_id)
-        return card
+        check_model(model_id or "(none)")
+        return card(model_id)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_json(request, config.max_body_bytes)
         check_model(_model_of(body))  # first, as vLLM: a wrong model is the error, not what its fields would be
-        req = CompletionRequest.model_validate(body)
+        req = parse(CompletionRequest, body)
         req.check()
         given = req.prompts()
         # Off the event loop: a long prompt's tokenization would stall every stream being served.
@@ -141,17 +212,69 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body = await read_json(request, config.max_body_bytes)
         check_model(_model_of(body))
-        req = ChatCompletionRequest.model_validate(body)
+        req = parse(ChatCompletionRequest, body)
         req.check()
-        msgs = [m.template_message() for m in req.messages]
-        try:
-            text = chat.render(msgs, req.add_generation_prompt, continue_final_message=req.continue_final_message)
-        except ChatTemplateError as e:  # the template's raise_exception, or a message it cannot take
-            raise APIError(400, str(e), param="messages") from None
+        text = render(req)
         if req.max_completion_tokens is not None:  # as in OpenAI and vLLM, it overrides the deprecated max_tokens
             req.max_tokens = req.max_completion_tokens
         ids = await asyncio.to_thread(_tokens, engine, text, max_prompt, "messages")
         return await _generate(request, req, [ids], "chat.completion", None)
+
+    def render(req: ChatCompletionRequest | TokenizeChatRequest) -> str:
+        """The conversation's prompt text, from the chat template (chat completions and /tokenize alike)."""
+        try:
+            return chat.render(req.template_messages(), req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message)
+        except ChatTemplateError as e:  # the template's raise_exception, or a message it cannot take
+            raise APIError(400, str(e), param="messages") from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's: a prompt's token ids ({"prompt"}), or a conversation's as chat completions renders it
+        ({"messages"}); no length limit (count and max_model_len tell the client whether it fits)."""
+        body = await read_json(request, config.max_body_bytes)
+        check_model(_model_of(body))
+        conversation = isinstance(body, dict) and "messages" in body
+        req = parse(TokenizeChatRequest if conversation else TokenizeCompletionRequest, body)
+        req.check()
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot tokenize text", param="prompt")
+        text = render(req) if conversation else req.prompt
+        param = "messages" if conversation else "prompt"
+        ids = await asyncio.to_thread(_encode, engine, text, req.add_special_tokens, param)
+        out = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+        if req.return_token_strs:
+            out["token_strs"] = await asyncio.to_thread(lambda: [token_str(i) for i in ids])
+        return JSONResponse(out)
+
+    @functools.cache
+    def vocabulary() -> list[str | None]:
+        """Every id's token string (read once: a big vocabulary takes a while)."""
+        table = getattr(engine.tokenizer, "token_strings", None)
+        return table() if table is not None else []
+
+    def token_str(token_id: int) -> str:
+        """The token's string in the vocabulary (Llama's "▁Hello", GPT-2's "Ġworld"), as vLLM's token_strs; its
+        decoded text for an id the vocabulary lists no string for."""
+        table = vocabulary()
+        s = table[token_id] if 0 <= token_id < len(table) else None
+        return s if s is not None else engine.tokenizer.decode([token_id])
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's: token ids -> their text; an id out of the vocabulary is a 400 naming it."""
+        body = await read_json(request, config.max_body_bytes)
+        check_model(_model_of(body))
+        req = parse(DetokenizeRequest, body)
+        vocab = engine.model.vocab
+        for i, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"tokens[{i}] = {t} is not a token id of this model; allowed: 0 .. {vocab - 1} "
+                               f"(its vocabulary has {vocab} tokens)", param="tokens", code="invalid_value")
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot give token ids' text", param="tokens")
+        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens)
+        return JSONResponse({"prompt": text})
 
     async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None,
                         echo: list[str] | None = None):
@@ -159,8 +282,12 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
             raise APIError(503, "the engine loop has stopped (see the server log); restart `kiln serve`",
                            code="engine_stopped")
         jobs = []  # (request id, prompt ids, params)
-        base = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         chat = kind == "chat.completion"
+        prefix = "chatcmpl" if chat else "cmpl"
+        base = f"{prefix}-{uuid.uuid4().hex}"  # the engine's request ids: unique, whatever the client sends
+        # The response's id: vLLM's, from X-Request-Id or the request_id field when the client gives one
+        given = request.headers.get("x-request-id") or req.request_id
+        response_id = f"{prefix}-{given}" if given else base
         for p, ids in enumerate(prompts):
             room = engine.max_model_len - len(ids)
             if req.max_tokens is None and default_max is None and room < 1:
@@ -184,11 +311,13 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                 raise request_error(e, _chat_param(e.param, req) if chat else None) from None
             for i, params in enumerate(choices):
                 jobs.append((f"{base}-{p * req.n + i}", ids, params))
-        if len(jobs) > config.max_waiting:
-            raise APIError(400, f"{len(jobs)} completions (prompts x n) in one request, over the queue's "
-                           f"{config.max_waiting} (--max-waiting); send fewer prompts or a smaller n", param="n")
+        if config.max_waiting is not None and len(jobs) > config.max_waiting:
+            # all of a request's choices enter the queue together: more than it holds would never be admitted
+            raise APIError(400, f"{len(jobs)} completions (prompts x n) in one request, over the "
+                           f"{config.max_waiting} requests the server's queue holds (--max-waiting), so it could "
+                           "never be admitted; send fewer prompts or a smaller n", param="n")
         waiting = loop.num_waiting
-        if waiting + len(jobs) > config.max_waiting:
+        if config.max_waiting is not None and waiting + len(jobs) > config.max_waiting:
             raise APIError(503, f"server busy: {waiting} requests waiting, the queue "
                            f"holds {config.max_waiting} (--max-waiting); retry after a second",
                            code="queue_full", headers={"Retry-After": "1"})
@@ -201,14 +330,18 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         except BaseException:
             loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
             raise
-        choices = Choices(base, kind, config.model_name, rids, sum(len(p) for p in prompts),
+        choices = Choices(response_id, kind, served, rids, sum(len(p) for p in prompts),
                           req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer,
                           echo=None if echo is None else [t for t in echo for _ in range(req.n)],
                           prompt_only=getattr(req, "prompt_only", False),
-                          prompt_logprobs=req.shown_prompt_logprobs())
+                          prompt_logprobs=req.shown_prompt_logprobs(),
+                          prompt_ids=[ids for ids in prompts for _ in range(req.n)],
+                          tokens_as_ids=req.return_tokens_as_token_ids)
         if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _AbortingStream(sse_stream(sink, choices, usage), lambda: loop.abort(rids),
+            opts = req.stream_options
+            usage = bool(opts and opts.include_usage)
+            continuous = bool(opts and opts.continuous_usage_stats)
+            return _AbortingStream(sse_stream(sink, choices, usage, continuous), lambda: loop.abort(rids),
                                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             await _collect(request, sink, choices)  # returns early when the client disconnects
@@ -217,6 +350,15 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return JSONResponse(completion_body(choices))
 
     return app
+
+
+def _routes(app: FastAPI) -> list[str]:
+    """The routes the app serves, as "METHOD /path" (for the 404's message)."""
+    out = []
+    for route in app.routes:
+        if isinstance(route, APIRoute):
+            out += [f"{m} {route.path_format}" for m in sorted(route.methods - {"HEAD"})]
+    return out
 
 
 def _check_min_tokens(req, max_tokens: int, chat: bool) -> None:
@@ -294,6 +436,19 @@ def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str
         raise APIError(400, "echo of a prompt given as token ids needs the model's tokenizer to give its text, and "
                        "this model has none; omit echo (prompt_logprobs gives the prompt's logprobs)", param="echo")
     return engine.tokenizer.decode(ids)
+
+
+def _encode(engine: Engine, text: str, add_special: bool | None, param: str) -> list[int]:
+    """The text's token ids; add_special: with (true) or without (false) the special tokens the tokenizer adds,
+    None: the tokenizer's default (as the completion routes encode). A tokenizer that adds none (the byte-level
+    one) takes no such choice."""
+    encode = engine.tokenizer.encode
+    try:
+        if add_special is not None and "special" in inspect.signature(encode).parameters:
+            return encode(text, special=add_special)
+        return encode(text)
+    except Exception as e:
+        raise APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
 
 
 def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "prompt") -> list[int]:

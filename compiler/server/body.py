@@ -20,19 +20,17 @@ _MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-async def read_json(request: Request, limit: int) -> object:
-    """The body parsed, or an APIError: over `limit` bytes (413), not JSON or nested too deeply (400 invalid_json),
-    a lone surrogate in a string (400, naming the field and the character)."""
+async def read_json(request: Request, limit: int | None) -> object:
+    """The body parsed, or an APIError: over `limit` bytes (413; None or 0: no limit), not JSON or nested too deeply
+    (400 invalid_json), a lone surrogate in a string (400, naming the field and the character)."""
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise APIError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes (--max-body-bytes)",
-                       code="request_too_large")
+    if limit and size is not None and size.isdigit() and int(size) > limit:
+        raise too_large(limit, int(size))
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)",
-                           code="request_too_large")
+        if limit and len(body) > limit:
+            raise too_large(limit)
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -44,6 +42,14 @@ async def read_json(request: Request, limit: int) -> object:
     if json.detect_encoding(body) != "utf-8" or _MAYBE_SURROGATE.search(body):
         check_unicode(data)
     return data
+
+
+def too_large(limit: int, size: int | None = None) -> APIError:
+    """The 413 for a body over `limit` bytes: the limit, and the flag that raises it."""
+    size_text = f"of {size} bytes " if size is not None else ""
+    mib = f"{limit / (1 << 20):g} MiB, " if limit >= 1 << 20 else ""
+    return APIError(413, f"request body {size_text}exceeds the server's limit of {mib}{limit} bytes; start "
+                    "`kiln serve` with a larger --max-body-bytes (0: no limit)", code="request_too_large")
 
 
 def check_unicode(data: object) -> None:

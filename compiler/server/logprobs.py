@@ -13,7 +13,7 @@ import codecs
 import itertools
 from dataclasses import dataclass, field
 
-from kiln.runtime.logprob import PositionLogprobs
+from kiln.runtime.logprob import PositionLogprobs, top_logprobs
 from kiln.step import TokenizerLike
 
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON; vLLM reports masked tokens with this value too
@@ -25,12 +25,18 @@ class TokenLogprobs:
 
     tokenizer: TokenizerLike | None
     top_n: int  # how many top alternatives to show per token (chat's top_logprobs; completions' logprobs)
+    as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens named "token_id:ID", not by their text
     entries: list[tuple[int, PositionLogprobs]] = field(default_factory=list)
     text_offset: int = 0  # completions: where the next token's text starts in the choice's text
     _utf8: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
 
     def token(self, token_id: int) -> str:
+        """The token's text."""
         return token_text(self.tokenizer, token_id)
+
+    def name(self, token_id: int) -> str:
+        """How the response names the token: its text, or "token_id:ID" (as_ids)."""
+        return f"token_id:{token_id}" if self.as_ids else self.token(token_id)
 
     def add(self, token_ids: list[int], logprobs: list[PositionLogprobs | None]
             ) -> list[tuple[int, PositionLogprobs | None]]:
@@ -44,7 +50,7 @@ class TokenLogprobs:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tok, lp in entries:
             text = self.token(tok)
-            out["tokens"].append(text)
+            out["tokens"].append(self.name(tok))
             if lp is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -53,8 +59,8 @@ class TokenLogprobs:
                 top: dict[str, float] = {}
                 # The top_n most likely (an echoed prompt's entries may hold more: prompt_logprobs asked for more),
                 # then the token itself; keyed by text: of tokens that decode alike, the most likely one's value.
-                for t, v in itertools.chain(itertools.islice(lp.items(), self.top_n), ((tok, lp[tok]),)):
-                    top.setdefault(self.token(t), _finite(v.logprob))
+                for t, v in itertools.chain(top_logprobs(lp, self.top_n), ((tok, lp[tok]),)):
+                    top.setdefault(self.name(t), _finite(v.logprob))
                 out["top_logprobs"].append(top)
             # Offsets count the characters the bytes so far make: a token holding part of a character adds none
             # until the one that ends it (counting its "\ufffd" text would push every later offset along), and a
@@ -69,7 +75,7 @@ class TokenLogprobs:
         """Chat's {"content": [...]} of `entries`; each token's top_logprobs lists the top_n most likely."""
         content = []
         for tok, lp in entries:
-            top = [self._chat_entry(t, v.logprob) for t, v in list(lp.items())[: self.top_n]]
+            top = [self._chat_entry(t, v.logprob) for t, v in top_logprobs(lp, self.top_n)]
             content.append({**self._chat_entry(tok, lp[tok].logprob), "top_logprobs": top})
         return {"content": content}
 
@@ -80,7 +86,9 @@ class TokenLogprobs:
         return raw(token_id) if raw is not None else self.token(token_id).encode("utf-8")
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict:
-        return {"token": self.token(token_id), "logprob": _finite(logprob), "bytes": list(self.token_bytes(token_id))}
+        # as_ids: the bytes of the name, as vLLM gives them (the token's own bytes would not spell it)
+        raw = self.name(token_id).encode() if self.as_ids else self.token_bytes(token_id)
+        return {"token": self.name(token_id), "logprob": _finite(logprob), "bytes": list(raw)}
 
 
 def token_text(tokenizer: TokenizerLike | None, token_id: int) -> str:
@@ -92,14 +100,14 @@ def token_text(tokenizer: TokenizerLike | None, token_id: int) -> str:
 def prompt_logprobs_field(tokenizer: TokenizerLike | None, token_ids: list[int],
                           logprobs: list[PositionLogprobs | None], top_n: int) -> list[dict[int, dict] | None]:
     """vLLM's prompt_logprobs response field: None for the first token, then per prompt token {token id: {"logprob",
-    "rank", "decoded_token"}} for the top_n most likely (ranks 1 .. top_n) and the prompt token itself (its own rank
-    when it is not among them); -inf is -9999.0, as vLLM clamps it. JSON makes the ids strings."""
+    "rank", "decoded_token"}} for the prompt token itself (first, as in vLLM v1) and the top_n most likely (ranks
+    1 .. top_n); -inf is -9999.0, as vLLM clamps it. JSON makes the ids strings."""
     out: list[dict[int, dict] | None] = []
     for tok, lp in zip(token_ids, logprobs, strict=True):
         if lp is None:
             out.append(None)
             continue
-        shown = itertools.chain(itertools.islice(lp.items(), top_n), ((tok, lp[tok]),))
+        shown = itertools.chain(((tok, lp[tok]),), top_logprobs(lp, top_n))  # the prompt token first, as vLLM v1
         out.append({t: {"logprob": _finite(v.logprob), "rank": v.rank, "decoded_token": token_text(tokenizer, t)}
                     for t, v in shown})
     return out

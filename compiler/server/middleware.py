@@ -19,13 +19,15 @@ log = logging.getLogger("kiln.server")
 
 
 class BearerAuth:
-    """`--api-key`: /v1 routes need 'Authorization: Bearer KEY'."""
+    """`--api-key`: the routes under `guarded` (the API: /v1, /tokenize, /detokenize) need 'Authorization: Bearer
+    KEY'. A browser's CORS preflight, which carries no credentials, never gets here: CORSMiddleware, outside this
+    one, answers it."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.key = app, api_key.encode()
+    def __init__(self, app: ASGIApp, api_key: str, guarded: tuple[str, ...] = ("/v1",)):
+        self.app, self.key, self.guarded = app, api_key.encode(), guarded
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(self.guarded):
             # RFC 9110: the scheme name is case-insensitive ("bearer" is as good as "Bearer")
             scheme, _, token = Headers(scope=scope).get("authorization", "").strip().partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):

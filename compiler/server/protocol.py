@@ -1,65 +1,46 @@
-"""OpenAI request models (pydantic, unknown fields refused) and the error JSON shape.
+"""OpenAI request models (pydantic) and the error JSON shape.
 
 Fields map onto kiln's SamplingParams; ones the engine cannot honour (suffix, chat's echo) are refused with a 400
-naming the field rather than silently ignored. logprobs (completions: 0 .. 20 top alternatives) and logprobs +
-top_logprobs (chat) map onto SamplingParams.logprobs; presence / frequency penalties and logit_bias (OpenAI's:
-string token ids) and vLLM's min_tokens onto the SamplingParams fields of those names. Completions' echo (the prompt
-before the text, and with logprobs its tokens' logprobs before the output's; max_tokens 0: the prompt alone, as
-lm-evaluation-harness asks for loglikelihoods) and vLLM's prompt_logprobs map onto SamplingParams.prompt_logprobs.
-Chat's vLLM fields add_generation_prompt and continue_final_message go to the chat template (ChatTemplate.render).
+naming the field rather than silently ignored. Fields beyond kiln's own are sorted by kiln.server.fields: metadata is
+accepted and ignored (each name logged once per server), fields that would change the output and that kiln cannot
+honour are a 400 saying kiln does not support them, and anything else is an unknown field (a typo), refused with the
+closest known one. logprobs (completions: 0 .. 20 top alternatives) and logprobs + top_logprobs (chat) map onto
+SamplingParams.logprobs; presence / frequency penalties and logit_bias (OpenAI's: string token ids) and vLLM's
+min_tokens onto the SamplingParams fields of those names. Completions' echo (the prompt before the text, and with
+logprobs its tokens' logprobs before the output's; max_tokens 0: the prompt alone, as lm-evaluation-harness asks for
+loglikelihoods) and vLLM's prompt_logprobs map onto SamplingParams.prompt_logprobs. Chat's vLLM fields
+add_generation_prompt and continue_final_message go to the chat template (ChatTemplate.render).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
 from kiln.chat_template import message_text
-from kiln.errors import KilnError, RequestError
+from kiln.errors import RequestError
 from kiln.runtime.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from kiln.server.errors import APIError, error_body, request_error
+from kiln.server.fields import (
+    CHAT_IGNORED,
+    CHAT_UNSUPPORTED,
+    COMPLETION_UNSUPPORTED,
+    IGNORED,
+    MESSAGE_IGNORED,
+    sort_fields,
+)
+
+__all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "error_body", "request_error"]
+
+# vLLM's bounds (VLLM_MAX_COMPLETION_PROMPTS, VLLM_MAX_N_SEQUENCES defaults): prompts in one completions request, n.
+MAX_PROMPTS = 1024
+MAX_N = 16384
 
 
-class APIError(KilnError):
-    """An HTTP error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
-
-    The one rule for a 400's code: the specific one given (context_length_exceeded, unknown_field, ...), else
-    invalid_value when it names a parameter, as pydantic's range checks give; so no 400 naming a field has a null
-    code, whichever route raised it."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        if code is None and param is not None and status == 400:
-            code = "invalid_value"
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _TYPES.get(status, "invalid_request_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def again(self) -> APIError:
-        """A copy to raise: one error handed to many requests (a shutdown's) would pile up all their tracebacks."""
-        return APIError(self.status, self.message, param=self.param, type=self.type, code=self.code,
-                        headers=self.headers)
-
-
-# OpenAI's types; a 404 (unknown model or route) is an invalid_request_error there too, with code model_not_found
-# for a model.
-_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error", 500: "internal_error",
-          503: "overloaded_error"}
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def request_error(e: RequestError, param: str | None = None) -> APIError:
-    """The 400 for a RequestError (the engine's and SamplingParams' checks), coded by APIError's rule: the error's
-    own code, else invalid_value when it names a parameter. param: the field as this request names it (default:
-    the error's)."""
-    return APIError(400, str(e), param=param or e.param, code=e.code)
+def ignored_sink(info: ValidationInfo) -> set[str] | None:
+    """Where a request's ignored field names go: the set the route passed as validation context["ignored"]."""
+    return info.context.get("ignored") if isinstance(info.context, dict) else None
 
 
 # Strict: a JSON true is not max_tokens 1, nor "3" the number 3 (ints still pass where floats are expected).
@@ -69,19 +50,54 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions. An explicit null means the default, as in OpenAI's API."""
-
-    model_config = _STRICT
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far (prompt + completion tokens)
+    continuous_usage_stats: bool = False
 
     @model_validator(mode="before")
     @classmethod
-    def _nulls_are_defaults(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+    def _fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return sort_fields({k: v for k, v in data.items() if v is not None}, cls.model_fields,
+                           where="stream_options.")
+
+
+class _Body(BaseModel):
+    """A request body. An explicit null means the default, as in OpenAI's API; fields beyond the model's are sorted
+    by kiln.server.fields (_IGNORED: accepted and dropped, _UNSUPPORTED: refused unless they ask for nothing)."""
+
+    model_config = _STRICT
+    _IGNORED: ClassVar[dict[str, str]] = {}
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields(cls, data: Any, info: ValidationInfo) -> Any:
+        """Nulls are the defaults; metadata is dropped (its names go to the route's sink), an unsupported field
+        that asks for something or an unknown one is a 400 (kiln.server.fields)."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        sink = ignored_sink(info)
+        data = sort_fields(data, cls.model_fields, ignored=cls._IGNORED, unsupported=cls._UNSUPPORTED, sink=sink)
+        return cls._nested_fields(data, sink)
+
+    @classmethod
+    def _nested_fields(cls, data: dict, sink: set[str] | None) -> dict:
+        return data
 
     model: str | None = None
+
+    def check(self) -> None:
+        """The checks across fields, after pydantic's of each (a 400 naming the field)."""
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat completions."""
+
+    _IGNORED: ClassVar[dict[str, str]] = IGNORED
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = COMPLETION_UNSUPPORTED
+
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -90,17 +106,21 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    return_token_ids: bool = False  # kiln / vLLM extension: each choice also carries its token ids
+    # vLLM extension: each choice also carries its token ids, and its prompt's (prompt_token_ids)
+    return_token_ids: bool = False
+    # vLLM extension: logprobs name tokens "token_id:ID" instead of their text
+    return_tokens_as_token_ids: bool = False
     include_stop_str_in_output: bool = False  # vLLM extension: keep the stop string (or stop token's text)
     stop_token_ids: list[int] | None = None  # vLLM extension: token ids that end the choice ("stop")
     # kiln extension, SamplingParams.speculate: false opts this request out of speculative decoding, true speculates
     # seeded sampling too; unset, a server started with --speculation speculates all but seeded sampling.
     speculate: bool | None = None
-    user: str | None = None
+    # vLLM extension: the response's id is cmpl- / chatcmpl- and this (an X-Request-Id header wins, as in vLLM)
+    request_id: str | None = Field(default=None, min_length=1)
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     # OpenAI's form: {"token id as a string": bias in -100 .. 100}; ids are checked against the vocabulary
@@ -173,12 +193,26 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False  # the prompt before the text; with logprobs, its tokens' logprobs before the output's
     suffix: str | None = None
+    # OpenAI's: sample best_of and return the n most likely; kiln returns what it samples, so only best_of == n
+    best_of: int | None = Field(default=None, ge=1)
 
     def check(self) -> None:
         super().check()
         self.check_logprobs(self.logprobs, "logprobs")
         if self.suffix:
             raise APIError(400, "suffix is not supported; omit suffix", param="suffix")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of = {self.best_of} is less than n = {self.n}; allowed: best_of >= n (the "
+                           "choices returned come from the ones sampled)", param="best_of", code="invalid_value")
+        if self.best_of is not None and self.best_of > self.n:
+            raise APIError(400, f"kiln does not support best_of > n (best_of = {self.best_of}, n = {self.n}): it "
+                           "returns every choice it samples and does not rank them; omit best_of, or ask for n = "
+                           f"{self.best_of} choices and pick among them", param="best_of",
+                           code="unsupported_parameter")
+        if isinstance(self.prompt, list) and len(self.prompt) > MAX_PROMPTS and not isinstance(self.prompt[0], int):
+            raise APIError(400, f"prompt is a list of {len(self.prompt)} prompts, over the limit of {MAX_PROMPTS} in "
+                           "one request (vLLM's VLLM_MAX_COMPLETION_PROMPTS default); split it over several requests",
+                           param="prompt", code="invalid_value")
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens = 0 generates nothing; it is allowed only with echo: true (the prompt "
                            "alone, with its logprobs when logprobs is set); give max_tokens >= 1",
@@ -215,13 +249,18 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # Any role, as in vLLM: the chat template decides what it means (and may refuse it with raise_exception).
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     # A tool-calling conversation's history, handed to the chat template as they come (kiln makes no tool calls
     # itself: a request's `tools` field is refused, but a template that renders past calls gets them).
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # An assistant message's reasoning (vLLM's field, or its deprecated reasoning_content), given to the template
+    # under both names as vLLM gives it: a template that renders earlier reasoning (Qwen3's) reads one of them.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template sees it."""
@@ -229,6 +268,9 @@ class ChatMessage(BaseModel):
         for key in ("name", "tool_call_id", "tool_calls"):
             if getattr(self, key) is not None:
                 msg[key] = getattr(self, key)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None and self.role == "assistant":  # as vLLM: an assistant's reasoning only
+            msg["reasoning"] = msg["reasoning_content"] = reasoning
         return msg
 
     def text(self) -> str:
@@ -239,30 +281,41 @@ class ChatMessage(BaseModel):
             raise request_error(e) from None
 
 
-class ChatCompletionRequest(_Sampling):
+def sort_message_fields(messages: Any, sink: set[str] | None) -> Any:
+    """Each message without the fields no template reads (MESSAGE_IGNORED; their names to `sink`); a null extra is
+    dropped, an unknown one (a typo) is a 400 naming the closest field."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for i, msg in enumerate(messages):
+        if isinstance(msg, dict):
+            msg = {k: v for k, v in msg.items() if v is not None or k in ChatMessage.model_fields}
+            msg = sort_fields(msg, ChatMessage.model_fields, ignored=MESSAGE_IGNORED, where=f"messages.{i}.",
+                              ignored_as="messages[].", sink=sink)
+        out.append(msg)
+    return out
+
+
+class _Conversation(_Body):
+    """A conversation for the chat template (chat completions, /tokenize's messages form)."""
+
+    @classmethod
+    def _nested_fields(cls, data: dict, sink: set[str] | None) -> dict:
+        if "messages" in data:
+            data["messages"] = sort_message_fields(data["messages"], sink)
+        return data
+
     messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    # vLLM's chat echo prepends the last message to the reply when it is the assistant's; kiln does not, so only
-    # false is taken.
-    echo: bool = False
     # vLLM extensions, handed to the chat template as transformers' apply_chat_template takes them: the assistant
     # header that opens the reply, or (continue_final_message) a prompt that ends inside the final assistant message,
     # which the reply continues (a "prefill").
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
     def check(self) -> None:
-        super().check()
-        self.check_logprobs(self.top_logprobs, "top_logprobs")
-        if self.top_logprobs and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",
-                           param="top_logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported on chat completions; omit echo (with continue_final_message "
-                           "the reply continues the final message: put its text before the reply yourself), or send "
-                           "the conversation as a prompt to /v1/completions with echo", param="echo")
         if self.continue_final_message:
             self.check_continue()
 
@@ -279,5 +332,51 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "continue_final_message: the final message has no content to continue; give it "
                            'text (an empty string "" continues from the start of the reply)', param="messages")
 
+
+class ChatCompletionRequest(_Sampling, _Conversation):
+    _IGNORED: ClassVar[dict[str, str]] = CHAT_IGNORED
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = CHAT_UNSUPPORTED
+
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's chat echo prepends the last message to the reply when it is the assistant's; kiln does not, so only
+    # false is taken.
+    echo: bool = False
+
+    def check(self) -> None:
+        _Sampling.check(self)
+        self.check_logprobs(self.top_logprobs, "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",
+                           param="top_logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported on chat completions; omit echo (with continue_final_message "
+                           "the reply continues the final message: put its text before the reply yourself), or send "
+                           "the conversation as a prompt to /v1/completions with echo", param="echo")
+        _Conversation.check(self)
+
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# vLLM's /tokenize and /detokenize (kiln.server.app).
+
+
+class TokenizeCompletionRequest(_Body):
+    prompt: str
+    add_special_tokens: bool = True  # the special tokens the tokenizer adds (Llama's BOS), as vLLM's default
+    return_token_strs: bool = False  # also each token's string in the vocabulary (token_strs)
+
+
+class TokenizeChatRequest(_Conversation):
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"tools": CHAT_UNSUPPORTED["tools"]}
+
+    # None: as /v1/chat/completions tokenizes the rendered conversation; true / false: with or without the special
+    # tokens the tokenizer adds on top of the template's own
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]

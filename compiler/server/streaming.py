@@ -4,6 +4,9 @@ Completions' echo puts the prompt's text before a choice's text, and with logpro
 one null) before the output's, in the body or in the choice's first chunk; with max_tokens 0 (prompt_only) the
 response is the prompt alone: the one token the engine samples is not shown, nor counted in usage, and the
 finish_reason is "length". vLLM's prompt_logprobs field is on each completions choice, or on the chat response.
+With return_token_ids, as vLLM: each choice carries its token_ids, and its prompt's prompt_token_ids (completions: on
+the choice, in a stream on its first chunk; chat: on the response, in a stream on the role chunks). With
+stream_options continuous_usage_stats (and include_usage), every chunk carries its choice's usage so far, as vLLM's.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ class Choices:
     def __init__(self, base_id: str, kind: str, model: str, request_ids: list[str], prompt_tokens: int,
                  return_token_ids: bool = False, *, logprobs: int | None = None,
                  tokenizer: TokenizerLike | None = None, echo: list[str] | None = None, prompt_only: bool = False,
-                 prompt_logprobs: int | None = None):
+                 prompt_logprobs: int | None = None, prompt_ids: list[list[int]] | None = None,
+                 tokens_as_ids: bool = False):
         """echo: per choice, the prompt text to put first (None: no echo); prompt_only: echo with max_tokens 0;
-        prompt_logprobs: how many top alternatives vLLM's prompt_logprobs field shows (None: no field)."""
+        prompt_logprobs: how many top alternatives vLLM's prompt_logprobs field shows (None: no field); prompt_ids:
+        per choice, its prompt's token ids (prompt_token_ids with return_token_ids, continuous usage stats);
+        tokens_as_ids: logprobs name tokens "token_id:ID" (vLLM's return_tokens_as_token_ids)."""
         self.id, self.kind, self.model = base_id, kind, model
         self.created = int(time.time())
         self.index = {rid: i for i, rid in enumerate(request_ids)}
@@ -40,7 +46,10 @@ class Choices:
         self.token_ids: list[list[int]] = [[] for _ in request_ids]
         self.return_token_ids = return_token_ids
         # logprobs None: not asked; else how many top alternatives each token shows
-        self.logprobs = None if logprobs is None else [TokenLogprobs(tokenizer, logprobs) for _ in request_ids]
+        self.logprobs = (None if logprobs is None else
+                         [TokenLogprobs(tokenizer, logprobs, as_ids=tokens_as_ids) for _ in request_ids])
+        self.prompt_ids = prompt_ids if prompt_ids is not None else [[] for _ in request_ids]
+        self.prompt_ids_sent = [False] * len(request_ids)  # streams: each choice's first chunk carries them
         self.tokenizer = tokenizer
         self.echo, self.prompt_only, self.shown_prompt = echo, prompt_only, prompt_logprobs
         self.echoed = [False] * len(request_ids)
@@ -107,13 +116,21 @@ class Choices:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False) -> str:
-        """One event; with_usage (include_usage asked) puts "usage" on every chunk, null but on the last, as OpenAI
-        and vLLM do."""
+    def choice_usage(self, i: int) -> dict[str, int]:
+        """Choice i's usage so far (vLLM's continuous_usage_stats): its prompt's tokens and its own."""
+        prompt, completion = len(self.prompt_ids[i]), self.num_tokens[i]
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, with_usage: bool = False,
+              prompt_token_ids: list[int] | None = None) -> str:
+        """One event; with_usage (include_usage asked) puts "usage" on every chunk, null but on the last unless
+        given (continuous usage stats), as OpenAI and vLLM do; prompt_token_ids: a chat stream's role chunk's."""
         obj = "chat.completion.chunk" if self.kind == "chat.completion" else "text_completion"
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None or with_usage:
             body["usage"] = usage
+        if prompt_token_ids is not None:
+            body["prompt_token_ids"] = prompt_token_ids
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
@@ -130,12 +147,16 @@ def completion_body(c: Choices) -> dict:
             for i, choice in enumerate(choices):
                 choice["prompt_logprobs"] = c.prompt_field(i)
     if c.return_token_ids:
-        for choice, ids in zip(choices, c.token_ids, strict=True):
+        for i, (choice, ids) in enumerate(zip(choices, c.token_ids, strict=True)):
             choice["token_ids"] = ids
+            if not chat:  # vLLM's completions choice has its prompt's; chat's response has the one prompt's
+                choice["prompt_token_ids"] = c.prompt_ids[i]
     body = {"id": c.id, "object": c.kind, "created": c.created, "model": c.model, "choices": choices,
             "usage": c.usage()}
     if chat and c.shown_prompt is not None:  # vLLM's chat response has one, beside the choices
         body["prompt_logprobs"] = c.prompt_field(0)
+    if chat and c.return_token_ids:
+        body["prompt_token_ids"] = c.prompt_ids[0]
     return body
 
 
@@ -149,11 +170,22 @@ def _role_choice(c: Choices, i: int) -> dict:
     return choice
 
 
-async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> AsyncIterator[str]:
+async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool,
+                     continuous_usage: bool = False) -> AsyncIterator[str]:
     """One event per choice per step, then (when asked) a usage chunk with no choices, then [DONE]. A chat stream
     opens, when the first output arrives (after the prompt's prefill, as vLLM), with a role chunk per choice; the
-    deltas after it carry content only."""
+    deltas after it carry content only. continuous_usage (with include_usage, as vLLM): every chunk's usage is its
+    choice's so far."""
     chat = c.kind == "chat.completion"
+    continuous_usage = continuous_usage and include_usage
+
+    def usage_of(i: int, opening: bool = False) -> dict | None:
+        """Choice i's usage for its chunk (None: none); a role chunk's counts no completion token yet, as vLLM's."""
+        if not continuous_usage:
+            return None
+        usage = c.choice_usage(i)
+        return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]} if opening else usage
+
     while not c.done:
         try:
             i, delta, ids, finish, new = c.update(await sink.get())
@@ -163,7 +195,8 @@ async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> As
         if chat and not c.role_sent:
             c.role_sent = True
             for k in range(len(c.text)):
-                yield c.chunk([_role_choice(c, k)], None, include_usage)
+                yield c.chunk([_role_choice(c, k)], usage_of(k, opening=True), include_usage,
+                              prompt_token_ids=c.prompt_ids[k] if c.return_token_ids else None)
         if not delta and finish is None and not (c.return_token_ids and ids) and not new:
             continue  # text held back (a partial UTF-8 character or a possible stop string): nothing to send
         lp = c.format_logprobs(i, new) if new else None
@@ -174,7 +207,10 @@ async def sse_stream(sink: asyncio.Queue, c: Choices, include_usage: bool) -> As
         choice["stop_reason"] = c.stop_reason[i] if finish is not None else None  # null until the last, as vLLM
         if c.return_token_ids:
             choice["token_ids"] = ids
-        yield c.chunk([choice], None, include_usage)
+            if not chat:  # vLLM's: the choice's first chunk carries its prompt's ids, later ones null
+                choice["prompt_token_ids"] = None if c.prompt_ids_sent[i] else c.prompt_ids[i]
+                c.prompt_ids_sent[i] = True
+        yield c.chunk([choice], usage_of(i), include_usage)
     if include_usage and c.done:
         yield c.chunk([], c.usage())
     yield "data: [DONE]\n\n"

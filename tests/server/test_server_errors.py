@@ -92,8 +92,8 @@ CASES = [
      400, "streamed responses only", "stream_options"),
     ("chat stream_options without stream", "/v1/chat/completions", {**CHAT, "stream_options": {}}, AUTH, 400,
      "set stream: true", "stream_options"),
-    ("bad role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, AUTH, 400,
-     "'system', 'user'", "messages.0.role"),
+    ("empty role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "", "content": "x"}]}, AUTH, 400,
+     "at least 1 character", "messages.0.role"),
     ("top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, AUTH, 400,
      "needs logprobs: true", "top_logprobs"),
     ("top_logprobs over 20", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, AUTH, 400,
@@ -103,7 +103,7 @@ CASES = [
     ("image content", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, AUTH, 400, "only text parts", "messages"),
     ("unknown route", "/v1/embeddings", {}, AUTH, 404, "no route POST /v1/embeddings", None),
-    ("too many choices", "/v1/completions", {**OK, "prompt": ["a"] * 20, "n": 16}, AUTH, 400, "over the queue", "n"),
+    ("n over vLLM's limit", "/v1/completions", {**OK, "n": 16385}, AUTH, 400, "less than or equal to 16384", "n"),
 ]
 
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kiln.compile.prequantized import keep_quantized_linears
 from kiln.compile.quantized import SPEC, is_quantized_checkpoint, load_quantized, stored_scheme
-from kiln.errors import KilnError
+from kiln.errors import KilnError, RequestError
 from kiln.gguf.config import GGUFError, architecture, config_from_gguf, open_gguf
 from kiln.gguf.files import bundled_weights, is_gguf
 from kiln.gguf.tokenizer import load_gguf_tokenizer
@@ -21,12 +22,13 @@ from kiln.hf.config import config_from_hf, load_hf_config
 from kiln.hf.spec_match import check_spec_matches
 from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import TORCH_DTYPES, build_graph
-from kiln.model_config import DTYPES, CompileConfig, ModelConfig
+from kiln.model_config import DTYPE_ALIASES, DTYPE_AUTO, DTYPES, CompileConfig, ModelConfig, dtype_name
 from kiln.quant.formats import as_scheme, dequantize, parse_scheme
 from kiln.quant.sizing import resolve_group
-from kiln.spec.loader import DEFAULT_SPEC, load_spec
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.spec.loader import DEFAULT_SPEC, bundled_spec, load_spec
 from kiln.spec.route import describe_route
-from kiln.tokenizer import load_tokenizer
+from kiln.tokenizer import load_tokenizer, read_json_object
 from kiln.train.router_files import attach_routers, check_routers_file
 
 
@@ -42,6 +44,20 @@ class LoadedModel:
     # compile config then asks for no quantize pass, since there is nothing left to quantize.
     stored_quantize: str | None = None
     random_seed: int | None = None  # the seed of seeded random weights, None when weights were loaded
+    # The checkpoint's recommended sampling (generation_config.json, read as vLLM's --generation-config auto does),
+    # keyed by SamplingParams field names: temperature, top_p, top_k, min_p, repetition_penalty, and max_tokens
+    # (from max_new_tokens); only the keys the file sets. {} without a checkpoint, for a GGUF, or with
+    # generation_config="vllm". SamplingParams(**generation_defaults) is LLM.get_default_sampling_params().
+    generation_defaults: dict[str, object] = field(default_factory=dict)
+    generation_source: str | None = None  # the file generation_defaults came from
+
+    def generation_note(self) -> str | None:
+        """What a sampling front end says when the checkpoint's defaults apply (as vLLM warns), else None."""
+        if not self.generation_defaults:
+            return None
+        values = ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items())
+        return (f"default sampling parameters from {self.generation_source}: {values} (the model's recommendation; "
+                "kiln's own defaults with generation_config='vllm' / --generation-config vllm)")
 
     def weights_label(self) -> str:
         """What the load line says of the weights: random ones must never pass for loaded ones."""
@@ -92,6 +108,92 @@ def check_weights_dir(path: Path) -> None:
                         "checkpoint dir or a directory written by `kiln quantize`")
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def resolve_model_paths(spec: str | os.PathLike | None, weights: str | os.PathLike | None
+                        ) -> tuple[str | os.PathLike | None, str | os.PathLike | None]:
+    """(spec, weights) with a model named the vLLM way: a checkpoint directory or a .gguf file in the spec's place
+    (`kiln run DIR`, `LLM("model.gguf")`) is taken as the weights, the spec then read from the checkpoint, as
+    with weights alone. Giving weights besides is a KilnError, as is a Hugging Face Hub id (kiln downloads
+    nothing) or a lone weights file; anything else is left to the spec loader."""
+    if spec is None:
+        return spec, weights
+    text = os.fspath(spec)
+    path = Path(text)
+    if is_gguf(text) or path.is_dir():
+        if weights is not None:
+            kind = "a .gguf file" if is_gguf(text) else "a checkpoint directory"
+            raise KilnError(f"model {text} is {kind}, and weights {weights} (--weights) name weights too; give the "
+                            "checkpoint once: as the model (SPEC, or LLM's first argument) alone, or as weights with "
+                            "a .kiln spec or a bundled spec name as the model")
+        return None, spec
+    if path.is_file() and path.suffix in _WEIGHT_FILES:
+        raise KilnError(f"model {text} is one weights file; give the checkpoint directory it is in (config.json + "
+                        "*.safetensors), or a .gguf file")
+    if _HUB_ID.fullmatch(text) and not path.exists() and bundled_spec(text) is None:
+        raise KilnError(f"model {text!r}: no such file or directory here, nor a bundled spec; if it is a Hugging Face "
+                        "Hub id: kiln loads local checkpoints only and downloads nothing; download it first (e.g. "
+                        f"`huggingface-cli download {text} --local-dir DIR`) and give DIR (`kiln run DIR`, "
+                        "`LLM(\"DIR\")`), or give a .gguf file")
+    return spec, weights
+
+
+# generation_config.json keys that vLLM's --generation-config auto reads as default sampling parameters, by the
+# SamplingParams field each sets (Hugging Face's max_new_tokens is vLLM's max_tokens)
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_defaults(directory: str | os.PathLike) -> tuple[dict[str, object], str | None]:
+    """(defaults, file): the sampling defaults in `directory`/generation_config.json, keyed by SamplingParams
+    field (GENERATION_KEYS; keys the file does not set, or sets to null, are left out), and the file's path; ({},
+    None) without the file. Values SamplingParams refuses are a KilnError naming the file."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}, None
+    ignore = "or ignore it with generation_config='vllm' (--generation-config vllm)"
+    data = read_json_object(path, f"fix the file, {ignore}")
+    out = {name: data[key] for key, name in GENERATION_KEYS.items() if data.get(key) is not None}
+    try:
+        SamplingParams(**out).validate()
+    except RequestError as e:
+        raise KilnError(f"{path}: {e}; fix the file, {ignore}") from None
+    return out, str(path)
+
+
+def generation_defaults_for(generation_config: str | os.PathLike, checkpoint: Path | None
+                            ) -> tuple[dict[str, object], str | None]:
+    """vLLM's --generation-config: "auto" reads the checkpoint's generation_config.json (none: {}), "vllm" gives
+    {} (kiln's own SamplingParams defaults), a directory reads its generation_config.json."""
+    if generation_config == "vllm":
+        return {}, None
+    if generation_config == "auto":
+        return read_generation_defaults(checkpoint) if checkpoint is not None else ({}, None)
+    if not isinstance(generation_config, (str, os.PathLike)):
+        raise KilnError(f"generation_config = {generation_config!r}: give 'auto', 'vllm' or a directory holding a "
+                        "generation_config.json")
+    path = Path(generation_config)
+    if not (path / "generation_config.json").is_file():
+        raise KilnError(f"generation_config {generation_config} (--generation-config): not 'auto' or 'vllm', nor a "
+                        "directory holding a generation_config.json; give one of those")
+    return read_generation_defaults(path)
+
+
+def _dtype_error(dtype: object) -> str:
+    return (f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}, or vLLM's names: "
+            f"{DTYPE_AUTO}, {', '.join(DTYPE_ALIASES)}")
+
+
+def checkpoint_dtype(weights_dir: Path) -> str | None:
+    """The dtype a Hugging Face checkpoint says it is in (config.json's torch_dtype, transformers 5's dtype), as
+    kiln names it; None when it says none kiln computes in."""
+    hf = load_hf_config(weights_dir)
+    name = dtype_name(hf.get("torch_dtype") or hf.get("dtype"))
+    return name if name in DTYPES else None
+
+
 def _model_from_checkpoint(weights: Path, *, quiet: bool = False) -> tuple[ModelConfig, str]:
     """A checkpoint's ModelConfig from its config.json and its model_type; the import notes go to stderr unless
     quiet (a look ahead at the shapes, whose load says them later)."""
@@ -112,32 +214,51 @@ def load_model(
     seed: int = 0,
     quantize: str | None = None,
     routers: str | os.PathLike | None = None,
+    generation_config: str | os.PathLike = "auto",
 ) -> LoadedModel:
     """Build the Level-1 graph with weights.
 
     spec: a .kiln path or a bundled spec name; when None it is read from the checkpoint's config.json, or the
-    bundled default spec is used when there is no checkpoint either. weights: a HF checkpoint directory; when
-    None the weights are seeded random. dtype and quantize (a scheme name such as int8 or int4-gptq-g128)
-    override the spec's compile part (CLI flags win). routers: a `kiln train-router` file whose Mixture-of-Depths
-    routers are attached to the dense model (before any quantization, which then covers the routed model).
+    bundled default spec is used when there is no checkpoint either. A checkpoint directory or a .gguf file given
+    as the spec is taken as the weights (resolve_model_paths). weights: a HF checkpoint directory or a .gguf file;
+    when None the weights are seeded random. dtype and quantize (a scheme name such as int8 or int4-gptq-g128)
+    override the spec's compile part (CLI flags win); dtype takes vLLM's names too, and "auto": the spec's dtype,
+    or without a spec a checkpoint's config.json torch_dtype. routers: a `kiln train-router` file whose
+    Mixture-of-Depths routers are attached to the dense model (before any quantization, which then covers the
+    routed model). generation_config: where LoadedModel.generation_defaults come from ("auto": the checkpoint's
+    generation_config.json; "vllm": none; or a directory holding one), as vLLM's --generation-config.
     """
 
+    spec, weights = resolve_model_paths(spec, weights)
+    dtype = dtype_name(dtype)
+    if dtype is not None and dtype != DTYPE_AUTO and dtype not in DTYPES:
+        raise KilnError(_dtype_error(dtype))
     dev = resolve_device(device)
     if routers is not None:
         check_routers_file(routers)  # before the weights load: a wrong path fails in a second, not a minute
 
     weights = weights if weights is not None else bundled_weights(spec)  # a bundled spec may name a packaged GGUF
     if is_gguf(weights):
-        return _load_gguf(spec, weights, dtype=dtype, dev=dev, seed=seed, quantize=quantize, routers=routers)
+        gen = generation_defaults_for(generation_config, None)  # a GGUF carries no generation_config.json
+        m = _load_gguf(spec, weights, dtype=None if dtype == DTYPE_AUTO else dtype, dev=dev, seed=seed,
+                       quantize=quantize, routers=routers)
+        m.generation_defaults, m.generation_source = gen
+        return m
     weights_dir = Path(weights) if weights is not None else None
     if weights_dir is not None and is_quantized_checkpoint(weights_dir):
         if routers is not None:
             raise KilnError(f"routers {routers} (--routers): {weights_dir} is a `kiln quantize` checkpoint, and "
                             "routers attach to a model's dense weights; give the original checkpoint (with "
                             "--quantize to quantize the routed model)")
-        return _load_quantized(weights_dir, spec, dev, dtype=dtype, quantize=quantize)
+        gen = generation_defaults_for(generation_config, weights_dir)
+        m = _load_quantized(weights_dir, spec, dev, dtype=None if dtype == DTYPE_AUTO else dtype, quantize=quantize)
+        m.generation_defaults, m.generation_source = gen
+        return m
     if weights_dir is not None:
         check_weights_dir(weights_dir)
+    gen = generation_defaults_for(generation_config, weights_dir)  # before the weights: a bad file fails fast
+    if dtype == DTYPE_AUTO:  # vLLM's default: the model's own dtype
+        dtype = checkpoint_dtype(weights_dir) if spec is None and weights_dir is not None else None
 
     model_type = ""
     if spec is None and weights_dir is not None:
@@ -151,8 +272,6 @@ def load_model(
             check_spec_matches(cfg, hf_cfg, source, str(weights_dir / "config.json"))
 
     if dtype is not None:
-        if dtype not in DTYPES:
-            raise KilnError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
         comp = dataclasses.replace(comp, dtype=dtype)
     if quantize is not None:
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
@@ -167,7 +286,8 @@ def load_model(
         cfg, comp, gm = _with_routers(cfg, comp, gm, routers)
     tokenizer = load_tokenizer(weights_dir, vocab=cfg.vocab)
     return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source,
-                       random_seed=seed if weights_dir is None else None)
+                       random_seed=seed if weights_dir is None else None, generation_defaults=gen[0],
+                       generation_source=gen[1])
 
 
 def _load_quantized(
@@ -191,8 +311,9 @@ def _load_quantized(
                 f"{have.label} and cannot be quantized again; leave quantize out, or run `kiln quantize` on the "
                 f"original checkpoint with {quantize}"
             )
+    dtype = dtype_name(dtype)
     if dtype is not None and dtype not in DTYPES:
-        raise KilnError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
+        raise KilnError(_dtype_error(dtype))
     gm = load_quantized(weights_dir, loaded.model, device=dev)
     stored = next((k for k, v in TORCH_DTYPES.items() if v == gm.get_parameter("embed.weight").dtype), "fp32")
     if dtype is not None and dtype != stored:
@@ -210,6 +331,7 @@ def _load_quantized(
 def describe_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None) -> ModelConfig:
     """The ModelConfig load_model would build, read without any weights (a spec, config.json or GGUF metadata), so
     that what depends on the shapes (e.g. which quantization groups fit) is checked before slow work."""
+    spec, weights = resolve_model_paths(spec, weights)
     weights = weights if weights is not None else bundled_weights(spec)
     if spec is not None:
         return load_spec(spec).model
@@ -270,9 +392,10 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
         loaded = load_spec(spec)
         cfg, comp, source = loaded.model, loaded.compile, loaded.path
         check_spec_matches(cfg, config_from_gguf(reader, path), source, f"{path}'s metadata")
-    if dtype is not None:
+    dtype = dtype_name(dtype)
+    if dtype is not None and dtype != DTYPE_AUTO:
         if dtype not in DTYPES:
-            raise GGUFError(f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}")
+            raise GGUFError(_dtype_error(dtype))
         comp = dataclasses.replace(comp, dtype=dtype)
     if routers is not None and quantize == "gguf":
         raise GGUFError(f"routers {routers} (--routers) attach to dense weights, and quantize 'gguf' keeps "

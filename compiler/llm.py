@@ -1,7 +1,8 @@
-"""The Python API: a spec (and optionally a checkpoint) in, batched generation out, in vLLM's shape.
+"""The Python API: a model (a spec, a checkpoint directory or a .gguf file) in, batched generation out, in vLLM's
+shape.
 
     from kiln import LLM, SamplingParams
-    llm = LLM("tiny-llama")
+    llm = LLM("tiny-llama")  # or LLM("path/to/hf_checkpoint"), LLM("model.gguf"), LLM(model="...")
     outs = llm.generate(["Hello", "Once upon"], SamplingParams(temperature=0, max_tokens=16))
     print(outs[0].outputs[0].text)
 """
@@ -14,16 +15,19 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kiln.build import load_model
-from kiln.chat_template import ChatTemplateError, chat_template_of, message_text
+import torch
+
+from kiln.build import load_model, say
+from kiln.chat_template import ChatTemplate, ChatTemplateError, chat_template_of, check_template_kwargs, message_text
 from kiln.compile.step import compile_step
+from kiln.env import progress_bars
 from kiln.errors import KilnError, RequestError
 from kiln.model_config import SpeculationConfig
 from kiln.runtime.engine import Engine
-from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput
+from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput, truncate_prompt
 from kiln.runtime.sampling_params import SEED_MAX, SamplingParams
 from kiln.speculation import build_drafter, prepare_drafter, resolve_speculation
 
@@ -31,11 +35,11 @@ from kiln.speculation import build_drafter, prepare_drafter, resolve_speculation
 class LLM:
     def __init__(
         self,
-        spec_path: str | os.PathLike | None = None,
+        model: str | os.PathLike | None = None,
         weights: str | os.PathLike | None = None,
         *,
         device: str = "auto",
-        dtype: str | None = None,
+        dtype: str | torch.dtype | None = None,
         quantize: str | None = None,
         routers: str | os.PathLike | None = None,
         seed: int = 0,
@@ -52,12 +56,22 @@ class LLM:
         speculation: SpeculationConfig | str | dict | None = None,
         overlap_outputs: bool | None = None,
         async_scheduling: bool | None = None,
+        generation_config: str | os.PathLike = "auto",
     ):
         """Load the model (seeded random weights without `weights`), compile its step model, start an engine.
 
-        dtype ("fp32", "fp16", "bf16") and quantize ("int8", "int4", "int4-gptq-g64", ...: see `kiln run
-        --quantize`) override the spec's compile block. routers: a `kiln train-router` file whose Mixture-of-Depths
-        routers are attached to the dense model (its routing is in the file).
+        model: a .kiln spec or a bundled spec name, or, the vLLM way, a Hugging Face checkpoint directory or a .gguf
+        file (then the spec comes from the checkpoint, as with weights alone; not with weights too). kiln loads
+        local files only: a Hub id is an error saying how to download it. dtype ("fp32", "fp16", "bf16", vLLM's
+        "auto", "half", "float16", "bfloat16", "float", "float32", or a torch.dtype; "auto": the spec's, or a
+        checkpoint's own) and quantize ("int8", "int4", "int4-gptq-g64", ...: see `kiln run --quantize`) override
+        the spec's compile block. seed: seeds random weights, and torch's global generators (CPU and CUDA) once
+        loaded, which unseeded requests sample from, so a script run again samples the same tokens (as vLLM's
+        seed). generation_config: "auto" (vLLM's default) takes the checkpoint's generation_config.json sampling
+        defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) as
+        get_default_sampling_params(), which generate / chat use without sampling_params; "vllm": kiln's own
+        SamplingParams defaults; or a directory holding a generation_config.json. routers: a `kiln train-router`
+        file whose Mixture-of-Depths routers are attached to the dense model (its routing is in the file).
 
         use_kernels: generated kernels (None: on CUDA only; on CPU the ops' reference implementations run,
         since Triton's interpreter is for testing codegen, far too slow to serve). block_size / kv_cache_dtype
@@ -71,8 +85,8 @@ class LLM:
         """
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
             raise KilnError(f"seed = {seed!r} is out of range; allowed: an integer 0 .. 2**64 - 1")
-        self.loaded = load_model(spec_path, weights, dtype=dtype, device=device, seed=seed, quantize=quantize,
-                                 routers=routers)
+        self.loaded = load_model(model, weights, dtype=dtype, device=device, seed=seed, quantize=quantize,
+                                 routers=routers, generation_config=generation_config)
         m = self.loaded
         kernels = m.device.type == "cuda" if use_kernels is None else use_kernels
         self.speculation = resolve_speculation(speculation, m, "speculation")
@@ -94,6 +108,22 @@ class LLM:
         # threads) can share the engine: whoever steps it delivers everyone's outputs, and nothing is dropped.
         self._queues: dict[str, deque[RequestOutput]] = {}
         self._lock = threading.RLock()
+        note = m.generation_note()
+        if note is not None:
+            say(note)
+        # Last, once loading and compiling (which may draw random numbers) are done: unseeded requests draw from
+        # these generators, so the same script samples the same tokens (vLLM seeds its workers the same way).
+        torch.manual_seed(seed)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (kiln.tokenizer.Tokenizer: encode, decode, eos_token_ids, chat_template), as
+        vLLM's LLM.get_tokenizer()."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams generate and chat use when given none: the checkpoint's generation_config.json
+        defaults (LoadedModel.generation_defaults) over kiln's, unless LLM(generation_config="vllm"), as vLLM's."""
+        return SamplingParams(**self.loaded.generation_defaults)
 
     def generate(
         self,
@@ -101,19 +131,22 @@ class LLM:
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
         prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt in one continuous batch; the final outputs in prompt order.
 
         A prompt is a str, a {"prompt": str} or {"prompt_token_ids": [...]} dict (vLLM's forms), or token ids
-        through prompt_token_ids. use_tqdm: a progress bar of finished requests on stderr. A request that fails
+        through prompt_token_ids. sampling_params None: get_default_sampling_params(). use_tqdm (on by default, as
+        in vLLM): a tqdm progress bar of finished prompts on stderr (tqdm's TQDM_DISABLE=1 turns it off); a callable
+        is used in tqdm's place, as vLLM takes one (called with total=, desc=, unit=, file=). A request that fails
         alone ends with finish_reason "error" (the message in RequestOutput.error). If generate itself raises (or
         is interrupted), every request it added is aborted, so the LLM stays usable. SamplingParams(n=k): each
         prompt's RequestOutput has k CompletionOutputs, index 0 .. k - 1 (see SamplingParams.choices for seeds).
         """
         # Only the final outputs are returned: the engine makes no others (no per-step copy of every output).
         groups = self._add(prompts, sampling_params, prompt_token_ids, output_kind="final_only")
-        bar = _progress(len(groups)) if use_tqdm else None
+        # TQDM_DISABLE read now (kiln.env), not when tqdm was imported, as kiln's other default-on bars read it
+        bar = _progress(len(groups), use_tqdm) if use_tqdm and (callable(use_tqdm) or progress_bars()) else None
         final: dict[str, RequestOutput] = {}
         try:
             for out in self._merged(groups):
@@ -132,21 +165,29 @@ class LLM:
         messages: Sequence[dict] | Sequence[Sequence[dict]],
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable = True,
+        chat_template: str | os.PathLike | ChatTemplate | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation ([{"role": ..., "content": ...}, ...]) or to each of
         a list of them, through the model's chat template (the checkpoint's or the GGUF's; kiln's default for a
-        model without one), in one continuous batch. The final outputs, in order. add_generation_prompt and
-        continue_final_message are vLLM's (and transformers' apply_chat_template's): with continue_final_message
-        (and add_generation_prompt False) the prompt ends inside the final message, which the reply continues."""
+        model without one, with a warning once), in one continuous batch. The final outputs, in order.
+        chat_template: a template to use instead (its text, or a file holding it); chat_template_kwargs: more
+        variables for the template (e.g. {"enable_thinking": False} for Qwen3's), as in vLLM. add_generation_prompt
+        and continue_final_message are vLLM's (and transformers' apply_chat_template's): with
+        continue_final_message (and add_generation_prompt False) the prompt ends inside the final message, which
+        the reply continues."""
         prompts = self.chat_prompts(messages, add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message)
+                                    continue_final_message=continue_final_message, chat_template=chat_template,
+                                    chat_template_kwargs=chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompts(self, messages: Sequence[dict] | Sequence[Sequence[dict]], *, add_generation_prompt: bool = True,
-                     continue_final_message: bool = False) -> list[str]:
+                     continue_final_message: bool = False,
+                     chat_template: str | os.PathLike | ChatTemplate | None = None,
+                     chat_template_kwargs: Mapping[str, object] | None = None) -> list[str]:
         """The prompt text `chat` sends for each conversation."""
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt cannot both be true (as in vLLM and "
@@ -155,7 +196,12 @@ class LLM:
             raise RequestError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts (one "
                                "conversation) or a list of such lists")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        template = chat_template_of(self.tokenizer)
+        try:
+            template = chat_template_of(self.tokenizer, chat_template)
+        except ChatTemplateError as e:
+            raise RequestError(str(e), param="chat_template") from None
+        kwargs = check_template_kwargs(dict(chat_template_kwargs) if isinstance(chat_template_kwargs, Mapping)
+                                       else chat_template_kwargs)
         prompts = []
         for i, conv in enumerate(convs):
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
@@ -166,7 +212,7 @@ class LLM:
             try:
                 # OpenAI's content parts made text as the server makes them (the caller's dicts are left as they are)
                 msgs = [{**m, "content": message_text(m["content"])} for m in conv]
-                prompts.append(template.render(msgs, add_generation_prompt,
+                prompts.append(template.render(msgs, add_generation_prompt, template_kwargs=kwargs,
                                                continue_final_message=continue_final_message))
             except (ChatTemplateError, RequestError) as e:
                 raise RequestError(f"conversation {i}: {e}") from None
@@ -259,7 +305,9 @@ class LLM:
             items = _text_prompts(prompts)
         else:
             items = [("ids", p) for p in _token_prompts(prompt_token_ids)]
-        if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
+        if sampling_params is None:  # as vLLM: the model's generation_config.json defaults, unless "vllm"
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, (SamplingParams, dict)):
             params = [SamplingParams.coerce(sampling_params)] * len(items)
         elif isinstance(sampling_params, (list, tuple)):
             params = [SamplingParams.coerce(p, f"sampling_params[{i}]") for i, p in enumerate(sampling_params)]
@@ -278,9 +326,15 @@ class LLM:
                             p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is named
                         group = _Prompt([], p.output_kind == "final_only", p.output_kind == "delta")
                         groups.append(group)
+                        ids = self._truncated(kind, item, p)
                         for choice in p.choices():  # n > 1: one engine request per choice
-                            rid = (self.engine.add_request(item, choice) if kind == "text"
-                                   else self.engine.add_request(params=choice, prompt_token_ids=item))
+                            if ids is not None:  # truncate_prompt_tokens: the ids kept, the text as given
+                                rid = self.engine.add_request(item if kind == "text" else None, choice,
+                                                              prompt_token_ids=ids)
+                            elif kind == "text":
+                                rid = self.engine.add_request(item, choice)
+                            else:
+                                rid = self.engine.add_request(params=choice, prompt_token_ids=item)
                             self._queues[rid] = deque()
                             group.rids.append(rid)
                     except RequestError as e:
@@ -291,6 +345,17 @@ class LLM:
                 self._release(groups)  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 raise
         return groups
+
+    def _truncated(self, kind: str, item: object, params: SamplingParams) -> Sequence[int] | None:
+        """The prompt's ids as params.truncate_prompt_tokens keeps them (vLLM's: the last k, -1: the last
+        max_model_len); None when it is not set."""
+        if not isinstance(params, SamplingParams) or params.truncate_prompt_tokens is None:
+            return None
+        params.validate()  # a bad value is named before anything is encoded
+        if kind == "text" and self.engine.tokenizer is None:
+            return None  # the engine says why text needs a tokenizer
+        ids = self.engine.tokenizer.encode(item) if kind == "text" else item
+        return truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
 
 
 @dataclass
@@ -339,7 +404,10 @@ def _merge_metrics(ms: list[RequestMetrics]) -> RequestMetrics:
                           num_accepted_tokens=sum(m.num_accepted_tokens for m in ms))
 
 
-def _progress(total: int):
+def _progress(total: int, use_tqdm: bool | Callable = True):
+    """The bar of generate: tqdm's, or the caller's factory."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="kiln: generating", unit="req", file=sys.stderr)
     from tqdm import tqdm  # lazy: only a caller who asks for the bar pays for the import
 
     return tqdm(total=total, desc="kiln: generating", unit="req", file=sys.stderr, dynamic_ncols=True)

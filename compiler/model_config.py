@@ -37,6 +37,23 @@ GATED_ACTS = ("swiglu", "geglu", "geglu_tanh")
 PLAIN_ACTS = ("gelu", "gelu_tanh", "silu", "relu")
 DTYPES = ("fp32", "fp16", "bf16")  # the float dtypes a model computes in (the names specs and flags use)
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# vLLM's (and torch's) names for them, which --dtype and LLM(dtype=...) take too; "auto" (vLLM's default) is the
+# spec's dtype, or a checkpoint's own (config.json's torch_dtype) when there is no spec (kiln.build)
+DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+DTYPE_AUTO = "auto"
+DTYPE_NAMES = (DTYPE_AUTO, *DTYPES, *DTYPE_ALIASES)  # every name --dtype accepts
+
+
+def dtype_name(name: object) -> str | None:
+    """kiln's name (one of DTYPES) for a dtype given as kiln's, vLLM's or torch's name (also a torch.dtype, as
+    vLLM's LLM(dtype=torch.bfloat16)); "auto" and None stay as they are; anything else is returned unchanged, for
+    the caller to refuse with its own context."""
+    if name is None:
+        return None
+    text = str(name).removeprefix("torch.")
+    if text in DTYPES or text == DTYPE_AUTO:
+        return text
+    return DTYPE_ALIASES.get(text, name if isinstance(name, str) else text)
 KV_DTYPES = ("auto", "int8")  # the KV cache: auto = the model's dtype; int8 with per-token-and-head scales
 INT4_GROUPS = (32, 64, 128)  # int4 quantization group sizes the kernels support
 

@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from kiln.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from kiln.chat_template import ChatTemplate, ChatTemplateError, load_chat_template, special_token_texts
 from kiln.errors import KilnError
 from kiln.step import TokenizerLike
 
@@ -61,8 +61,22 @@ class HFTokenizer:
                                     "in the model's own format instead")
         return self.chat_template.render(messages, add_generation_prompt)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ids; special tokens add none unless skip_special_tokens is False (vLLM's option)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def added_tokens(self) -> dict[int, str]:
+        """The added tokens (special ones included) by id, with their text."""
+        return {int(i): t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
+    @cached_property
+    def bos_token(self) -> str:
+        """tokenizer_config.json's BOS text ("" without one): a chat template given in its place renders with it."""
+        return special_token_texts(self._dir)[0]
+
+    @cached_property
+    def eos_token(self) -> str:
+        return special_token_texts(self._dir)[1]
 
     def token_strings(self) -> list[str | None]:
         """Every id's token string, in id order (None for an id the vocabulary skips)."""
@@ -167,14 +181,20 @@ class ByteTokenizer:
         return [f"<0x{i:02X}>" if i < 256 else None for i in range(self.vocab_size)]
 
 
-def _eos_value(path: Path):
+def read_json_object(path: Path, fix: str = "fix or delete the file") -> dict:
+    """A checkpoint's JSON file that must hold an object (generation_config.json, ...), or a KilnError naming the
+    file and `fix`."""
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise KilnError(f"{path}: not valid JSON ({e}); fix or delete the file") from None
+        raise KilnError(f"{path}: not valid JSON ({e}); {fix}") from None
     if not isinstance(data, dict):
-        raise KilnError(f"{path}: holds a JSON {type(data).__name__}, not an object; fix or delete the file")
-    return data.get("eos_token_id")
+        raise KilnError(f"{path}: holds a JSON {type(data).__name__}, not an object; {fix}")
+    return data
+
+
+def _eos_value(path: Path):
+    return read_json_object(path).get("eos_token_id")
 
 
 def eos_ids(hf_dir: str | Path) -> tuple[int, ...]:

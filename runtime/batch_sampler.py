@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.logprob import Logprob, PositionLogprobs
+from kiln.runtime.logprob import PositionLogprobs, position_logprobs
 from kiln.runtime.sampler import TokenHistory, sample_rows, to_device
 from kiln.runtime.sampling_params import SamplingParams
 
@@ -18,8 +18,8 @@ from kiln.runtime.sampling_params import SamplingParams
 class BatchSample:
     """The outcome of sample_batch: a token per row, and per row None or why it could not be sampled.
 
-    logprobs: per row None (not asked) or {token_id: Logprob}: the top-k by rank, then the sampled token when it
-    is not among them (so it is always present), each with its rank (decoded_token is filled when the request's
+    logprobs: per row None (not asked) or {token_id: Logprob} in vLLM v1's order: the sampled token first (so it
+    is always present), then the top-k by rank, each with its rank (decoded_token is filled when the request's
     output is made, Request.make_output).
     """
 
@@ -185,11 +185,8 @@ def _with_logprobs(rows: torch.Tensor, toks: torch.Tensor, finite: torch.Tensor,
         ids = host[2 * n + 2 * m + m * k :]
         logprobs: list[PositionLogprobs | None] = [None] * n
         for j, i in enumerate(asked):
-            want = params[i].logprobs
-            d = {int(ids[j * k + r]): Logprob(vals[j * k + r], r + 1) for r in range(min(want, k))}
-            if tokens[i] not in d:
-                d[tokens[i]] = Logprob(sampled_lp[j], int(sampled_rank[j]))
-            logprobs[i] = d
+            top = ((int(ids[j * k + r]), vals[j * k + r]) for r in range(min(params[i].logprobs, k)))
+            logprobs[i] = position_logprobs(tokens[i], sampled_lp[j], int(sampled_rank[j]), top)
         return tokens, ok_flags, logprobs
 
     return torch.cat(parts), unpack

@@ -16,11 +16,17 @@ as the output's first character (decode(prompt) has U+FFFD in its place) instead
 Stop strings are searched only in the tail that a new delta can complete. While a request runs, the last
 len(longest stop) - 1 characters are held back from streamed text, so text that a stop string later trims
 is never sent.
+
+vLLM's skip_special_tokens (configure): by default special tokens add no text, as the tokenizer's decode skips them;
+False decodes every window keeping them (and stop strings see their text). spaces_between_special_tokens False (with
+skip_special_tokens False) gives an added token that follows another one its own text, without the spaces the
+tokenizer's decoder puts before it, as vLLM's fast detokenizer does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 
 from kiln.step import TokenizerLike
 
@@ -45,7 +51,7 @@ class Detokenizer:
         self.stop = tuple(stop)
         self.include_stop = include_stop
         self.min_tokens = min_tokens
-        self._token_text = token_text
+        self._token_text = self._shared_text = token_text
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
         self.text = ""
@@ -57,6 +63,26 @@ class Detokenizer:
         self._from_prompt = bool(self._context)
         self._context_text: str | None = None  # their text alone (decoded once, when first needed)
         self._pending: list[int] = []  # tokens whose text is not emitted yet (an incomplete character)
+        self._verbatim: Callable[[list[int]], str] | None = None  # skip_special_tokens False: decode keeping them
+        self.skip_special_tokens = True
+        self._added: dict[int, str] | None = None  # spaces_between_special_tokens False: added tokens' own text
+        self._last_added = False
+
+    def configure(self, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
+        """vLLM's detokenizer options (SamplingParams'), set before the first token: skip_special_tokens False
+        keeps special tokens' text; spaces_between_special_tokens False then leaves out the spaces the tokenizer
+        puts between two added tokens. Request sets them from its params."""
+        if skip_special_tokens and self.skip_special_tokens:
+            return  # the defaults, as built (every request passes here)
+        assert not self.tokens, "configure() a detokenizer before its first token"
+        self.skip_special_tokens = skip_special_tokens
+        if self.tokenizer is None:
+            return
+        self._verbatim = None if skip_special_tokens else verbatim_decoder(self.tokenizer)
+        # decode([id]) differs for special tokens without skipping: the engine's shared cache has a second table
+        self._token_text = self._shared_text if skip_special_tokens else getattr(self._shared_text, "verbatim", None)
+        self._added = None if skip_special_tokens or spaces_between_special_tokens else added_tokens(self.tokenizer)
+        self._context_text = None
 
     def add(self, token_id: int) -> str | None:
         """Add one generated token; return the stop string it completed (the text is trimmed there), else None."""
@@ -65,8 +91,19 @@ class Detokenizer:
             return None
         self._pending.append(token_id)
         before = len(self.text)
-        self.text += self._delta(final=False)
+        delta = self._delta(final=False)
+        if self._added is not None:
+            delta = self._between_added(token_id, delta)
+        self.text += delta
         return self._find_stop(before) if self.stop and len(self.tokens) > self.min_tokens else None
+
+    def _between_added(self, token_id: int, delta: str) -> str:
+        """An added token right after another one: its own text, without the spaces the decoder put before it."""
+        own = self._added.get(token_id)  # type: ignore[union-attr]
+        after_added, self._last_added = self._last_added, own is not None
+        if own is not None and after_added and delta.endswith(own) and not delta[: -len(own)].strip():
+            return own
+        return delta
 
     def flush(self) -> None:
         """At the end of the request: emit what the window held back (an incomplete character included)."""
@@ -85,7 +122,7 @@ class Detokenizer:
         text = cache.get(token_id) if cache is not None else None
         if text is None:
             try:  # an alternative the request never produced must not fail it (a slow tokenizer raises on some ids)
-                text = self.tokenizer.decode([token_id])
+                text = self._dec([token_id])
             except Exception:
                 return None
             if cache is not None:
@@ -97,6 +134,10 @@ class Detokenizer:
             return self.text
         return self.text[: max(len(self.text) - self._hold, 0)]
 
+    def _dec(self, ids: list[int]) -> str:
+        verbatim = self._verbatim
+        return verbatim(ids) if verbatim is not None else self.tokenizer.decode(ids)  # type: ignore[union-attr]
+
     def _delta(self, final: bool) -> str:
         assert self.tokenizer is not None
         if self._context_text is None:
@@ -107,12 +148,12 @@ class Detokenizer:
                 tok = self._context[0]
                 text = cache.get(tok)
                 if text is None:
-                    text = cache[tok] = self.tokenizer.decode(self._context)
+                    text = cache[tok] = self._dec(self._context)
                 self._context_text = text
             else:
-                self._context_text = self.tokenizer.decode(self._context)
+                self._context_text = self._dec(self._context)
         prefix_text = self._context_text
-        new_text = self.tokenizer.decode(self._context + self._pending)
+        new_text = self._dec(self._context + self._pending)
         # A character is at most 4 bytes (4 byte tokens): pending longer than MAX_PENDING is not a character that
         # is still coming but broken text (or bytes interleaved with tokens that have none), emitted as it is.
         complete = final or not new_text.endswith("\ufffd") or len(self._pending) > MAX_PENDING
@@ -139,10 +180,10 @@ class Detokenizer:
         """The text of the prompt's tail, the tail moved back (3 tokens at most) while it starts inside a character:
         byte fallback decodes a whole run of byte tokens as U+FFFD when one of them is broken, the output's too."""
         assert self.tokenizer is not None
-        text = self.tokenizer.decode(self._context)
+        text = self._dec(self._context)
         while text.startswith("\ufffd") and self._before:
             self._context.insert(0, self._before.pop())
-            text = self.tokenizer.decode(self._context)
+            text = self._dec(self._context)
         self._before = []
         return text
 
@@ -170,3 +211,40 @@ def _output_start(prefix: str, new: str) -> int:
     while i < len(prefix) and i < len(new) and new[i] == prefix[i]:
         i += 1
     return i
+
+
+def verbatim_decoder(tokenizer: TokenizerLike) -> Callable[[list[int]], str]:
+    """decode(ids) keeping special tokens' text: the tokenizer's decode(ids, skip_special_tokens=False) when it takes
+    that argument (kiln.tokenizer.HFTokenizer), else the `tokenizers` library object a kiln tokenizer wraps (its
+    `_tok`: a GGUF's), else its plain decode (the byte-level fallback has no special tokens to skip)."""
+    decode = tokenizer.decode
+    try:
+        params = inspect.signature(decode).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "skip_special_tokens" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return lambda ids: decode(ids, skip_special_tokens=False)  # type: ignore[call-arg]
+    raw = getattr(tokenizer, "_tok", None)
+    if raw is not None and callable(getattr(raw, "decode", None)):
+        return lambda ids: raw.decode(list(ids), skip_special_tokens=False)
+    return decode
+
+
+def added_tokens(tokenizer: TokenizerLike) -> dict[int, str]:
+    """The tokenizer's added tokens (special ones included) by id, with their text: its added_tokens() (kiln's
+    HFTokenizer), else those of the `tokenizers` object it wraps; {} when it has none."""
+    own = getattr(tokenizer, "added_tokens", None)
+    if callable(own):
+        return dict(own())
+    raw = getattr(tokenizer, "_tok", None)
+    get = getattr(raw, "get_added_tokens_decoder", None)
+    return {int(i): t.content for i, t in get().items()} if callable(get) else {}
+
+
+class TokenTextCache(dict):
+    """decode([id]) by id, shared by the detokenizers of one tokenizer (the engine's), and `verbatim`, the same
+    keeping special tokens' text, for the requests with skip_special_tokens False."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verbatim: dict[int, str] = {}

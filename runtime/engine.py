@@ -47,7 +47,14 @@ from kiln.runtime.engine_stats import EngineStats, collect_stats, kv_waste
 from kiln.runtime.outputs import Made
 from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.prompt_logprobs import launch_prompt, prompt_rows, take_prompt
-from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_params_for_model, check_prompt
+from kiln.runtime.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    check_params_for_model,
+    check_prompt,
+    truncate_prompt,
+)
 from kiln.runtime.sampler import make_generator
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
@@ -107,6 +114,7 @@ class Engine(EngineSetup):
         """The prompt's ids and the params with max_tokens None made a number (what max_model_len leaves after
         the prompt), or a RequestError."""
         limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         ids = check_prompt(prompt_token_ids, params.max_tokens, vocab=self.model.vocab, limit=self.max_model_len,
                            limit_name=limit)
         check_params_for_model(params, self.model.vocab)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kiln.runtime.batch_sampler import BatchSample
 from kiln.runtime.block_manager import BlockManager
-from kiln.runtime.detokenizer import Detokenizer
+from kiln.runtime.detokenizer import Detokenizer, TokenTextCache
 from kiln.runtime.logprob import PositionLogprobs
 from kiln.runtime.request import DONE, Request, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams, check_stop
@@ -39,7 +39,7 @@ class OutputMaker:
         self.eos_token_ids = eos_token_ids
         self.overlap = overlap
         self.num_generated_tokens = 0
-        self.token_text: dict[int, str] = {}  # decode([id]) for every request's detokenizer (see Detokenizer)
+        self.token_text = TokenTextCache()  # decode([id]) for every request's detokenizer (see Detokenizer)
         self.pending: list[RequestOutput] = []  # outputs of aborted requests, returned by the next step
         # The last step's output work, made by the next step while its model call runs (overlap only).
         self.deferred: Made = []

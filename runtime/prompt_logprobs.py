@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, queue_host_copy
-from kiln.runtime.logprob import Logprob
+from kiln.runtime.logprob import position_logprobs
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.sampler import to_device
 from kiln.runtime.scheduler import ScheduledSeq
@@ -133,14 +133,8 @@ def take_prompt(output: OutputMaker, prompt: PromptRows, launched: LaunchedPromp
             made.append(output.fail(req, c.seq.start, NONFINITE_LOGITS))
             continue
         assert req.num_prompt_scored == c.first + 1, f"{req.request_id}: prompt position {c.first} scored twice"
-        want, text = req.params.prompt_logprobs, req.detokenizer.token_str
-        for i in rows:
-            d = {}
-            for t in range(min(want, k)):
-                tok = int(ids[i * k + t])
-                d[tok] = Logprob(vals[i * k + t], t + 1, text(tok))
-            tok = prompt.targets[i]
-            if tok not in d:  # the prompt token is always present, with its own rank
-                d[tok] = Logprob(own[i], int(ranks[i]), text(tok))
-            req.prompt_logprobs.append(d)
+        want, text = min(req.params.prompt_logprobs, k), req.detokenizer.token_str
+        for i in rows:  # vLLM v1's order: the prompt token first (always present, with its own rank), then the top
+            top = ((int(ids[i * k + t]), vals[i * k + t]) for t in range(want))
+            req.prompt_logprobs.append(position_logprobs(prompt.targets[i], own[i], int(ranks[i]), top, text))
         req.num_prompt_scored += len(rows)

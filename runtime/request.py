@@ -100,6 +100,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]  # the first token has nothing before it
+        # The detokenizer keeps special tokens' text as the params ask (a new one, before its first token).
+        self.detokenizer.configure(self.params.skip_special_tokens, self.params.spaces_between_special_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -148,11 +150,14 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether a drafter may propose for this request: not opted out (params.speculate; by default seeded
-        sampling is), and no logprobs, penalty (repetition, presence, frequency) or logit_bias, whose per-position
+        sampling is), and no logprobs, penalty (repetition, presence, frequency), logit_bias or allowed_token_ids,
+        whose per-position
         processing the verification does not reproduce, nor fewer outputs than min_tokens (its mask moves with
         each draft position; once min_tokens is reached there is nothing to reproduce and it speculates)."""
         p = self.params
         if p.speculate is False or p.logprobs is not None or p.reads_history or p.logit_bias:
+            return False
+        if p.allowed_token_ids is not None:  # a mask the verification does not apply either
             return False
         if len(self.output_token_ids) < p.min_tokens:
             return False
@@ -243,9 +248,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     delta_token_ids: list[int] = field(default_factory=list)  # new since the previous output of this request
     delta_text: str = ""
-    # None unless the request asked for logprobs; then, as vLLM's, one {token_id: Logprob} per token of token_ids
-    # (the top-k by rank first, then the sampled token when it is not among them), from the model's raw
-    # log_softmax (before temperature)
+    # None unless the request asked for logprobs; then, as vLLM v1's, one {token_id: Logprob} per token of token_ids:
+    # the sampled token first, then the top-k by rank (the sampled one keeps its first place when it is among them;
+    # kiln.runtime.logprob.top_logprobs gives the top-k alone), from the model's raw log_softmax (before temperature)
     logprobs: list[PositionLogprobs] | None = None
     delta_logprobs: list[PositionLogprobs] | None = None  # those of delta_token_ids
     cumulative_logprob: float | None = None  # with logprobs: the sum of every output token's log-probability so far
@@ -264,11 +269,17 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # with finish_reason "error": what failed and the likely cause
-    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt token
-    # {token_id: Logprob} of the model's raw log_softmax at that position: the top k by rank, then the prompt token
-    # when it is not among them (so it is always present, with its own rank). A "delta" output carries them once,
-    # on its first output. The request's own list, like prompt_token_ids: read it, do not change it.
+    # With SamplingParams.prompt_logprobs (vLLM v1's shape): None for the first prompt token, then per prompt token
+    # {token_id: Logprob} of the model's raw log_softmax at that position: the prompt token first (always present,
+    # with its own rank), then the top k by rank. A "delta" output carries them once, on its first output. The
+    # request's own list, like prompt_token_ids: read it, do not change it.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """vLLM's RequestOutput.num_cached_tokens: prompt tokens served from the prefix cache (metrics'; summed over
+        the admissions of a request that was preempted and over a prompt's n choices)."""
+        return self.metrics.num_cached_tokens
 
 
 def check_params_for_model(params: SamplingParams, vocab: int) -> None:
@@ -286,6 +297,24 @@ def check_params_for_model(params: SamplingParams, vocab: int) -> None:
     if bad:
         raise RequestError(f"logit_bias token id {bad[0]} is out of range for a vocabulary of {vocab}; allowed: "
                            f"token ids 0 .. {vocab - 1}", param="logit_bias")
+    bad = [t for t in (params.allowed_token_ids or ()) if t >= vocab]
+    if bad:
+        raise RequestError(f"allowed_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: token ids "
+                           f"0 .. {vocab - 1}", param="allowed_token_ids")
+
+
+def truncate_prompt(prompt_token_ids: Sequence[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int) -> Sequence[int]:
+    """The prompt as SamplingParams.truncate_prompt_tokens keeps it, as vLLM does: its last k tokens (k = -1: the
+    last max_model_len), or all of it (None). Anything but a plain sequence is returned as it is, for
+    check_prompt to name."""
+    if truncate_prompt_tokens is None:
+        return prompt_token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__getitem__") \
+            or not hasattr(prompt_token_ids, "__len__") or len(prompt_token_ids) <= keep:
+        return prompt_token_ids
+    return prompt_token_ids[len(prompt_token_ids) - keep :]
 
 
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, *, vocab: int, limit: int,

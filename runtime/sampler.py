@@ -1,8 +1,8 @@
 """The token sampler: SamplingParams (kiln.runtime.sampling_params) applied to logits.
 
 The order of logit processing follows vLLM (apply_penalties): logit_bias, then the repetition, frequency and
-presence penalties, and min_tokens' mask; then temperature, top-k, top-p, min-p (HF's order), and one draw from the
-remaining distribution. Temperature 0 means greedy (argmax after the penalties).
+presence penalties, and min_tokens' and allowed_token_ids' masks; then temperature, top-k, top-p, min-p (HF's
+order), and one draw from the remaining distribution. Temperature 0 means greedy (argmax after the penalties).
 
 Extreme but valid parameters must not overflow: the temperature divides log-probabilities (max exactly 0, so
 the result is never NaN), a temperature below TEMPERATURE_FLOOR is greedy, and penalised logits are clamped to a
@@ -75,9 +75,10 @@ def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
     """[V] logits as vLLM's sampler leaves them before temperature: logit_bias added to the raw logits, then the
     repetition penalty (HF's rule, on prompt and output tokens), frequency_penalty * count(token in output) and
-    presence_penalty * (count > 0) subtracted, and eos / stop_token_ids at -inf while the output is shorter than
-    min_tokens. vLLM masks before the penalties; masking last gives the same logits (the penalties keep -inf at
-    -inf) without the repetition penalty's clamp making a masked logit finite.
+    presence_penalty * (count > 0) subtracted, eos / stop_token_ids at -inf while the output is shorter than
+    min_tokens, and every token outside allowed_token_ids (when set) at -inf. vLLM masks before the penalties;
+    masking last gives the same logits (the penalties keep -inf at -inf) without the repetition penalty's clamp
+    making a masked logit finite.
 
     Sync-free on CUDA like apply_repetition_penalty: ids reach the device without a blocking copy, and counts
     are an index_add (bincount would read the max id back to size its output).
@@ -101,6 +102,10 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Token
         held = tuple(history.eos_token_ids) + params.stop_token_ids
         if held:
             logits = logits.index_fill(0, to_device(torch.tensor(held, dtype=torch.long), dev), float("-inf"))
+    if params.allowed_token_ids is not None:  # only these ids can be drawn (vLLM's first processor; see above)
+        allowed = to_device(torch.tensor(params.allowed_token_ids, dtype=torch.long), dev)
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=dev).index_fill_(0, allowed, True)
+        logits = logits.masked_fill(~keep, float("-inf"))
     return logits
 
 

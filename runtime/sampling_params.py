@@ -69,6 +69,17 @@ class SamplingParams:
     # log-probability there and the k most likely tokens' (RequestOutput.prompt_logprobs; the first position has
     # none, so it is None). Prefix caching does not skip the prompt positions still to be scored.
     prompt_logprobs: int | None = None
+    # vLLM's detokenizer options: False keeps special tokens' text (eos, <|im_end|>, ...) in the text, where stop
+    # strings see it too; spaces_between_special_tokens False (with skip_special_tokens False) drops the spaces a
+    # tokenizer puts between two added tokens, as vLLM's fast detokenizer does
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # vLLM's: only these token ids may be sampled (the others' logits are -inf, before any other processing); ids
+    # are checked against the vocabulary when the request is added. None: any token
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: keep only the prompt's last k tokens (left truncation); -1: the last max_model_len; None: the whole
+    # prompt (a prompt too long for the context is refused)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept a single stop string / token id, lists, arrays and numpy scalars for convenience; keep the stored
@@ -81,8 +92,11 @@ class SamplingParams:
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _int_tuple(self.allowed_token_ids))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "top_k", "max_tokens", "seed", "logprobs",
-                     "presence_penalty", "frequency_penalty", "min_tokens", "n", "prompt_logprobs"):
+                     "presence_penalty", "frequency_penalty", "min_tokens", "n", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
             object.__setattr__(self, name, _plain(getattr(self, name)))
         if isinstance(self.logit_bias, dict):  # a copy: the caller's dict may change after the request is added
             object.__setattr__(self, "logit_bias", {_plain(k): _plain(v) for k, v in self.logit_bias.items()})
@@ -118,7 +132,8 @@ class SamplingParams:
             ("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0,
              "an integer top_k >= 0 (0 or -1 means off)"),
             ("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "0 < top_p <= 1 (1 means off)"),
-            ("min_p", self.min_p, _finite(self.min_p) and 0 <= self.min_p < 1, "0 <= min_p < 1 (0 means off)"),
+            ("min_p", self.min_p, _finite(self.min_p) and 0 <= self.min_p <= 1,
+             "0 <= min_p <= 1 (0 means off; 1 keeps only the most likely tokens)"),
             (
                 "repetition_penalty",
                 self.repetition_penalty,
@@ -194,6 +209,25 @@ class SamplingParams:
                 "None, or a dict {token id >= 0: bias}, each bias -100 <= bias <= 100",
             ),
             ("n", self.n, _is_int(self.n) and self.n >= 1, "an integer n >= 1 (completions per prompt)"),
+            ("skip_special_tokens", self.skip_special_tokens, isinstance(self.skip_special_tokens, bool),
+             "True or False"),
+            ("spaces_between_special_tokens", self.spaces_between_special_tokens,
+             isinstance(self.spaces_between_special_tokens, bool), "True or False"),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids,
+                self.allowed_token_ids is None or (isinstance(self.allowed_token_ids, tuple) and self.allowed_token_ids
+                                                   and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+                "None (any token), or a non-empty sequence of token ids >= 0: the only ones that may be sampled",
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens,
+                self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                        and (self.truncate_prompt_tokens >= 1
+                                                             or self.truncate_prompt_tokens == -1)),
+                "None (off), an integer k >= 1 (keep the prompt's last k tokens), or -1 (its last max_model_len)",
+            ),
         )
         for name, value, ok, allowed in checks:
             if ok:
@@ -230,7 +264,8 @@ class SamplingParams:
 
     def processes_logits(self, num_output: int) -> bool:
         """Whether apply_penalties changes anything for a request with num_output tokens generated so far."""
-        return num_output < self.min_tokens or self.reads_history or bool(self.logit_bias)
+        return (num_output < self.min_tokens or self.reads_history or bool(self.logit_bias)
+                or self.allowed_token_ids is not None)
 
     @property
     def may_process_logits(self) -> bool:
@@ -260,8 +295,8 @@ def check_stop(
 
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTS = ("top_k", "min_tokens", "n")
-_OPTIONAL_INTS = ("seed", "logprobs", "max_tokens", "prompt_logprobs")
-_BOOLS = ("ignore_eos", "include_stop_str_in_output")
+_OPTIONAL_INTS = ("seed", "logprobs", "max_tokens", "prompt_logprobs", "truncate_prompt_tokens")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 def _wrong_type(name: str, value: object) -> tuple[str, object] | None:
@@ -288,11 +323,13 @@ def _wrong_type(name: str, value: object) -> tuple[str, object] | None:
             return "a dict whose keys are token ids (integers)", bad_keys[0]
         bad = [v for v in value.values() if isinstance(v, bool) or not isinstance(v, (int, float))]
         return ("a dict whose values are numbers", bad[0]) if bad else None
-    if name in ("stop_token_ids", "stop"):
-        kind = "token ids (integers)" if name == "stop_token_ids" else "strings"
+    if name == "allowed_token_ids" and isinstance(value, tuple) and not value:
+        return None  # empty: a range error (no token could be sampled), not a type error
+    if name in ("stop_token_ids", "stop", "allowed_token_ids"):
+        kind = "strings" if name == "stop" else "token ids (integers)"
         if not isinstance(value, tuple):
             return kind, value
-        bad = [t for t in value if not (_is_int(t) if name == "stop_token_ids" else isinstance(t, str))]
+        bad = [t for t in value if not (isinstance(t, str) if name == "stop" else _is_int(t))]
         return (kind, bad[0]) if bad else None
     return None
 

@@ -12,6 +12,7 @@ from kiln.cli.common import (
     check_input_file,
     dtype_flag,
     engine_flags,
+    model_paths_resolved,
     positive_int,
     routers_flag,
     seed_arg,
@@ -21,6 +22,8 @@ from kiln.cli.common import (
 from kiln.cli.serve import add_bench_serve_parser
 from kiln.errors import KilnError, UsageError
 from kiln.spec.speculation import describe
+
+SPEC_HELP = "a .kiln file or bundled spec name, or a Hugging Face checkpoint dir or a .gguf file, as --weights"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -141,7 +144,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         description="Replay a seeded synthetic trace (every request arriving at once) with "
                         "continuous batching, then with static batching on the same step model, and report "
                         "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
-    t.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    t.add_argument("spec", metavar="SPEC", nargs="?", help=SPEC_HELP)
     t.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
     t.add_argument("--num-requests", type=positive_int, default=256, help="requests in the trace (default 256)")
     t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
@@ -157,12 +160,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--profile", metavar="FILE", help="profile the continuous run with cProfile; write the summary "
                    "(top functions by cumulative and own time) to FILE")
     engine_flags(t)
-    t.set_defaults(func=cmd_bench)
+    t.set_defaults(func=model_paths_resolved(cmd_bench))
 
     qb = bsub.add_parser("quality", help="quantization schemes against the unquantized model",
                          description="Relative logit error and top-1 agreement of each quantization scheme "
                          "against the unquantized model, over the same evaluation tokens.")
-    qb.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    qb.add_argument("spec", metavar="SPEC", nargs="?", help=SPEC_HELP)
     qb.add_argument("--weights", metavar="PATH", help=FULL_PRECISION_WEIGHTS_HELP)
     qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,"
                     "int4-gptq-g128, whose group becomes the largest that divides every K when 128 does not)")
@@ -172,11 +175,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     qb.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(qb)
     qb.add_argument("--json", action="store_true", help="print the report as JSON")
-    qb.set_defaults(func=cmd_bench_quality)
+    qb.set_defaults(func=model_paths_resolved(cmd_bench_quality))
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.cli.perplexity import add_parser as add_perplexity_parser
 
     add_perplexity_parser(bsub)
+    perplexity = bsub.choices["perplexity"]  # its SPEC takes a checkpoint dir or a .gguf too, as the others'
+    perplexity.set_defaults(func=model_paths_resolved(perplexity.get_default("func")))
 
     add_bench_serve_parser(bsub)

@@ -4,17 +4,19 @@ types, checked and atomic output paths, and the `kiln` logger's stderr handler."
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.errors import SpecError, UsageError
-from kiln.model_config import DTYPES, KV_DTYPES, SpeculationConfig
+from kiln.model_config import DTYPE_NAMES, KV_DTYPES, SpeculationConfig
 from kiln.runtime.sampling_params import SEED_MAX
 from kiln.spec.speculation import OFF, parse_speculation
 
@@ -63,6 +65,8 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     plan = getattr(args, "draft_plan", None)
     if plan is not None:  # only then: without speculation the engine is built exactly as before
         kw["drafter"] = build_drafter(plan, step)
+    if getattr(args, "enable_prefix_caching", None) is not None:  # else the engine's default (on)
+        kw.setdefault("enable_prefix_caching", args.enable_prefix_caching)
     return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   overlap_outputs=getattr(args, "overlap_outputs", None),
@@ -70,7 +74,39 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
 
 
 def dtype_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=DTYPES, help="override the spec's compile dtype")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, metavar="DTYPE",
+                   help="override the spec's compile dtype: fp32, fp16 or bf16, or vLLM's names (float32, float, "
+                   "float16, half, bfloat16, and auto: the spec's dtype, or a checkpoint's own config.json "
+                   "torch_dtype when there is no spec; without --dtype: the spec's, else fp32)")
+
+
+def generation_config_flag(p: argparse.ArgumentParser) -> None:
+    """vLLM's --generation-config: where default sampling parameters come from (kiln.build.load_model)."""
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="default sampling parameters for the flags not given: auto (the default, as in vLLM): the "
+                   "checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                   "max_new_tokens); vllm: kiln's own; or a directory holding a generation_config.json")
+
+
+def chat_template_flag(p: argparse.ArgumentParser) -> None:
+    """vLLM's --chat-template: a file, or the template's text (kiln.chat_template.chat_template_arg)."""
+    p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
+                   help="the chat template to use instead of the model's: a Jinja file, or the template's text")
+
+
+def model_paths_resolved(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A command whose SPEC positional may name a checkpoint directory or a .gguf file, the vLLM way: before it
+    runs, args.spec / args.weights are set as if that were given as --weights (kiln.build.resolve_model_paths),
+    so that what the command checks before loading sees the weights too."""
+
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        from kiln.build import resolve_model_paths  # lazy: loads torch, which `kiln --help` never needs
+
+        args.spec, args.weights = resolve_model_paths(args.spec, args.weights)
+        return func(args)
+
+    return run
 
 
 def routers_flag(p: argparse.ArgumentParser) -> None:
@@ -93,6 +129,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each decode step before the last one's sampled ids reach the host "
                    "(implies --overlap-outputs; default: on for CUDA without speculation)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the KV blocks of a common prompt prefix between requests (default: on, as in vLLM)")
 
 
 # ---- flag values and output paths ------------------------------------------------------------------------
@@ -138,6 +176,30 @@ def at_least(lo: int):
 
 
 positive_int = at_least(1)
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(text: str) -> int:
+    """argparse type of a token count written as vLLM writes --max-model-len: a whole number, or one with a suffix,
+    k / m / g / t decimal (4k = 4000, 25.6k = 25600) and K / M / G / T binary (32K = 32768, whole numbers only)."""
+    value = text.strip()
+    m = _HUMAN_INT.fullmatch(value)
+    if m:
+        number, suffix = m.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; did you mean "
+                                             f"{number}{suffix.lower()} (decimal)?")
+        return int(number) * _BINARY[suffix]
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, optionally with a k / m / g (x1000) or K / M / G "
+                                         f"(x1024) suffix such as 4k or 32K, got {text!r}") from None
 
 
 def check_input_file(flag: str, path: str | None) -> None:

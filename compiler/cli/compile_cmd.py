@@ -9,6 +9,8 @@ from pathlib import Path
 
 from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, staged_dir
 from kiln.errors import KilnError, UsageError
+from kiln.model_config import DTYPE_AUTO, CompileConfig
+from kiln.model_config import dtype_name as normalize_dtype
 from kiln.spec.loader import load_spec
 from kiln.spec.route import describe_route
 
@@ -95,18 +97,27 @@ def cmd_compile(args: argparse.Namespace) -> int:
     emit_dir = check_output_dir("--emit", args.emit) if args.emit else None
     if emit_dir is not None:
         _check_emit_dir(emit_dir)
-    loaded = load_spec(args.spec)
-    dtype_name = args.dtype or loaded.compile.dtype
-    comp = loaded.compile
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import fit_quantize, quantize_label
+    from kiln.build import describe_model, fit_quantize, quantize_label, resolve_model_paths
+    from kiln.gguf.files import is_gguf
+
+    args.spec, weights = resolve_model_paths(args.spec, args.weights)
+    if args.spec is None:  # a checkpoint dir or a .gguf named as the model: its shapes, kiln's default compile block
+        model, comp = describe_model(None, weights), CompileConfig()
+        args.weights = weights if is_gguf(weights) else None  # only a .gguf has load paths to report
+    else:
+        loaded = load_spec(args.spec)
+        model, comp = loaded.model, loaded.compile
+    dtype_name = normalize_dtype(args.dtype)
+    if dtype_name in (None, DTYPE_AUTO):
+        dtype_name = comp.dtype
 
     if args.quantize:
         # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
         from kiln.quant.formats import parse_scheme
 
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(args.quantize)})
-    comp = fit_quantize(comp, loaded.model)  # a scheme without a group gets the one that fits (kiln.quant.sizing)
+    comp = fit_quantize(comp, model)  # a scheme without a group gets the one that fits (kiln.quant.sizing)
     quant_label = quantize_label(comp)
     scheme = comp.extra.get("quantize")
     if scheme is not None and scheme.method == "gptq":
@@ -119,7 +130,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     # Meta tensors: the graph and every shape are real, the weights cost no memory (an 8B spec builds instantly).
     def graph():
-        return build_graph(loaded.model, dtype=TORCH_DTYPES[dtype_name], device="meta")
+        return build_graph(model, dtype=TORCH_DTYPES[dtype_name], device="meta")
 
     gm = graph()
     n_ops = sum(1 for n in gm.graph.nodes if n.op == "call_function")
@@ -139,7 +150,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
             from kiln.ir.text import format_graph
 
-            sys.stdout.write(format_graph(graph(), title=f"{loaded.model.name}: Level-1 graph (frontend)"))
+            sys.stdout.write(format_graph(graph(), title=f"{model.name}: Level-1 graph (frontend)"))
             for path in sorted(Path(dump).glob("*.txt")):
                 sys.stdout.write("\n" + path.read_text())
     size = weight_bytes(compiled.gm)  # after the passes: quantized weights count at their packed size
@@ -152,11 +163,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"MiB scales/zeros + {parts['dense'] / 2**20:.1f} MiB dense (embeddings, norms, unquantized); "
               f"{size / weight_bytes(graph()):.2f}x the {dtype_name} size", file=sys.stderr)
     _report_gguf_paths(args, comp, TORCH_DTYPES[dtype_name])
-    if loaded.model.route is not None:  # build_graph's default form: the one serving and `kiln run` use
-        print(f"kiln: {describe_route(loaded.model)}; compiled in the causal form (router score > threshold, or "
+    if model.route is not None:  # build_graph's default form: the one serving and `kiln run` use
+        print(f"kiln: {describe_route(model)}; compiled in the causal form (router score > threshold, or "
               "predictor logit > 0; the training form, top capacity per sequence, is for training and perplexity)",
               file=sys.stderr)
-    print(f"kiln: {loaded.model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
+    print(f"kiln: {model.name}: {n_ops} Level-1 ops, {size / 2**20:.1f} MiB of weights in {dtype_name}; "
           f"passes: {', '.join(_pass_names(compiled.passes, quant_label)) or 'none'}; "
           f"{len(compiled.kernels)} kernels "
           f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled); "
@@ -173,7 +184,8 @@ def add_compile_parser(sub: argparse._SubParsersAction) -> None:
     k = sub.add_parser("compile", help="build a spec's graph and show it",
                        description="Build a spec's graph on meta tensors (no weight memory), run the passes, "
                        "render and compile its kernels (cached on disk), and report it.")
-    k.add_argument("spec", metavar="SPEC")
+    k.add_argument("spec", metavar="SPEC", help="a .kiln file or bundled spec name, or a Hugging Face checkpoint dir "
+                   "or a .gguf file (its config, kiln's default compile block)")
     k.add_argument("--dump-ir", action="store_true",
                    help="print the graph after the frontend and after every pass, one op per line with shapes")
     k.add_argument("--emit", metavar="DIR", help="write the graph after every pass and every generated kernel "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -10,8 +11,11 @@ import time
 from kiln.cli.common import (
     LOAD_QUANTIZE_HELP,
     WEIGHTS_HELP,
+    chat_template_flag,
     dtype_flag,
     engine_flags,
+    generation_config_flag,
+    model_paths_resolved,
     routers_flag,
     seed_arg,
     serving_engine,
@@ -19,6 +23,11 @@ from kiln.cli.common import (
 from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError, UsageError
 from kiln.spec.validate import describe_route
+
+MAX_TOKENS = 32  # kiln run's own default, when neither --max-tokens nor the checkpoint's max_new_tokens says
+# The sampling flags, by SamplingParams field: the ones given win over the checkpoint's generation_config.json
+# defaults (--generation-config auto), which win over SamplingParams' own.
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
 
 
 def _ids(text: str) -> list[int]:
@@ -41,21 +50,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.sampling_params import SamplingParams
 
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
     # speculate=True: in a batch of one whether speculation runs never depends on other requests, so a seeded
     # request stays reproducible with it (SamplingParams.speculate leaves seeded sampling out only for that reason).
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=tuple(args.stop), speculate=True)
-    params.validate()
+    params = SamplingParams(**{"max_tokens": MAX_TOKENS, **given}, seed=args.seed, stop=tuple(args.stop),
+                            speculate=True)
+    params.validate()  # the flags, checked before anything loads
     if args.chat and args.prompt_ids is not None:  # ids are the prompt as given: there is no text to wrap
         raise UsageError("--chat wraps --prompt's text in the chat template; --prompt-ids is the prompt as given "
                          "(render the template yourself, or pass --prompt)")
+    if args.chat_template is not None and not args.chat:
+        raise UsageError("--chat-template is the template --chat wraps the prompt in; add --chat")
     t0 = time.perf_counter()
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed or 0,
-                   quantize=args.quantize, routers=args.routers)
+                   quantize=args.quantize, routers=args.routers, generation_config=args.generation_config)
     prompt = args.prompt
     if args.chat and args.prompt_ids is None:
-        prompt = chat_prompt(m.tokenizer, prompt)
+        if args.chat_template is not None:
+            from kiln.chat_template import chat_template_of  # lazy: jinja2, which only a chat needs
+
+            prompt = chat_template_of(m.tokenizer, args.chat_template).render([{"role": "user", "content": prompt}])
+        else:
+            prompt = chat_prompt(m.tokenizer, prompt)
     prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(prompt)
+    defaults = {k: v for k, v in m.generation_defaults.items() if k not in given}
+    if defaults:  # the checkpoint's recommendation for the flags not given, as vLLM's --generation-config auto
+        if "max_tokens" in defaults:  # not past the context (kiln run's own 32 never was a problem)
+            defaults["max_tokens"] = max(1, min(defaults["max_tokens"], m.model.context - len(prompt_ids)))
+        params = dataclasses.replace(params, **defaults)
+        say(m.generation_note() + (f"; flags given win ({', '.join(sorted(given))})" if given else ""))
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
     engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
@@ -104,17 +127,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="compile a spec and generate text", description="Compile a spec and generate.")
-    r.add_argument("spec", nargs="?", help="a .kiln file or bundled spec name (default: from --weights, else "
-                   "the bundled tiny-llama with seeded random weights)")
+    r.add_argument("spec", nargs="?", help="a .kiln file or bundled spec name, or a Hugging Face checkpoint dir or "
+                   "a .gguf file, as --weights (default: from --weights, else the bundled tiny-llama with seeded "
+                   "random weights)")
     r.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
     r.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (one user turn)")
     g = r.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", metavar="TEXT", help="prompt text (tokenized with the checkpoint's tokenizer)")
     g.add_argument("--prompt-ids", metavar="1,2,3", type=_ids, help="prompt as comma-separated token ids")
-    r.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    r.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
-    r.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    r.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1.0)")
+    # None: not given, so the checkpoint's generation_config.json default (--generation-config), else kiln's
+    r.add_argument("--max-tokens", type=int, help=f"tokens to generate (default: the checkpoint's max_new_tokens, "
+                   f"else {MAX_TOKENS})")
+    r.add_argument("--temperature", type=float, help="0 is greedy (default: the checkpoint's, else 1.0)")
+    r.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; default: the checkpoint's, "
+                   "else off)")
+    r.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default: the checkpoint's, else 1.0)")
+    r.add_argument("--min-p", type=float, help="drop tokens less likely than min_p times the most likely one, in "
+                   "[0, 1] (default: the checkpoint's, else 0: off)")
+    r.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty, > 0 (default: the "
+                   "checkpoint's, else 1.0: off)")
     r.add_argument("--stop", metavar="TEXT", action="append", default=[],
                    help="end generation at this text, left out of the output (repeat the flag for several)")
     r.add_argument("--seed", type=seed_arg, default=None, help="seed for sampling and random weights")
@@ -123,5 +154,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
     r.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
     routers_flag(r)
+    generation_config_flag(r)
+    chat_template_flag(r)
     engine_flags(r)
-    r.set_defaults(func=cmd_run)
+    r.set_defaults(func=model_paths_resolved(cmd_run))

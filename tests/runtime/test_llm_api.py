@@ -346,6 +346,7 @@ def test_logprobs_are_vllms_logprob_objects(llm):
 
     from kiln import Logprob, SamplingParams
     from kiln.build import load_model
+    from kiln.runtime.logprob import top_logprobs
 
     ref_gm = load_model("tiny-llama", device="cpu", seed=0).gm
     prompt = "Once upon"
@@ -361,7 +362,9 @@ def test_logprobs_are_vllms_logprob_objects(llm):
             row, tok = raw[at - 1], toks[at]
             assert all(isinstance(v, Logprob) for v in lp.values())
             top = row.topk(3).indices.tolist()
-            assert list(lp)[:3] == top and [lp[t].rank for t in top] == [1, 2, 3]
+            # vLLM v1's order: the sampled token first, then the top 3 by rank
+            assert next(iter(lp)) == tok and [t for t, _ in top_logprobs(lp, 3)] == top
+            assert [lp[t].rank for t in top] == [1, 2, 3]
             assert lp[tok].logprob == pytest.approx(float(row[tok]), abs=1e-4)
             assert lp[tok].rank == int((row >= row[tok]).sum())
             assert all(v.decoded_token == llm.tokenizer.decode([t]) for t, v in lp.items())

@@ -98,17 +98,20 @@ def test_every_position_is_scored_once_whatever_the_chunks(budget, pad):
     assert outs[-1].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
-def test_entries_hold_the_top_k_in_rank_order_then_the_prompt_token():
+def test_entries_hold_the_prompt_token_then_the_top_k_in_rank_order():
     p = prompts(2, 1, 20, 20)[0]
     for k in (0, 1, 5, 20):
         out = run(engine(), [(p, SamplingParams(max_tokens=1, prompt_logprobs=k))])[0]
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
         for tok, d in zip(p[1:], out.prompt_logprobs[1:], strict=True):
-            vals, rank = [lp.logprob for lp in d.values()], d[tok].rank
-            assert len(d) == k + (rank > k) and [lp.rank for lp in d.values()][:k] == list(range(1, k + 1))
-            assert vals[:k] == sorted(vals[:k], reverse=True) and all(v <= 0 for v in vals)
-            if rank <= k:
-                assert list(d)[rank - 1] == tok  # no ties in the fake logits: its rank is its place
+            rank = d[tok].rank
+            assert next(iter(d)) == tok  # vLLM v1's order: the prompt token first (where it is in the top k too)
+            top = [lp for t, lp in d.items() if t != tok or rank <= k]
+            vals = [lp.logprob for lp in sorted(top, key=lambda lp: lp.rank)]
+            assert len(d) == k + (rank > k) and sorted(lp.rank for lp in top) == list(range(1, k + 1))
+            assert vals == sorted(vals, reverse=True) and all(lp.logprob <= 0 for lp in d.values())
+            if rank > k:  # outside the top k: after it in the dict's order, only the top k, by rank
+                assert [lp.rank for lp in list(d.values())[1:]] == list(range(1, k + 1))
     one = run(engine(), [([5], SamplingParams(max_tokens=2, prompt_logprobs=3))])[0]
     assert one.prompt_logprobs == [None]
 

@@ -15,6 +15,7 @@ from kiln.build import load_model
 from kiln.compile.step import compile_step
 from kiln.reference import forward_logits
 from kiln.runtime.engine import Engine
+from kiln.runtime.logprob import top_logprobs
 from kiln.runtime.sampling_params import SamplingParams
 from tests.runtime.test_routed_kv import MARGIN, reference_routing
 from tests.support.hf_models import prompts, save_hf_model
@@ -44,8 +45,10 @@ def check(ref: torch.Tensor, prompt: list[int], lps: list, k: int = K) -> None:
         row, tok, d = ref[i - 1], prompt[i], lps[i]
         assert tok in d and abs(d[tok].logprob - float(row[tok])) < ATOL, (i, d[tok], float(row[tok]))
         top = row.topk(k)
-        ids, vals = list(d)[:k], [lp.logprob for lp in d.values()][:k]
-        assert [lp.rank for lp in d.values()][:k] == list(range(1, k + 1))
+        assert next(iter(d)) == tok  # vLLM v1's order: the prompt token first, then the top k
+        ranked = top_logprobs(d, k)
+        ids, vals = [t for t, _ in ranked], [lp.logprob for _, lp in ranked]
+        assert [lp.rank for _, lp in ranked] == list(range(1, k + 1))
         # The oracle's top k values in order; each id holds its rank's value (the same ids, up to exact ties).
         assert torch.allclose(torch.tensor(vals), top.values, atol=ATOL)
         assert all(abs(float(row[t]) - float(v)) < ATOL for t, v in zip(ids, top.values, strict=True))

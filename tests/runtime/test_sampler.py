@@ -20,8 +20,8 @@ from kiln.runtime.sampling_params import SamplingParams
         ("top_k", 2.5, "top_k >= 0"),
         ("top_p", 0.0, "0 < top_p <= 1"),
         ("top_p", 1.5, "0 < top_p <= 1"),
-        ("min_p", 1.0, "0 <= min_p < 1"),
-        ("min_p", -0.1, "0 <= min_p < 1"),
+        ("min_p", 1.1, "0 <= min_p <= 1"),
+        ("min_p", -0.1, "0 <= min_p <= 1"),
         ("repetition_penalty", 0.0, "repetition_penalty > 0"),
         ("max_tokens", 0, "max_tokens >= 1"),
         ("seed", "abc", "0 .. 2**64 - 1, or None"),
@@ -242,7 +242,7 @@ def test_logprobs_keep_the_sampled_token_when_it_is_outside_the_top_k():
     logits = torch.tensor([[5.0, 4.0, 3.0, 0.1]])
     params = SamplingParams(temperature=0, logprobs=1, repetition_penalty=1e3)
     out = sample_batch(logits, [params], [None], [(0, 1, 2)])  # the penalty makes token 3 the greedy pick
-    assert out.tokens == [3] and list(out.logprobs[0]) == [0, 3]
+    assert out.tokens == [3] and list(out.logprobs[0]) == [3, 0]  # vLLM v1's order: the sampled token first
     assert out.logprobs[0][3].logprob == pytest.approx(float(logits.log_softmax(-1)[0, 3]), abs=1e-6)
     assert (out.logprobs[0][0].rank, out.logprobs[0][3].rank) == (1, 4)  # the least likely of 4 tokens
 

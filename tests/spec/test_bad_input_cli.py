@@ -128,7 +128,8 @@ ROWS = [
         fragment="--eval-text {tmp}/nope.txt: no such file"),
     Row("calibration-a-directory", ["quantize", "--quantize", "int8", "--calibration", "{tmp}", "-o", "{tmp}/q"],
         code=2, fragment="--calibration {tmp}: is not a regular file"),
-    Row("quantize-bogus", ["compile", "tiny-llama", "--quantize", "int3"], code=2, fragment="quantize 'int3' (--quantize)"),
+    Row("quantize-bogus", ["compile", "tiny-llama", "--quantize", "int3"], code=2,
+        fragment="quantize 'int3' (--quantize)"),
     # ---- output paths ----
     Row("import-o-missing-dir", ["import", "{tmp}/hf", "-o", "{tmp}/missing/m.kiln"],
         files={"hf/config.json": HF_CONFIG}, code=2, fragment="-o {tmp}/missing/m.kiln: the directory"),

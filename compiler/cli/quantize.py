@@ -8,7 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, staged_dir
+from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, model_paths_resolved, staged_dir
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 
@@ -109,4 +109,4 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
                     "or empty directory, or a previous `kiln quantize` output (replaced)")
     qz.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
     dtype_flag(qz)
-    qz.set_defaults(func=cmd_quantize)
+    qz.set_defaults(func=model_paths_resolved(cmd_quantize))

@@ -6,7 +6,7 @@ import argparse
 import math
 import time
 
-from kiln.cli.common import at_least, check_output_file
+from kiln.cli.common import at_least, check_output_file, model_paths_resolved
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 
@@ -126,4 +126,4 @@ def add_train_router_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("-o", "--output", metavar="FILE", required=True, help="routers file to write (.safetensors)")
-    p.set_defaults(func=cmd_train_router)
+    p.set_defaults(func=model_paths_resolved(cmd_train_router))

@@ -119,6 +119,21 @@ def test_compile_takes_a_checkpoint_dir_as_spec(capsys, checkpoint):
     assert f"kiln: {checkpoint.name}: " in err and "MiB of weights in bf16" in err
 
 
+def test_quantize_and_train_router_take_a_checkpoint_dir_as_spec(capsys, checkpoint, tmp_path):
+    out = tmp_path / "q"
+    code, _, err = run_cli(capsys, "quantize", str(checkpoint), "--quantize", "int8", "-o", str(out))
+    assert code == 0, err
+    # the checks made before loading see the directory as --weights: a quantized one is refused by name
+    code, _, err = run_cli(capsys, "quantize", str(out), "--quantize", "int8", "-o", str(tmp_path / "q2"))
+    assert code == 2 and f"--weights {out}: is already a `kiln quantize` output" in err
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat. " * 40)
+    code, _, err = run_cli(capsys, "train-router", str(checkpoint), "--text", str(text), "--capacity", "0.5",
+                           "-o", str(tmp_path / "r.safetensors"), "--steps", "0")
+    assert code == 0, err
+    assert (tmp_path / "r.safetensors").is_file()
+
+
 def test_a_hub_id_says_kiln_loads_local_checkpoints(capsys):
     code, _, err = run_cli(capsys, "run", "Qwen/Qwen3-0.6B", "--prompt", "hi")
     assert code == 2

@@ -132,7 +132,8 @@ def resolve_model_paths(spec: str | os.PathLike | None, weights: str | os.PathLi
     if path.is_file() and path.suffix in _WEIGHT_FILES:
         raise KilnError(f"model {text} is one weights file; give the checkpoint directory it is in (config.json + "
                         "*.safetensors), or a .gguf file")
-    if _HUB_ID.fullmatch(text) and not path.exists() and bundled_spec(text) is None:
+    hub_like = _HUB_ID.fullmatch(text) and not text.endswith((".kiln", ".gguf", ".json"))  # else a missing file
+    if hub_like and not path.exists() and bundled_spec(text) is None:
         raise KilnError(f"model {text!r}: no such file or directory here, nor a bundled spec; if it is a Hugging Face "
                         "Hub id: kiln loads local checkpoints only and downloads nothing; download it first (e.g. "
                         f"`huggingface-cli download {text} --local-dir DIR`) and give DIR (`kiln run DIR`, "

@@ -305,6 +305,7 @@ class LLM:
             items = _text_prompts(prompts)
         else:
             items = [("ids", p) for p in _token_prompts(prompt_token_ids)]
+        clamp = sampling_params is None and "max_tokens" in self.loaded.generation_defaults
         if sampling_params is None:  # as vLLM: the model's generation_config.json defaults, unless "vllm"
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (SamplingParams, dict)):
@@ -327,6 +328,8 @@ class LLM:
                         group = _Prompt([], p.output_kind == "final_only", p.output_kind == "delta")
                         groups.append(group)
                         ids = self._truncated(kind, item, p)
+                        if clamp:
+                            p = self._within_context(*(("ids", ids) if ids is not None else (kind, item)), p)
                         for choice in p.choices():  # n > 1: one engine request per choice
                             if ids is not None:  # truncate_prompt_tokens: the ids kept, the text as given
                                 rid = self.engine.add_request(item if kind == "text" else None, choice,
@@ -345,6 +348,21 @@ class LLM:
                 self._release(groups)  # all or nothing: a bad prompt leaves no half-submitted batch behind
                 raise
         return groups
+
+    def _within_context(self, kind: str, item: object, params: SamplingParams) -> SamplingParams:
+        """A checkpoint's default max_tokens (generation_config.json's max_new_tokens) cut to what max_model_len
+        leaves after this prompt, as vLLM stops there: a default the user never chose must not refuse a prompt.
+        A prompt that leaves no room is left for the engine to name."""
+        if kind == "text" and self.engine.tokenizer is None:
+            return params
+        try:
+            n = len(self.engine.tokenizer.encode(item)) if kind == "text" else len(item)
+        except TypeError:
+            return params  # not a sequence of ids: the engine names it
+        room = self.engine.max_model_len - n
+        if 0 < room < params.max_tokens:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
 
     def _truncated(self, kind: str, item: object, params: SamplingParams) -> Sequence[int] | None:
         """The prompt's ids as params.truncate_prompt_tokens keeps them (vLLM's: the last k, -1: the last

@@ -42,8 +42,8 @@ def check_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> Non
             if token in subcommands:
                 current, names = subcommands[token], [*names, token]
             continue
-        if not token.startswith("--"):
-            continue  # short flags and negative numbers: argparse's own checks suffice
+        if not token.startswith("--") or " " in token:
+            continue  # short flags, negative numbers and, as argparse reads them, values with a space
         flag, has_value = token.split("=", 1)[0], "=" in token
         known = _long_flags(current) + _long_flags(parser)  # --debug / --version sit on the top level too
         if any(k == flag or k.startswith(flag) for k in known):

@@ -210,3 +210,13 @@ def test_flag_values_and_abbreviations_are_not_taken_for_flags(capsys):
     code, out, _ = run_cli(capsys, "run", "--stop=--x", "--prompt-ids", "1,2", "--max-tok", "2", "--temperature", "0",
                            "--json")
     assert code == 0 and '"token_ids"' in out
+
+
+def test_a_value_with_a_space_after_a_several_value_flag_is_not_a_flag():
+    # --served-model-name takes one or more values; argparse reads "--b c" (a space) as a value, and so does the check
+    from kiln.cli.commands import build_parser
+    from kiln.cli.unknown_flags import check_unknown_flags
+
+    argv = ["serve", "tiny-llama", "--served-model-name", "a", "--b c"]
+    check_unknown_flags(build_parser(), argv)  # no SystemExit
+    assert build_parser().parse_args(argv).served_model_name == ["a", "--b c"]

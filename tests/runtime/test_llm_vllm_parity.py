@@ -311,3 +311,28 @@ def test_vllms_dtype_names(checkpoint, tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
     assert load_model(d, device="cpu", dtype="auto").compile.dtype == "bf16"  # the checkpoint's own
     assert load_model(d, device="cpu").compile.dtype == "fp32"  # no dtype: kiln's default, as before
+
+
+def test_a_default_max_tokens_past_the_context_stops_at_it(tmp_path):
+    # generation_config.json's max_new_tokens is a default the user never chose: a prompt whose prompt + that
+    # default passes the context runs to the context (vLLM stops there) instead of being refused
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100000, "temperature": 0.0}))
+    llm = LLM("tiny-llama", generation_config=str(gen))
+    ctx = llm.engine.max_model_len
+    out = llm.generate(prompt_token_ids=[[1, 2, 3], list(range(1, ctx - 1))], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [ctx - 3, 2]
+    assert all(o.outputs[0].finish_reason == "length" for o in out)
+    text = llm.generate("Hi", use_tqdm=False)[0]
+    assert len(text.prompt_token_ids) + len(text.outputs[0].token_ids) == ctx
+    with pytest.raises(RequestError, match="exceeds"):  # a max_tokens the user gave is still checked
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=100000), use_tqdm=False)
+
+
+def test_a_missing_spec_file_is_not_taken_for_a_hub_id():
+    from kiln.build import resolve_model_paths
+
+    assert resolve_model_paths("specs/missing.kiln", None) == ("specs/missing.kiln", None)
+    with pytest.raises(KilnError, match="Hugging Face Hub id"):
+        resolve_model_paths("meta-llama/Llama-3.2-1B", None)

@@ -11,8 +11,12 @@ import socket
 from kiln.cli.common import (
     LOAD_QUANTIZE_HELP,
     WEIGHTS_HELP,
+    chat_template_flag,
     dtype_flag,
     engine_flags,
+    generation_config_flag,
+    human_int,
+    model_paths_resolved,
     routers_flag,
     seed_arg,
     serving_engine,
@@ -44,7 +48,7 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
-    from kiln.chat_template import chat_template_of
+    from kiln.chat_template import ChatTemplateError, chat_template_of
     from kiln.server import ServerConfig, build_app
     from kiln.server.drain import DrainingServer
 
@@ -68,7 +72,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         say(f"warning: serving on {args.host} (reachable from other machines) without --api-key")
     sock = _bind(args.host, args.port)  # before the model loads: a port in use fails in a second, not a minute
     m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, seed=args.seed,
-                   quantize=args.quantize, routers=args.routers)
+                   quantize=args.quantize, routers=args.routers, generation_config=args.generation_config)
+    try:
+        template = chat_template_of(m.tokenizer, args.chat_template)
+    except ChatTemplateError as e:
+        raise UsageError(f"--chat-template: {e}") from None
     engine = serving_engine(args, m, step_model(args, m), max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
     if args.max_prompt_tokens is not None and args.max_prompt_tokens > engine.max_model_len:
@@ -80,10 +88,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = names[0]
     cfg = ServerConfig(model_name=names, model_aliases=aliases, api_key=args.api_key,
                        max_body_bytes=args.max_body_bytes or None, max_prompt_tokens=args.max_prompt_tokens,
-                       max_waiting=args.max_waiting, chat_template=chat_template_of(m.tokenizer),
+                       max_waiting=args.max_waiting, chat_template=template,
+                       generation_defaults=m.generation_defaults,
+                       trust_request_chat_template=args.trust_request_chat_template,
                        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = build_app(engine, cfg)
+    note = m.generation_note()
+    if note:  # as vLLM warns at startup: requests that leave these fields unset get the model's values
+        say(f"{note}; a request's own values win")
     say(f"serving {name} on http://{args.host}:{sock.getsockname()[1]}/v1 ({m.device}, "
         f"{engine.block_manager.num_usable_blocks} KV blocks, chat template: {cfg.chat_template.origin}"
         f"{m.weights_label()})")
@@ -204,7 +217,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "(default: SPEC as given, else --weights as given; the spec's own name is accepted too)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most (default 64)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
-    s.add_argument("--max-model-len", type=int, help="prompt + output tokens at most (default: the context)")
+    s.add_argument("--max-model-len", type=human_int, metavar="N",
+                   help="prompt + output tokens at most, as vLLM writes it: 4096, 4k (4000), 32K (32768) (default: "
+                   "the context)")
     s.add_argument("--max-prompt-tokens", type=int, help="prompt tokens at most (default: --max-model-len)")
     s.add_argument("--max-body-bytes", type=int, default=32 << 20,
                    help="request body size limit in bytes; more get 413 (default 32 MiB: a 128k-token prompt as "
@@ -223,6 +238,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     dtype_flag(s)
     s.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
     routers_flag(s)
+    generation_config_flag(s)
+    chat_template_flag(s)
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat template (chat_template), as vLLM's flag (default: refused "
+                   "with a 400)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--timeout-graceful-shutdown", type=float, default=DRAIN_S, metavar="SECONDS",
                    help="after SIGTERM or Ctrl-C, how long requests in flight may still run before they are aborted "
@@ -230,7 +250,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    "vLLM's --shutdown-timeout does by default; a second Ctrl-C aborts them at once too (default "
                    f"{DRAIN_S:g}; under Kubernetes keep it below terminationGracePeriodSeconds)")
     engine_flags(s)
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=model_paths_resolved(cmd_serve))
 
 
 def add_bench_serve_parser(bsub: argparse._SubParsersAction) -> None:

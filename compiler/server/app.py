@@ -16,7 +16,7 @@ import inspect
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -72,6 +72,11 @@ class ServerConfig:
     allowed_methods: Sequence[str] = field(default_factory=lambda: ["*"])
     allowed_headers: Sequence[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # The model's recommended sampling (LoadedModel.generation_defaults, vLLM's --generation-config auto), keyed by
+    # SamplingParams field: applied to the request fields a client leaves unset (or sends as null)
+    generation_defaults: Mapping[str, object] = field(default_factory=dict)
+    # vLLM's --trust-request-chat-template: whether a request may bring its own chat template (chat_template)
+    trust_request_chat_template: bool = False
 
     @property
     def model_names(self) -> list[str]:
@@ -94,6 +99,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(served)
     loop = EngineLoop(engine, metrics)
     chat = config.chat_template or chat_template_of(engine.tokenizer)
+    defaults = dict(config.generation_defaults)
     max_prompt = config.max_prompt_tokens or engine.max_model_len
     logged: set[str] = set()  # the ignored request fields logged so far: each once per server
 
@@ -200,8 +206,10 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         req = parse(CompletionRequest, body)
         req.check()
         given = req.prompts()
+        keep = truncation(req)
         # Off the event loop: a long prompt's tokenization would stall every stream being served.
-        prompts = await asyncio.to_thread(lambda: [_tokens(engine, p, max_prompt) for p in given])
+        prompts = await asyncio.to_thread(lambda: [_tokens(engine, p, max_prompt, add_special=req.add_special_tokens,
+                                                           keep=keep) for p in given])
         echo = None
         if req.echo:  # the prompt's text: as sent, or decoded from its token ids
             echo = await asyncio.to_thread(lambda: [_prompt_text(engine, p, ids) for p, ids in zip(given, prompts,
@@ -217,16 +225,51 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         text = render(req)
         if req.max_completion_tokens is not None:  # as in OpenAI and vLLM, it overrides the deprecated max_tokens
             req.max_tokens = req.max_completion_tokens
-        ids = await asyncio.to_thread(_tokens, engine, text, max_prompt, "messages")
+        keep = truncation(req)
+        ids = await asyncio.to_thread(lambda: _tokens(engine, text, max_prompt, "messages",
+                                                      add_special=req.add_special_tokens, keep=keep))
         return await _generate(request, req, [ids], "chat.completion", None)
+
+    def truncation(req) -> int | None:
+        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all); over max_model_len is a
+        400, as in vLLM."""
+        k = req.truncate_prompt_tokens
+        if k is not None and k > engine.max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens = {k} is greater than max_model_len = "
+                           f"{engine.max_model_len}; select a smaller truncation size (or -1: the last max_model_len "
+                           "tokens)", param="truncate_prompt_tokens", code="invalid_value")
+        return engine.max_model_len if k == -1 else k
+
+    @functools.lru_cache(maxsize=16)  # a client sends the same template with every request: parsed once
+    def request_template(text: str) -> ChatTemplate:
+        return ChatTemplate(text, bos_token=chat.bos_token, eos_token=chat.eos_token,
+                            origin="the request's chat_template")
+
+    def template_for(req: ChatCompletionRequest | TokenizeChatRequest) -> ChatTemplate:
+        """The server's template, or (--trust-request-chat-template) the one the request brings."""
+        text = req.request_template()
+        if text is None:
+            return chat
+        if not config.trust_request_chat_template:  # as vLLM: a template is code the server runs
+            raise APIError(400, "a chat template was passed with the request, but the server was not started with "
+                           "--trust-request-chat-template, so it refuses templates from requests; omit "
+                           "chat_template (the server's template applies), or restart the server with that flag",
+                           param="chat_template")
+        try:
+            return request_template(text)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="chat_template") from None
 
     def render(req: ChatCompletionRequest | TokenizeChatRequest) -> str:
         """The conversation's prompt text, from the chat template (chat completions and /tokenize alike)."""
+        template = template_for(req)
+        kwargs = req.template_kwargs()
+        extra = {"template_kwargs": kwargs} if kwargs else {}  # none: render is called as before
         try:
-            return chat.render(req.template_messages(), req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message)
+            return template.render(req.template_messages(), req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message, **extra)
         except ChatTemplateError as e:  # the template's raise_exception, or a message it cannot take
-            raise APIError(400, str(e), param="messages") from None
+            raise APIError(400, str(e), param="chat_template" if template is not chat else "messages") from None
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -273,7 +316,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                f"(its vocabulary has {vocab} tokens)", param="tokens", code="invalid_value")
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot give token ids' text", param="tokens")
-        text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens)
+        text = await asyncio.to_thread(_decode_all, engine, req.tokens)
         return JSONResponse({"prompt": text})
 
     async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None,
@@ -283,6 +326,9 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                            code="engine_stopped")
         jobs = []  # (request id, prompt ids, params)
         chat = kind == "chat.completion"
+        default_cap = defaults.get("max_tokens")  # generation_config.json's max_new_tokens: the default, not a cap
+        if default_cap is not None:
+            default_max = None
         prefix = "chatcmpl" if chat else "cmpl"
         base = f"{prefix}-{uuid.uuid4().hex}"  # the engine's request ids: unique, whatever the client sends
         # The response's id: vLLM's, from X-Request-Id or the request_id field when the client gives one
@@ -304,9 +350,11 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
                                    "one token", param="prompt", code="context_length_exceeded")
             else:
                 max_tokens = req.max_tokens or (default_max if default_max is not None else room)
+                if req.max_tokens is None and default_cap is not None:  # vLLM's: the model's default, in the room
+                    max_tokens = min(default_cap, room)
             _check_min_tokens(req, 0 if req.max_tokens == 0 else max_tokens, chat)
             try:
-                choices = req.sampling_params(max_tokens).choices()  # validated; n > 1: the seed rule is there
+                choices = req.sampling_params(max_tokens, defaults).choices()  # validated; n > 1: the seed rule there
             except RequestError as e:
                 raise request_error(e, _chat_param(e.param, req) if chat else None) from None
             for i, params in enumerate(choices):
@@ -438,30 +486,40 @@ def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str
     return engine.tokenizer.decode(ids)
 
 
-def _encode(engine: Engine, text: str, add_special: bool | None, param: str) -> list[int]:
-    """The text's token ids; add_special: with (true) or without (false) the special tokens the tokenizer adds,
-    None: the tokenizer's default (as the completion routes encode). A tokenizer that adds none (the byte-level
-    one) takes no such choice."""
+def _encode(engine: Engine, text: str, add_special: bool, param: str, what: str = "text") -> list[int]:
+    """The text's token ids, with (add_special) or without the special tokens the tokenizer adds. A tokenizer that
+    adds none (the byte-level one) takes no such choice."""
     encode = engine.tokenizer.encode
     try:
-        if add_special is not None and "special" in inspect.signature(encode).parameters:
+        if "special" in inspect.signature(encode).parameters:
             return encode(text, special=add_special)
         return encode(text)
     except Exception as e:
-        raise APIError(400, f"the text cannot be tokenized: {e}", param=param) from None
+        raise APIError(400, f"the {what} cannot be tokenized: {e}", param=param) from None
 
 
-def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "prompt") -> list[int]:
-    """The prompt's token ids; `param` names the field it came from in errors (chat: "messages")."""
+def _decode_all(engine: Engine, ids: list[int]) -> str:
+    """/detokenize's text: special tokens' text kept, as vLLM's (transformers' decode default); a tokenizer whose
+    decode takes no such choice decodes as it does."""
+    decode = engine.tokenizer.decode
+    if "skip_special_tokens" in inspect.signature(decode).parameters:
+        return decode(ids, skip_special_tokens=False)
+    return decode(ids)
+
+
+def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "prompt", *,
+            add_special: bool = True, keep: int | None = None) -> list[int]:
+    """The prompt's token ids; `param` names the field it came from in errors (chat: "messages"). add_special: a
+    text gets the special tokens the tokenizer adds (vLLM's add_special_tokens); keep: only the last `keep` tokens
+    (truncate_prompt_tokens), before the length is checked."""
     if isinstance(prompt, str):
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send prompt as token ids", param=param)
-        try:
-            ids = engine.tokenizer.encode(prompt)
-        except Exception as e:
-            raise APIError(400, f"the prompt cannot be tokenized: {e}", param=param) from None
+        ids = _encode(engine, prompt, add_special, param, what="prompt")
     else:
         ids = list(prompt)
+    if keep is not None and len(ids) > keep:
+        ids = ids[len(ids) - keep:]
     if not ids:
         raise APIError(400, "the prompt is empty; give at least one token", param=param)
     if len(ids) > limit:

@@ -55,20 +55,9 @@ MESSAGE_IGNORED = {
 }
 
 
-# vLLM request fields kiln does not take yet (being plumbed into SamplingParams and the chat route): unknown fields
-# for now, and not taken for a typo of another field (no "did you mean").
-NOT_YET = frozenset(
-    {
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "allowed_token_ids",
-        "truncate_prompt_tokens",
-        "truncation_side",
-        "add_special_tokens",
-        "chat_template",
-        "chat_template_kwargs",
-    }
-)
+# vLLM request fields kiln does not take yet: unknown fields for now, and not taken for a typo of another field (no
+# "did you mean").
+NOT_YET = frozenset({"truncation_side"})
 
 
 def ignored_reason(name: str) -> str:
@@ -127,7 +116,6 @@ CHAT_UNSUPPORTED = {
     "functions": (_is([]), _TOOLS, "omit functions"),
     "function_call": (_is("none"), _TOOLS, 'omit function_call, or send "none"'),
     "documents": (_never, "its chat templates get no documents (RAG)", "put the documents in a message"),
-    "reasoning_effort": (_never, "it hands the chat template no reasoning effort", "omit reasoning_effort"),
     "modalities": (_is(["text"]), "its models write text only", 'omit modalities, or send ["text"]'),
     "audio": (_never, "its models write text only", "omit audio"),
     "web_search_options": (_never, "it has no web search", "omit web_search_options"),

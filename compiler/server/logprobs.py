@@ -1,8 +1,9 @@
 """Engine log-probabilities in the OpenAI shapes: the completions API's legacy {"tokens", "token_logprobs",
 "top_logprobs", "text_offset"} and chat's {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}.
 
-The engine gives one {token_id: Logprob} per generated token: the top-k by rank, then the sampled token when it
-is not among them. Values are the model's raw log_softmax (before temperature), as vLLM v1 reports them. Echoed
+The engine gives one {token_id: Logprob} per generated token: the sampled token first, then the top-k by rank (vLLM
+v1's order; runtime.logprob.top_logprobs picks the top n out of it). Values are the model's raw log_softmax
+(before temperature), as vLLM v1 reports them. Echoed
 prompt tokens come in the same shape (their first entry None: nothing comes before the first token); vLLM's
 prompt_logprobs field has its own shape (prompt_logprobs_field).
 """

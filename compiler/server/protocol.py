@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from kiln.chat_template import message_text
+from kiln.chat_template import check_template_kwargs, message_text
 from kiln.errors import RequestError
 from kiln.runtime.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 from kiln.server.errors import APIError, error_body, request_error
@@ -102,7 +102,7 @@ class _Sampling(_Body):
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)  # -1 means off, as in vLLM
-    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -127,14 +127,29 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension: no eos, stop id or stop string before this many
     prompt_logprobs: int | None = None  # vLLM extension: the prompt tokens' logprobs (not streamed, as vLLM)
+    # vLLM extensions, SamplingParams' fields of those names: special tokens' text kept in the output (false), and
+    # then whether spaces go between two of them; the only token ids that may be sampled; keep the prompt's last k
+    # tokens (-1: the last max_model_len)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The request's SamplingParams, n included: SamplingParams.choices() makes its n requests."""
+    # The request fields a model's generation_config.json may give a default for (LoadedModel.generation_defaults,
+    # keyed by SamplingParams field: the same names here); max_tokens is applied by the route.
+    _DEFAULTED: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+    def sampling_params(self, max_tokens: int, defaults: dict[str, object] | None = None) -> SamplingParams:
+        """The request's SamplingParams, n included: SamplingParams.choices() makes its n requests. defaults: the
+        model's generation_config.json sampling (vLLM's --generation-config auto), for the fields the client left
+        unset (or sent as null); a value the client sent wins."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
-        return SamplingParams(temperature=self.temperature, top_k=max(self.top_k, 0), top_p=self.top_p,
-                              min_p=self.min_p, repetition_penalty=self.repetition_penalty, max_tokens=max_tokens,
+        sampling = {k: getattr(self, k) for k in self._DEFAULTED}
+        sampling.update({k: v for k, v in (defaults or {}).items() if k in sampling and k not in self.model_fields_set})
+        sampling["top_k"] = max(sampling["top_k"], 0)  # -1 means off, as in vLLM
+        return SamplingParams(**sampling, max_tokens=max_tokens,
                               seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
                               stop_token_ids=tuple(self.stop_token_ids or ()),
                               include_stop_str_in_output=self.include_stop_str_in_output,
@@ -142,6 +157,11 @@ class _Sampling(_Body):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               logit_bias=self.token_logit_bias(), min_tokens=self.min_tokens, n=self.n,
                               prompt_logprobs=self.engine_prompt_logprobs(),
+                              skip_special_tokens=self.skip_special_tokens,
+                              spaces_between_special_tokens=self.spaces_between_special_tokens,
+                              allowed_token_ids=None if self.allowed_token_ids is None else
+                              tuple(self.allowed_token_ids),
+                              truncate_prompt_tokens=self.truncate_prompt_tokens,
                               output_kind="delta")  # see streaming.Choices
 
     def token_logit_bias(self) -> dict[int, float] | None:
@@ -174,6 +194,11 @@ class _Sampling(_Body):
             raise APIError(400, "stream_options applies to streamed responses only; set stream: true or omit "
                            "stream_options", param="stream_options")
         self.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
+        k = self.truncate_prompt_tokens
+        if k is not None and (k == 0 or k < -1):  # as vLLM's
+            raise APIError(400, f"truncate_prompt_tokens = {k} is out of range; allowed: an integer k >= 1 (keep the "
+                           "prompt's last k tokens) or -1 (its last max_model_len)", param="truncate_prompt_tokens",
+                           code="invalid_value")
         if self.stream and self.prompt_logprobs:  # vLLM's rule: 0 is accepted (and shows nothing)
             raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM); ask without "
                            "stream, or use echo with logprobs on /v1/completions", param="prompt_logprobs")
@@ -195,6 +220,8 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     # OpenAI's: sample best_of and return the n most likely; kiln returns what it samples, so only best_of == n
     best_of: int | None = Field(default=None, ge=1)
+    # vLLM extension: a text prompt gets the special tokens the tokenizer adds (Llama's BOS), as vLLM's default
+    add_special_tokens: bool = True
 
     def check(self) -> None:
         super().check()
@@ -311,9 +338,39 @@ class _Conversation(_Body):
     # which the reply continues (a "prefill").
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM extensions: the rendered prompt gets the tokenizer's special tokens on top of the template's own (false by
+    # default, as vLLM and transformers' apply_chat_template(tokenize=True): the template writes BOS itself); a
+    # template (its text) for this request instead of the server's (vLLM's: only with --trust-request-chat-template);
+    # more variables for the template (e.g. Qwen3's {"enable_thinking": false}).
+    add_special_tokens: bool = False
+    chat_template: str | None = Field(default=None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning effort, handed to the template as the variable reasoning_effort (as vLLM hands it over)
+    reasoning_effort: str | None = Field(default=None, min_length=1)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The extra template variables: chat_template_kwargs, with reasoning_effort when given (it wins, as in
+        vLLM); a variable the renderer sets itself (messages, add_generation_prompt) is a 400."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        try:
+            return check_template_kwargs(kwargs) if kwargs else None
+        except RequestError as e:
+            raise request_error(e) from None
+
+    def request_template(self) -> str | None:
+        """The template text this request brings (chat_template, else chat_template_kwargs' chat_template, as vLLM
+        reads either), or None."""
+        if self.chat_template is not None:
+            return self.chat_template
+        inner = (self.chat_template_kwargs or {}).get("chat_template")
+        if inner is not None and not (isinstance(inner, str) and inner):
+            raise APIError(400, "chat_template_kwargs.chat_template must be a template's text", param="chat_template")
+        return inner
 
     def check(self) -> None:
         if self.continue_final_message:
@@ -372,9 +429,6 @@ class TokenizeCompletionRequest(_Body):
 class TokenizeChatRequest(_Conversation):
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"tools": CHAT_UNSUPPORTED["tools"]}
 
-    # None: as /v1/chat/completions tokenizes the rendered conversation; true / false: with or without the special
-    # tokens the tokenizer adds on top of the template's own
-    add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
 

@@ -8,10 +8,11 @@ import threading
 
 import pytest
 
+from tests.support.word_tokenizer import BOS, write_word_tokenizer
+
 httpx = pytest.importorskip("httpx")
 
 MSGS = [{"role": "user", "content": "w1 w2"}]
-BOS = 10
 
 
 def _post(url: str, path: str, body: object, headers: dict | None = None) -> httpx.Response:
@@ -21,17 +22,9 @@ def _post(url: str, path: str, body: object, headers: dict | None = None) -> htt
 @pytest.fixture(scope="module")
 def word_tokenizer(tmp_path_factory):
     """A tokenizer.json of words w0 .. w9 whose post-processor puts <s> (id 10) first, as Llama's adds BOS."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
     from kiln.tokenizer import HFTokenizer
 
-    d = tmp_path_factory.mktemp("tok")
-    raw = Tokenizer(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.add_special_tokens(["<s>"])
-    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    raw.save(str(d / "tokenizer.json"))
-    return HFTokenizer(d / "tokenizer.json")
+    return HFTokenizer(write_word_tokenizer(tmp_path_factory.mktemp("tok")))
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +58,12 @@ def test_tokenize_messages_gives_the_chat_prompt(words):
     will be; add_generation_prompt and add_special_tokens change it as in vLLM."""
     r = _post(words, "/tokenize", {"messages": MSGS, "return_token_strs": True}, AUTH).json()
     chat = _post(words, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}, AUTH).json()
-    assert r["count"] == chat["usage"]["prompt_tokens"] == len(r["tokens"]) and r["tokens"][0] == BOS
+    # as vLLM's: no special tokens on top of the template's own by default (kiln's default template writes no BOS)
+    assert r["count"] == chat["usage"]["prompt_tokens"] == len(r["tokens"]) and r["tokens"][0] != BOS
     no_prompt = _post(words, "/tokenize", {"messages": MSGS, "add_generation_prompt": False}, AUTH).json()
     assert no_prompt["count"] < r["count"] and r["tokens"][: no_prompt["count"]] == no_prompt["tokens"]
-    bare = _post(words, "/tokenize", {"messages": MSGS, "add_special_tokens": False}, AUTH).json()
-    assert bare["tokens"] == r["tokens"][1:]
+    with_bos = _post(words, "/tokenize", {"messages": MSGS, "add_special_tokens": True}, AUTH).json()
+    assert with_bos["tokens"] == [BOS, *r["tokens"]]
     cont = _post(
         words,
         "/tokenize",

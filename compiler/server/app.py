@@ -4,37 +4,35 @@ Bodies are read by kiln.server.body (limits, JSON, Unicode, pydantic's errors as
 the API key check and the JSON 500 for anything unexpected; Starlette's CORSMiddleware, outermost, answers browsers'
 preflights and puts the CORS headers on every response (errors included). A request's model is checked first, as
 vLLM does, and all its engine requests (prompts x n) are added to the engine in one go. Besides the OpenAI routes,
-vLLM's /tokenize, /detokenize, /version and /ping.
+vLLM's /tokenize, /detokenize, /version and /ping. ServerConfig is in kiln.server.config, a request's run on the
+engine and its answer in kiln.server.generate, prompts' token ids in kiln.server.prompt_tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import inspect
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
 
 from kiln import __version__
 from kiln.chat_template import ChatTemplate, ChatTemplateError, chat_template_of
-from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
 from kiln.server.body import read_json, validation_error
+from kiln.server.config import MAX_BODY_BYTES, ServerConfig  # noqa: F401  (MAX_BODY_BYTES: imported from here too)
 from kiln.server.engine_loop import EngineLoop
 from kiln.server.fields import ignored_reason
+from kiln.server.generate import _collect, generate  # noqa: F401  (_collect: tests import it from here)
 from kiln.server.metrics import CONTENT_TYPE, ServerMetrics
 from kiln.server.middleware import BearerAuth, CatchAll
+from kiln.server.prompt_tokens import _decode_all, _encode, _prompt_text, _tokens
 from kiln.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -43,48 +41,10 @@ from kiln.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
-    request_error,
 )
-from kiln.server.streaming import Choices, completion_body, sse_stream
 
 log = logging.getLogger("kiln.server")
-_GONE = object()  # put in a non-streaming request's sink when its client disconnects
-MAX_BODY_BYTES = 32 << 20  # --max-body-bytes' default: a 131072-token context as token ids (~1 MiB) many times over
 GUARDED = ("/v1", "/tokenize", "/detokenize")  # the routes --api-key guards
-
-
-@dataclass
-class ServerConfig:
-    """model_name: the model id the server reports (in responses, /health and /metrics), or a list of ids (vLLM's
-    --served-model-name): the first is reported, every one is listed in /v1/models and accepted as a request's model;
-    model_aliases: more ids accepted as a request's model, not listed."""
-
-    model_name: str | Sequence[str]
-    api_key: str | None = None
-    max_body_bytes: int | None = MAX_BODY_BYTES  # None or 0: no limit
-    max_prompt_tokens: int | None = None  # None: the engine's max_model_len
-    max_waiting: int | None = None  # requests queued (not yet running) before new ones get 503 (None: no limit)
-    default_max_tokens: int = 16  # completions without max_tokens (chat defaults to the rest of the context)
-    chat_template: ChatTemplate | None = None
-    model_aliases: Sequence[str] = ()
-    # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials
-    allowed_origins: Sequence[str] = field(default_factory=lambda: ["*"])
-    allowed_methods: Sequence[str] = field(default_factory=lambda: ["*"])
-    allowed_headers: Sequence[str] = field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    # The model's recommended sampling (LoadedModel.generation_defaults, vLLM's --generation-config auto), keyed by
-    # SamplingParams field: applied to the request fields a client leaves unset (or sends as null)
-    generation_defaults: Mapping[str, object] = field(default_factory=dict)
-    # vLLM's --trust-request-chat-template: whether a request may bring its own chat template (chat_template)
-    trust_request_chat_template: bool = False
-
-    @property
-    def model_names(self) -> list[str]:
-        """The served model ids, the reported one first."""
-        names = [self.model_name] if isinstance(self.model_name, str) else list(self.model_name)
-        if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"model_name: give one or more non-empty model ids, not {self.model_name!r}")
-        return names
 
 
 def _model_of(body: object) -> object:
@@ -319,83 +279,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         text = await asyncio.to_thread(_decode_all, engine, req.tokens)
         return JSONResponse({"prompt": text})
 
-    async def _generate(request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None,
-                        echo: list[str] | None = None):
-        if not loop.alive:
-            raise APIError(503, "the engine loop has stopped (see the server log); restart `kiln serve`",
-                           code="engine_stopped")
-        jobs = []  # (request id, prompt ids, params)
-        chat = kind == "chat.completion"
-        default_cap = defaults.get("max_tokens")  # generation_config.json's max_new_tokens: the default, not a cap
-        if default_cap is not None:
-            default_max = None
-        prefix = "chatcmpl" if chat else "cmpl"
-        base = f"{prefix}-{uuid.uuid4().hex}"  # the engine's request ids: unique, whatever the client sends
-        # The response's id: vLLM's, from X-Request-Id or the request_id field when the client gives one
-        given = request.headers.get("x-request-id") or req.request_id
-        response_id = f"{prefix}-{given}" if given else base
-        for p, ids in enumerate(prompts):
-            room = engine.max_model_len - len(ids)
-            if req.max_tokens is None and default_max is None and room < 1:
-                raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, and "
-                               f"your request has {len(ids)} input tokens, which leaves no room for the completion; "
-                               "reduce the length of the messages", param="messages",
-                               code="context_length_exceeded")
-            if req.max_tokens == 0:  # completions' echo of the prompt alone: one token sampled, not shown (as vLLM)
-                max_tokens = 1
-                if room < 1:  # the engine would blame a max_tokens of 1 the client never sent
-                    raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, and "
-                                   f"your prompt has {len(ids)}: echo with max_tokens 0 still computes one token "
-                                   "after the prompt, so the prompt must leave room for it; shorten the prompt by "
-                                   "one token", param="prompt", code="context_length_exceeded")
-            else:
-                max_tokens = req.max_tokens or (default_max if default_max is not None else room)
-                if req.max_tokens is None and default_cap is not None:  # vLLM's: the model's default, in the room
-                    max_tokens = min(default_cap, room)
-            _check_min_tokens(req, 0 if req.max_tokens == 0 else max_tokens, chat)
-            try:
-                choices = req.sampling_params(max_tokens, defaults).choices()  # validated; n > 1: the seed rule there
-            except RequestError as e:
-                raise request_error(e, _chat_param(e.param, req) if chat else None) from None
-            for i, params in enumerate(choices):
-                jobs.append((f"{base}-{p * req.n + i}", ids, params))
-        if config.max_waiting is not None and len(jobs) > config.max_waiting:
-            # all of a request's choices enter the queue together: more than it holds would never be admitted
-            raise APIError(400, f"{len(jobs)} completions (prompts x n) in one request, over the "
-                           f"{config.max_waiting} requests the server's queue holds (--max-waiting), so it could "
-                           "never be admitted; send fewer prompts or a smaller n", param="n")
-        waiting = loop.num_waiting
-        if config.max_waiting is not None and waiting + len(jobs) > config.max_waiting:
-            raise APIError(503, f"server busy: {waiting} requests waiting, the queue "
-                           f"holds {config.max_waiting} (--max-waiting); retry after a second",
-                           code="queue_full", headers={"Retry-After": "1"})
-        sink: asyncio.Queue = asyncio.Queue()
-        rids = [j[0] for j in jobs]
-        try:
-            await loop.add(jobs, sink)  # all at once: every choice starts in the same engine step
-        except RequestError as e:  # none of them was added
-            raise request_error(e, _chat_param(e.param, req) if chat else None) from None
-        except BaseException:
-            loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
-            raise
-        choices = Choices(response_id, kind, served, rids, sum(len(p) for p in prompts),
-                          req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer,
-                          echo=None if echo is None else [t for t in echo for _ in range(req.n)],
-                          prompt_only=getattr(req, "prompt_only", False),
-                          prompt_logprobs=req.shown_prompt_logprobs(),
-                          prompt_ids=[ids for ids in prompts for _ in range(req.n)],
-                          tokens_as_ids=req.return_tokens_as_token_ids)
-        if req.stream:
-            opts = req.stream_options
-            usage = bool(opts and opts.include_usage)
-            continuous = bool(opts and opts.continuous_usage_stats)
-            return _AbortingStream(sse_stream(sink, choices, usage, continuous), lambda: loop.abort(rids),
-                                   media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            await _collect(request, sink, choices)  # returns early when the client disconnects
-        finally:
-            loop.abort(rids)  # a no-op once they finished; frees their KV blocks when the client left early
-        return JSONResponse(completion_body(choices))
+    _generate = functools.partial(generate, loop, engine, config, served, defaults)
 
     return app
 
@@ -407,123 +291,3 @@ def _routes(app: FastAPI) -> list[str]:
         if isinstance(route, APIRoute):
             out += [f"{m} {route.path_format}" for m in sorted(route.methods - {"HEAD"})]
     return out
-
-
-def _check_min_tokens(req, max_tokens: int, chat: bool) -> None:
-    """A 400 when min_tokens is over the completion's limit, naming the field that set it as the client sent it."""
-    if req.min_tokens <= max_tokens:
-        return
-    name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
-    if req.max_tokens is not None:  # chat's max_completion_tokens was copied into max_tokens
-        limit = f"{name} = {max_tokens}"
-    elif chat:
-        name = "max_completion_tokens"
-        limit = f"the {max_tokens} tokens the context leaves after the messages (no {name} given)"
-    else:
-        limit = f"max_tokens = {max_tokens} (the default; set max_tokens)"
-    raise APIError(400, f"min_tokens = {req.min_tokens} is more than {limit}; allowed: min_tokens <= {name}",
-                   param="min_tokens", code="invalid_value")
-
-
-def _chat_param(param: str | None, req: ChatCompletionRequest) -> str | None:
-    """A RequestError's parameter as a chat request names it."""
-    if param == "prompt":  # chat has no prompt: it was made from the messages
-        return "messages"
-    if param == "max_tokens" and req.max_completion_tokens is not None:
-        return "max_completion_tokens"
-    return param
-
-
-async def _collect(request: Request, sink: asyncio.Queue, choices: Choices) -> None:
-    """Fill `choices` from the sink until every one finished, or the client went away.
-
-    The body has been read, so the next ASGI message is http.disconnect: a task waits for it and wakes the loop
-    below through the sink at once (no polling; and Request.is_disconnected() never sees the disconnect behind a
-    middleware that wraps `receive`, such as Starlette's BaseHTTPMiddleware)."""
-    watcher = asyncio.create_task(_watch_disconnect(request, sink))
-    try:
-        while not choices.done:
-            item = await sink.get()
-            if item is _GONE:
-                return
-            choices.update(item)
-    finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-
-
-async def _watch_disconnect(request: Request, sink: asyncio.Queue) -> None:
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass  # a body chunk after the end (none is expected): keep waiting
-    except Exception as e:  # the connection is in no state to take the response: stop generating for it
-        log.warning("reading from the client failed (%s: %s); aborting its request", type(e).__name__, e)
-    sink.put_nowait(_GONE)
-
-
-class _AbortingStream(StreamingResponse):
-    """A streaming response that aborts its requests however it ends (done, client gone, cancelled)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close, **kw):
-        super().__init__(content, **kw)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str:
-    """What echo puts before the text: the prompt as sent, or its token ids decoded."""
-    if isinstance(prompt, str):
-        return prompt
-    if engine.tokenizer is None:
-        raise APIError(400, "echo of a prompt given as token ids needs the model's tokenizer to give its text, and "
-                       "this model has none; omit echo (prompt_logprobs gives the prompt's logprobs)", param="echo")
-    return engine.tokenizer.decode(ids)
-
-
-def _encode(engine: Engine, text: str, add_special: bool, param: str, what: str = "text") -> list[int]:
-    """The text's token ids, with (add_special) or without the special tokens the tokenizer adds. A tokenizer that
-    adds none (the byte-level one) takes no such choice."""
-    encode = engine.tokenizer.encode
-    try:
-        if "special" in inspect.signature(encode).parameters:
-            return encode(text, special=add_special)
-        return encode(text)
-    except Exception as e:
-        raise APIError(400, f"the {what} cannot be tokenized: {e}", param=param) from None
-
-
-def _decode_all(engine: Engine, ids: list[int]) -> str:
-    """/detokenize's text: special tokens' text kept, as vLLM's (transformers' decode default); a tokenizer whose
-    decode takes no such choice decodes as it does."""
-    decode = engine.tokenizer.decode
-    if "skip_special_tokens" in inspect.signature(decode).parameters:
-        return decode(ids, skip_special_tokens=False)
-    return decode(ids)
-
-
-def _tokens(engine: Engine, prompt: str | list[int], limit: int, param: str = "prompt", *,
-            add_special: bool = True, keep: int | None = None) -> list[int]:
-    """The prompt's token ids; `param` names the field it came from in errors (chat: "messages"). add_special: a
-    text gets the special tokens the tokenizer adds (vLLM's add_special_tokens); keep: only the last `keep` tokens
-    (truncate_prompt_tokens), before the length is checked."""
-    if isinstance(prompt, str):
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer; send prompt as token ids", param=param)
-        ids = _encode(engine, prompt, add_special, param, what="prompt")
-    else:
-        ids = list(prompt)
-    if keep is not None and len(ids) > keep:
-        ids = ids[len(ids) - keep:]
-    if not ids:
-        raise APIError(400, "the prompt is empty; give at least one token", param=param)
-    if len(ids) > limit:
-        raise APIError(400, f"the prompt has {len(ids)} tokens, over the limit of {limit} (the model's context or "
-                       f"--max-prompt-tokens); shorten {'the messages' if param == 'messages' else 'it'}",
-                       param=param, code="context_length_exceeded")
-    return ids

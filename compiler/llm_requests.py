@@ -1,0 +1,200 @@
+"""LLM's engine requests: a call's prompts added to the engine (all or nothing), each request's outputs routed to
+its own queue (whoever steps the engine fills everyone's), and with SamplingParams(n=k) a prompt's k choices merged
+back under one request_id (_Prompt, _merge_metrics)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError, RequestError
+from kiln.llm_prompts import _text_prompts, _token_prompts
+from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput, truncate_prompt
+from kiln.runtime.sampling_params import SamplingParams
+
+
+class LLMRequests:
+    """The request side of kiln.llm.LLM, which sets what it uses: engine, loaded, get_default_sampling_params(),
+    _queues (request id -> its outputs not yet taken) and _lock (an RLock over the engine and the queues)."""
+
+    def _merged(self, groups: list[_Prompt]) -> Iterator[RequestOutput]:
+        """_drain's outputs as the caller sees them: a prompt with one choice as the engine made them, one with n
+        choices under its request_id, each choice's CompletionOutput indexed (see generate_stream)."""
+        owner = {rid: (g, i) for g in groups for i, rid in enumerate(g.rids)}
+        for out in self._drain(list(owner)):
+            g, i = owner[out.request_id]
+            if len(g.rids) == 1:
+                yield out
+                continue
+            comp = dataclasses.replace(out.outputs[0], index=i)
+            if g.final_only:
+                g.latest[i] = comp
+            if out.finished:
+                g.metrics[i] = out.metrics
+                if out.error is not None:
+                    g.errors[i] = f"choice {i}: {out.error}"
+            done = len(g.metrics) == len(g.rids)
+            if g.final_only and not done:
+                continue
+            comps = [g.latest[j] for j in range(len(g.rids))] if g.final_only else [comp]
+            errors = "; ".join(g.errors[j] for j in sorted(g.errors)) or None  # the failed choices' so far
+            yield RequestOutput(g.request_id, out.prompt, out.prompt_token_ids, comps, done,
+                                _merge_metrics([g.metrics[j] for j in sorted(g.metrics)]) if done else out.metrics,
+                                errors, g.prompt_logprobs(out))
+
+    def _drain(self, ids: list[str]) -> Iterator[RequestOutput]:
+        """This caller's outputs: what is queued first, and a step of the engine whenever nothing is."""
+        left = list(ids)
+        while left:
+            ready: list[RequestOutput] = []
+            with self._lock:
+                for rid in left:
+                    ready += self._queues[rid]
+                    self._queues[rid].clear()
+                if not ready:
+                    if not self.engine.has_unfinished():
+                        raise KilnError(f"requests {left} left the engine without a final output (aborted through "
+                                        "LLM.engine directly?); abort them through the LLM's generators instead")
+                    self._route(self.engine.step())
+            for out in ready:  # yielded outside the lock: the consumer may run other streams meanwhile
+                if out.finished:
+                    left.remove(out.request_id)
+                yield out
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:  # requests added through LLM.engine directly are not ours to keep
+                q.append(out)
+
+    def _release(self, groups: list[_Prompt]) -> None:
+        with self._lock:
+            for g in groups:
+                for rid in g.rids:
+                    self.engine.abort(rid, notify=False)  # no-op for the finished ones
+                    self._queues.pop(rid, None)
+
+    def _add(self, prompts, sampling_params, prompt_token_ids, output_kind: str | None = None) -> list[_Prompt]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise RequestError("give exactly one of prompts (text) and prompt_token_ids")
+        if prompts is not None:
+            items = _text_prompts(prompts)
+        else:
+            items = [("ids", p) for p in _token_prompts(prompt_token_ids)]
+        clamp = sampling_params is None and "max_tokens" in self.loaded.generation_defaults
+        if sampling_params is None:  # as vLLM: the model's generation_config.json defaults, unless "vllm"
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, (SamplingParams, dict)):
+            params = [SamplingParams.coerce(sampling_params)] * len(items)
+        elif isinstance(sampling_params, (list, tuple)):
+            params = [SamplingParams.coerce(p, f"sampling_params[{i}]") for i, p in enumerate(sampling_params)]
+            if len(params) != len(items):
+                raise RequestError(f"sampling_params has {len(params)} entries for {len(items)} prompts; give one "
+                                   "SamplingParams or one per prompt")
+        else:
+            raise RequestError(f"sampling_params must be a SamplingParams, a dict of its fields or a list of those "
+                               f"(one per prompt), not {type(sampling_params).__name__}")
+        groups: list[_Prompt] = []
+        with self._lock:
+            try:
+                for i, ((kind, item), p) in enumerate(zip(items, params, strict=True)):
+                    try:
+                        if output_kind is not None and p.output_kind != output_kind:
+                            p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is named
+                        group = _Prompt([], p.output_kind == "final_only", p.output_kind == "delta")
+                        groups.append(group)
+                        ids = self._truncated(kind, item, p)
+                        if clamp:
+                            p = self._within_context(*(("ids", ids) if ids is not None else (kind, item)), p)
+                        for choice in p.choices():  # n > 1: one engine request per choice
+                            if ids is not None:  # truncate_prompt_tokens: the ids kept, the text as given
+                                rid = self.engine.add_request(item if kind == "text" else None, choice,
+                                                              prompt_token_ids=ids)
+                            elif kind == "text":
+                                rid = self.engine.add_request(item, choice)
+                            else:
+                                rid = self.engine.add_request(params=choice, prompt_token_ids=item)
+                            self._queues[rid] = deque()
+                            group.rids.append(rid)
+                    except RequestError as e:
+                        if len(items) == 1:
+                            raise
+                        raise RequestError(f"prompt {i}: {e}", param=e.param, code=e.code) from None
+            except BaseException:
+                self._release(groups)  # all or nothing: a bad prompt leaves no half-submitted batch behind
+                raise
+        return groups
+
+    def _within_context(self, kind: str, item: object, params: SamplingParams) -> SamplingParams:
+        """A checkpoint's default max_tokens (generation_config.json's max_new_tokens) cut to what max_model_len
+        leaves after this prompt, as vLLM stops there: a default the user never chose must not refuse a prompt.
+        A prompt that leaves no room is left for the engine to name."""
+        if kind == "text" and self.engine.tokenizer is None:
+            return params
+        try:
+            n = len(self.engine.tokenizer.encode(item)) if kind == "text" else len(item)
+        except TypeError:
+            return params  # not a sequence of ids: the engine names it
+        room = self.engine.max_model_len - n
+        if 0 < room < params.max_tokens:
+            return dataclasses.replace(params, max_tokens=room)
+        return params
+
+    def _truncated(self, kind: str, item: object, params: SamplingParams) -> Sequence[int] | None:
+        """The prompt's ids as params.truncate_prompt_tokens keeps them (vLLM's: the last k, -1: the last
+        max_model_len); None when it is not set."""
+        if not isinstance(params, SamplingParams) or params.truncate_prompt_tokens is None:
+            return None
+        params.validate()  # a bad value is named before anything is encoded
+        if kind == "text" and self.engine.tokenizer is None:
+            return None  # the engine says why text needs a tokenizer
+        ids = self.engine.tokenizer.encode(item) if kind == "text" else item
+        return truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a generate / generate_stream call: its engine requests, one per choice (SamplingParams.n),
+    and, with n > 1, what _merged keeps of them: each choice's final output (final_only), and its metrics and error
+    once finished."""
+
+    rids: list[str]
+    final_only: bool
+    delta: bool
+    latest: dict[int, CompletionOutput] = field(default_factory=dict)
+    metrics: dict[int, RequestMetrics] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    prompt: list | None = None  # prompt_logprobs, from the first choice output with them
+    prompt_given: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.rids[0]
+
+    def prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """What a merged output carries of the prompt's logprobs (every choice scores the same prompt): like one
+        request's outputs, on every output once known, or once for "delta" ones."""
+        if self.prompt is None and out.prompt_logprobs is not None:
+            self.prompt = out.prompt_logprobs
+        if self.prompt is None or (self.delta and self.prompt_given):
+            return None
+        self.prompt_given = True
+        return self.prompt
+
+
+def _merge_metrics(ms: list[RequestMetrics]) -> RequestMetrics:
+    """One prompt's metrics over its choices: from the first arrival to the last finish, the first token of any
+    choice (as vLLM reports a request with n > 1), counts summed."""
+    def first(name: str) -> float | None:
+        vals = [getattr(m, name) for m in ms if getattr(m, name) is not None]
+        return min(vals) if vals else None
+
+    finishes = [m.finish_time for m in ms if m.finish_time is not None]
+    return RequestMetrics(min(m.arrival_time for m in ms), first_scheduled_time=first("first_scheduled_time"),
+                          first_token_time=first("first_token_time"), finish_time=max(finishes) if finishes else None,
+                          num_preemptions=sum(m.num_preemptions for m in ms),
+                          num_cached_tokens=sum(m.num_cached_tokens for m in ms),
+                          num_draft_tokens=sum(m.num_draft_tokens for m in ms),
+                          num_accepted_tokens=sum(m.num_accepted_tokens for m in ms))

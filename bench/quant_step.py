@@ -54,7 +54,7 @@ class _Counter(fx.Interpreter):
         with self.mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
 
-    def record(self, template: str, name: str, **params) -> None:
+    def record(self, template: str, name: str, args, **params) -> None:
         self._templates.append(template)
 
     def run_node(self, n: fx.Node):

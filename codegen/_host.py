@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from threading import local
 from typing import Any
 
 import torch
@@ -14,10 +15,18 @@ from kiln.errors import CodegenError, InternalError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# While set (see `recording`), launches report their kernel request here instead of loading and running it.
-_recorder: Callable[..., None] | None = None
-# While a lowered graph node's wrapper runs, its BoundKernels (see below).
-_site: BoundKernels | None = None
+
+class _LaunchState(local):
+    """Per thread: a compile recording its kernels in one thread must not turn another thread's launches into
+    dry runs (an engine serving while a drafter or a Dynamo graph compiles)."""
+
+    # While set (see `recording`), launches report their kernel request here instead of loading and running it.
+    recorder: Callable[..., None] | None = None
+    # While a lowered graph node's wrapper runs, its BoundKernels (see below).
+    site: BoundKernels | None = None
+
+
+_state = _LaunchState()
 
 
 class BoundKernels:
@@ -34,31 +43,33 @@ class BoundKernels:
         self.__name__, self.__qualname__, self.__module__ = fn.__name__, fn.__qualname__, fn.__module__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        global _site
-        prev, _site = _site, self
+        state = _state
+        prev, state.site = state.site, self
         try:
             return self.fn(*args, **kwargs)
         finally:
-            _site = prev
+            state.site = prev
 
     def __repr__(self) -> str:
         return f"<bound {self.__name__}: {len(self.kernels)} kernel(s)>"
 
 
 def _trusted() -> bool:
-    return _site is not None and not _site.checked
+    site = _state.site
+    return site is not None and not site.checked
 
 
 @contextmanager
 def recording(record: Callable[..., None]) -> Iterator[None]:
-    """Dry run: inside, every launch calls record(template, name, **params) and launches nothing, and tensors
-    on any device (meta, fake) pass the device check. Lowering uses it to list a graph's kernels."""
-    global _recorder
-    prev, _recorder = _recorder, record
+    """Dry run: inside, every launch calls record(template, name, args, **params) and launches nothing, and
+    tensors on any device (meta, fake) pass the device check. params are the kernel request (what load_kernel
+    takes), args the launch's runtime arguments by name. Lowering uses it to list a graph's kernels; the tests
+    use the arguments' types to compile each launched kernel for a GPU target."""
+    prev, _state.recorder = _state.recorder, record
     try:
         yield
     finally:
-        _recorder = prev
+        _state.recorder = prev
 
 
 def dot_consts(dtype: torch.dtype) -> dict[str, Any]:
@@ -100,7 +111,7 @@ def _check_tensor_full(
         raise CodegenError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise CodegenError(f"{name} has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
-    if t.device.type != "cuda" and not env.triton_interpret() and _recorder is None:
+    if t.device.type != "cuda" and not env.triton_interpret() and _state.recorder is None:
         raise CodegenError(
             f"{name} is on {t.device}; Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 set before "
             "triton is imported to run them on CPU"
@@ -159,10 +170,11 @@ def launch(
     the kernel by keyword, so a misordered stride cannot bind to the wrong parameter. BLOCK_* consts count as the
     tile in the header, the others as params. options are launch options (num_warps, num_stages).
     """
-    if _recorder is not None:
-        _recorder(template, f"{template}_kernel", op=op, **_request(consts, options))
+    state = _state
+    if state.recorder is not None:
+        state.recorder(template, f"{template}_kernel", args, op=op, **_request(consts, options))
         return
-    site = _site
+    site = state.site
     if site is None:  # a direct call of a wrapper (not from a lowered graph): through the kernel cache
         kernel = load_kernel(template, f"{template}_kernel", op=op, **_request(consts, options))
         check_kernel_args(kernel, template, args, consts)

@@ -293,7 +293,7 @@ class _Recorder(fx.Interpreter):
                 req.nodes.append(line)
         return result
 
-    def record(self, template: str, name: str, **params: Any) -> None:
+    def record(self, template: str, name: str, args: Any, **params: Any) -> None:
         key = (template, name, repr(sorted(params.items())))  # params are plain dicts of ints/bools/strs
         req = self.requests.setdefault(key, KernelRequest(template, name, params))
         self.seen.append(req)

@@ -65,7 +65,7 @@ def make_verifier(vocab: int, use_kernels: bool) -> BatchVerifier:
         return BatchVerifier(torch.ops.kiln.spec_verify.default)
     requests: list[tuple[str, str, dict]] = []
     meta = {"device": "meta"}
-    with recording(lambda template, name, **params: requests.append((template, name, params))):
+    with recording(lambda template, name, args, **params: requests.append((template, name, params))):
         for draft_probs in (torch.empty(1, 1, vocab, **meta), None):
             spec_verify_kernel.spec_verify(
                 torch.empty(1, 2, vocab, **meta), torch.empty(1, 1, dtype=torch.int64, **meta), draft_probs,

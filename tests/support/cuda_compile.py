@@ -2,11 +2,11 @@
 would fail to compile, or overflow shared memory, on an H100 / A100 is found before any GPU time is spent.
 
 Run as a script (triton must be imported without TRITON_INTERPRET): reads a JSON list of requests on stdin,
-each {"template", "name", "op", "consts", "options", "dtypes", "arch", "divisible", "none"}: an argument named in
-"dtypes" gets that type, other pointers dtypes["*"], the integers named in "divisible" are multiples of 16 and
-those in "none" are launched as None (unused descriptors). Compiles each for that arch and prints one JSON
-object per request: {"shared": bytes, "cp_async": async copies in the PTX, "tma": bulk tensor copies, "mma":
-wgmma / mma instructions, "error": message or null}.
+each {"template", "name", "op", "consts", "options", "dtypes", "arch", "divisible", "none", "ones"}: an argument
+named in "dtypes" gets that type, other pointers dtypes["*"], the integers named in "divisible" are multiples of 16,
+those in "none" are launched as None (unused descriptors) and those in "ones" as 1 (both constexprs to triton).
+Compiles each for that arch and prints one JSON object per request: {"shared": bytes, "cp_async": async copies
+in the PTX, "tma": bulk tensor copies, "mma": wgmma / mma instructions, "error": message or null}.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def compile_one(req: dict) -> dict:
 
     consts, options = req["consts"], req["options"]
     fn = load_kernel(req["template"], req["name"], op=req["op"], **_request(consts, options))
-    # Arguments launched as None (unused descriptors) are constexprs to triton.
-    consts = {**consts, **{name: None for name in req.get("none", ())}}
+    # Arguments launched as None (unused descriptors) are constexprs to triton, and so are integers equal to 1.
+    consts = {**consts, **{name: None for name in req.get("none", ())}, **{name: 1 for name in req.get("ones", ())}}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts]
     if missing:  # typed i32 below it would compile as a runtime value: a different kernel from a real launch's
         return {"error": f"the request lacks constexpr(s) {missing} of {req['template']}"}

@@ -1,19 +1,21 @@
-"""From (spec, checkpoint, flags) to a ready-to-run model: the one place the CLI and the Python API share."""
+"""From (spec, checkpoint, flags) to a ready-to-run model: the one place the CLI and the Python API share.
+
+LoadedModel and the settings it is loaded with live in kiln.loaded_model, the spec / weights paths in
+kiln.model_paths, a checkpoint's sampling defaults in kiln.generation_defaults; all importable from here too.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kiln.compile.prequantized import keep_quantized_linears
 from kiln.compile.quantized import SPEC, is_quantized_checkpoint, load_quantized, stored_scheme
-from kiln.errors import KilnError, RequestError
+from kiln.errors import KilnError
+from kiln.generation_defaults import GENERATION_KEYS, generation_defaults_for, read_generation_defaults  # noqa: F401
 from kiln.gguf.config import GGUFError, architecture, config_from_gguf, open_gguf
 from kiln.gguf.files import bundled_weights, is_gguf
 from kiln.gguf.tokenizer import load_gguf_tokenizer
@@ -22,169 +24,15 @@ from kiln.hf.config import config_from_hf, load_hf_config
 from kiln.hf.spec_match import check_spec_matches
 from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import TORCH_DTYPES, build_graph
-from kiln.model_config import DTYPE_ALIASES, DTYPE_AUTO, DTYPES, CompileConfig, ModelConfig, dtype_name
-from kiln.quant.formats import as_scheme, dequantize, parse_scheme
+from kiln.loaded_model import LoadedModel, _dtype_error, fit_quantize, quantize_label, resolve_device, say  # noqa: F401
+from kiln.model_config import DTYPE_AUTO, DTYPES, CompileConfig, ModelConfig, dtype_name
+from kiln.model_paths import check_weights_dir, resolve_model_paths
+from kiln.quant.formats import dequantize, parse_scheme
 from kiln.quant.sizing import resolve_group
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.spec.loader import DEFAULT_SPEC, bundled_spec, load_spec
+from kiln.spec.loader import DEFAULT_SPEC, load_spec
 from kiln.spec.route import describe_route
-from kiln.tokenizer import load_tokenizer, read_json_object
+from kiln.tokenizer import load_tokenizer
 from kiln.train.router_files import attach_routers, check_routers_file
-
-
-@dataclass
-class LoadedModel:
-    model: ModelConfig
-    compile: CompileConfig
-    gm: torch.fx.GraphModule
-    tokenizer: object  # kiln.tokenizer.Tokenizer
-    device: torch.device
-    source: str  # where the model description came from (spec path or checkpoint dir)
-    # Weights stored quantized (a `kiln quantize` checkpoint's scheme, "gguf" for a GGUF's kept linears): the
-    # compile config then asks for no quantize pass, since there is nothing left to quantize.
-    stored_quantize: str | None = None
-    random_seed: int | None = None  # the seed of seeded random weights, None when weights were loaded
-    # The checkpoint's recommended sampling (generation_config.json, read as vLLM's --generation-config auto does),
-    # keyed by SamplingParams field names: temperature, top_p, top_k, min_p, repetition_penalty, and max_tokens
-    # (from max_new_tokens); only the keys the file sets. {} without a checkpoint, for a GGUF, or with
-    # generation_config="vllm". SamplingParams(**generation_defaults) is LLM.get_default_sampling_params().
-    generation_defaults: dict[str, object] = field(default_factory=dict)
-    generation_source: str | None = None  # the file generation_defaults came from
-
-    def generation_note(self) -> str | None:
-        """What a sampling front end says when the checkpoint's defaults apply (as vLLM warns), else None."""
-        if not self.generation_defaults:
-            return None
-        values = ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items())
-        return (f"default sampling parameters from {self.generation_source}: {values} (the model's recommendation; "
-                "kiln's own defaults with generation_config='vllm' / --generation-config vllm)")
-
-    def weights_label(self) -> str:
-        """What the load line says of the weights: random ones must never pass for loaded ones."""
-        if self.random_seed is None:
-            return ""
-        return f", random weights (seed {self.random_seed}; give --weights for real ones)"
-
-    def quantize_label(self) -> str | None:
-        """The weights' quantization as run: the compile config's scheme, else how they were stored."""
-        return quantize_label(self.compile) or self.stored_quantize
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    """`auto` picks CUDA when there is one; asking for CUDA without one is an error that says so."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise KilnError(f"device {device!r} (--device) was asked for, but torch sees no CUDA device; use cpu or auto")
-    if device not in ("cpu",) and not device.startswith("cuda"):
-        raise KilnError(f"unknown device {device!r}; expected auto, cpu or cuda[:N]")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise KilnError(f"unknown device {device!r}; expected auto, cpu or cuda[:N]") from None
-    if dev.type == "cuda" and dev.index is not None:
-        if dev.index >= torch.cuda.device_count():
-            raise KilnError(f"device {device!r} (--device): torch sees {torch.cuda.device_count()} CUDA device(s), "
-                            "numbered from 0; pick one of them")
-        torch.cuda.set_device(dev)  # Triton launches on the current device (per thread), not the tensors'
-    return dev
-
-
-_WEIGHTS_KINDS = "a Hugging Face checkpoint dir (config.json + *.safetensors), a .gguf file or a `kiln quantize` output"
-
-
-def check_weights_dir(path: Path) -> None:
-    """KilnError saying what the weights (--weights) name instead of a checkpoint directory: nothing, a spec file,
-    another file, or a directory without config.json. Messages read right from the CLI and from LLM(...)."""
-    if not path.exists():
-        raise KilnError(f"weights {path} (--weights): does not exist; check the path (give {_WEIGHTS_KINDS})")
-    if path.is_file() and path.suffix == ".kiln":
-        raise KilnError(f"weights {path} (--weights): is a spec file, not weights; pass it as the spec (SPEC, e.g. "
-                        f"`kiln run {path}`, or LLM's first argument), with weights only for its checkpoint")
-    if not path.is_dir():
-        raise KilnError(f"weights {path} (--weights): is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
-    if not (path / "config.json").is_file():
-        raise KilnError(f"weights {path} (--weights): no config.json there; point them at a Hugging Face "
-                        "checkpoint dir or a directory written by `kiln quantize`")
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def resolve_model_paths(spec: str | os.PathLike | None, weights: str | os.PathLike | None
-                        ) -> tuple[str | os.PathLike | None, str | os.PathLike | None]:
-    """(spec, weights) with a model named the vLLM way: a checkpoint directory or a .gguf file in the spec's place
-    (`kiln run DIR`, `LLM("model.gguf")`) is taken as the weights, the spec then read from the checkpoint, as
-    with weights alone. Giving weights besides is a KilnError, as is a Hugging Face Hub id (kiln downloads
-    nothing) or a lone weights file; anything else is left to the spec loader."""
-    if spec is None:
-        return spec, weights
-    text = os.fspath(spec)
-    path = Path(text)
-    if is_gguf(text) or path.is_dir():
-        if weights is not None:
-            kind = "a .gguf file" if is_gguf(text) else "a checkpoint directory"
-            raise KilnError(f"model {text} is {kind}, and weights {weights} (--weights) name weights too; give the "
-                            "checkpoint once: as the model (SPEC, or LLM's first argument) alone, or as weights with "
-                            "a .kiln spec or a bundled spec name as the model")
-        return None, spec
-    if path.is_file() and path.suffix in _WEIGHT_FILES:
-        raise KilnError(f"model {text} is one weights file; give the checkpoint directory it is in (config.json + "
-                        "*.safetensors), or a .gguf file")
-    hub_like = _HUB_ID.fullmatch(text) and not text.endswith((".kiln", ".gguf", ".json"))  # else a missing file
-    if hub_like and not path.exists() and bundled_spec(text) is None:
-        raise KilnError(f"model {text!r}: no such file or directory here, nor a bundled spec; if it is a Hugging Face "
-                        "Hub id: kiln loads local checkpoints only and downloads nothing; download it first (e.g. "
-                        f"`huggingface-cli download {text} --local-dir DIR`) and give DIR (`kiln run DIR`, "
-                        "`LLM(\"DIR\")`), or give a .gguf file")
-    return spec, weights
-
-
-# generation_config.json keys that vLLM's --generation-config auto reads as default sampling parameters, by the
-# SamplingParams field each sets (Hugging Face's max_new_tokens is vLLM's max_tokens)
-GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def read_generation_defaults(directory: str | os.PathLike) -> tuple[dict[str, object], str | None]:
-    """(defaults, file): the sampling defaults in `directory`/generation_config.json, keyed by SamplingParams
-    field (GENERATION_KEYS; keys the file does not set, or sets to null, are left out), and the file's path; ({},
-    None) without the file. Values SamplingParams refuses are a KilnError naming the file."""
-    path = Path(directory) / "generation_config.json"
-    if not path.is_file():
-        return {}, None
-    ignore = "or ignore it with generation_config='vllm' (--generation-config vllm)"
-    data = read_json_object(path, f"fix the file, {ignore}")
-    out = {name: data[key] for key, name in GENERATION_KEYS.items() if data.get(key) is not None}
-    try:
-        SamplingParams(**out).validate()
-    except RequestError as e:
-        raise KilnError(f"{path}: {e}; fix the file, {ignore}") from None
-    return out, str(path)
-
-
-def generation_defaults_for(generation_config: str | os.PathLike, checkpoint: Path | None
-                            ) -> tuple[dict[str, object], str | None]:
-    """vLLM's --generation-config: "auto" reads the checkpoint's generation_config.json (none: {}), "vllm" gives
-    {} (kiln's own SamplingParams defaults), a directory reads its generation_config.json."""
-    if generation_config == "vllm":
-        return {}, None
-    if generation_config == "auto":
-        return read_generation_defaults(checkpoint) if checkpoint is not None else ({}, None)
-    if not isinstance(generation_config, (str, os.PathLike)):
-        raise KilnError(f"generation_config = {generation_config!r}: give 'auto', 'vllm' or a directory holding a "
-                        "generation_config.json")
-    path = Path(generation_config)
-    if not (path / "generation_config.json").is_file():
-        raise KilnError(f"generation_config {generation_config} (--generation-config): not 'auto' or 'vllm', nor a "
-                        "directory holding a generation_config.json; give one of those")
-    return read_generation_defaults(path)
-
-
-def _dtype_error(dtype: object) -> str:
-    return (f"dtype {dtype!r} (--dtype) is not supported; choose one of {', '.join(DTYPES)}, or vLLM's names: "
-            f"{DTYPE_AUTO}, {', '.join(DTYPE_ALIASES)}")
 
 
 def checkpoint_dtype(weights_dir: Path) -> str | None:
@@ -354,27 +202,6 @@ def _with_routers(cfg: ModelConfig, comp: CompileConfig, gm: torch.fx.GraphModul
     cfg, gm = attach_routers(cfg, gm, routers)
     say(f"routers from {routers}: {describe_route(cfg)}")
     return cfg, dataclasses.replace(comp, extra={**comp.extra, "route": cfg.route}), gm
-
-
-def fit_quantize(comp: CompileConfig, cfg: ModelConfig) -> CompileConfig:
-    """The compile config with its quantize scheme (if any) as a QuantScheme whose int4 group fits this model: a
-    scheme named without a group takes 128, else the largest group dividing every K, and says so."""
-    if not comp.extra.get("quantize"):
-        return comp
-    scheme, note = resolve_group(as_scheme(comp.extra["quantize"]), cfg)
-    if note:
-        say(f"note: {note}")
-    return dataclasses.replace(comp, extra={**comp.extra, "quantize": scheme})
-
-
-def quantize_label(comp: CompileConfig) -> str | None:
-    """The short name of the compile config's quantize scheme (int8, int4-rtn-g64, ...), None when there is none."""
-    return as_scheme(comp.extra["quantize"]).label if comp.extra.get("quantize") else None
-
-
-def say(msg: str) -> None:
-    """A one-line status message for humans, on stderr so stdout stays clean for text and JSON."""
-    print(f"kiln: {msg}", file=sys.stderr, flush=True)
 
 
 def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dtype: str | None,

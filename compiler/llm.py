@@ -147,6 +147,10 @@ class LLM(LLMRequests):
         """
         # Only the final outputs are returned: the engine makes no others (no per-step copy of every output).
         groups = self._add(prompts, sampling_params, prompt_token_ids, output_kind="final_only")
+        return self._finals(groups, use_tqdm)
+
+    def _finals(self, groups: list[_Prompt], use_tqdm: bool | Callable) -> list[RequestOutput]:
+        """The added prompts' final outputs, in order, with generate's progress bar."""
         # TQDM_DISABLE read now (kiln.env), not when tqdm was imported, as kiln's other default-on bars read it
         bar = _progress(len(groups), use_tqdm) if use_tqdm and (callable(use_tqdm) or progress_bars()) else None
         final: dict[str, RequestOutput] = {}
@@ -184,13 +188,17 @@ class LLM(LLMRequests):
         prompts = self.chat_prompts(messages, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, chat_template=chat_template,
                                     chat_template_kwargs=chat_template_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # The template writes the special tokens it wants (BOS): the tokenizer adds none, as vLLM's LLM.chat and the
+        # server's chat encode (transformers' apply_chat_template(tokenize=True) ids).
+        groups = self._add(prompts, sampling_params, None, output_kind="final_only", add_special=False)
+        return self._finals(groups, use_tqdm)
 
     def chat_prompts(self, messages: Sequence[dict] | Sequence[Sequence[dict]], *, add_generation_prompt: bool = True,
                      continue_final_message: bool = False,
                      chat_template: str | os.PathLike | ChatTemplate | None = None,
                      chat_template_kwargs: Mapping[str, object] | None = None) -> list[str]:
-        """The prompt text `chat` sends for each conversation."""
+        """The prompt text `chat` sends for each conversation (encoded without the special tokens the tokenizer adds:
+        the template writes its own)."""
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt cannot both be true (as in vLLM and "
                                "transformers); pass add_generation_prompt=False to continue the final message")

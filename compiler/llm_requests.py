@@ -13,6 +13,7 @@ from kiln.errors import KilnError, RequestError
 from kiln.llm_prompts import _text_prompts, _token_prompts
 from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput, truncate_prompt
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.tokenizer import encode_text
 
 
 class LLMRequests:
@@ -76,7 +77,10 @@ class LLMRequests:
                     self.engine.abort(rid, notify=False)  # no-op for the finished ones
                     self._queues.pop(rid, None)
 
-    def _add(self, prompts, sampling_params, prompt_token_ids, output_kind: str | None = None) -> list[_Prompt]:
+    def _add(self, prompts, sampling_params, prompt_token_ids, output_kind: str | None = None,
+             add_special: bool = True) -> list[_Prompt]:
+        """The call's prompts added to the engine, all or nothing. add_special: a text prompt gets the special tokens
+        the tokenizer adds (generate; chat's rendered prompts get none, see _encoded)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts (text) and prompt_token_ids")
         if prompts is not None:
@@ -105,17 +109,12 @@ class LLMRequests:
                             p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is named
                         group = _Prompt([], p.output_kind == "final_only", p.output_kind == "delta")
                         groups.append(group)
-                        ids = self._truncated(kind, item, p)
-                        if clamp:
-                            p = self._within_context(*(("ids", ids) if ids is not None else (kind, item)), p)
+                        text, ids = self._encoded(kind, item, p, add_special)
+                        if clamp and ids is not None:
+                            p = self._within_context(ids, p)
                         for choice in p.choices():  # n > 1: one engine request per choice
-                            if ids is not None:  # truncate_prompt_tokens: the ids kept, the text as given
-                                rid = self.engine.add_request(item if kind == "text" else None, choice,
-                                                              prompt_token_ids=ids)
-                            elif kind == "text":
-                                rid = self.engine.add_request(item, choice)
-                            else:
-                                rid = self.engine.add_request(params=choice, prompt_token_ids=item)
+                            # ids None: text without a tokenizer, which the engine refuses saying why
+                            rid = self.engine.add_request(text, choice, prompt_token_ids=ids)
                             self._queues[rid] = deque()
                             group.rids.append(rid)
                     except RequestError as e:
@@ -127,31 +126,35 @@ class LLMRequests:
                 raise
         return groups
 
-    def _within_context(self, kind: str, item: object, params: SamplingParams) -> SamplingParams:
+    def _within_context(self, ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         """A checkpoint's default max_tokens (generation_config.json's max_new_tokens) cut to what max_model_len
         leaves after this prompt, as vLLM stops there: a default the user never chose must not refuse a prompt.
         A prompt that leaves no room is left for the engine to name."""
-        if kind == "text" and self.engine.tokenizer is None:
-            return params
         try:
-            n = len(self.engine.tokenizer.encode(item)) if kind == "text" else len(item)
+            room = self.engine.max_model_len - len(ids)
         except TypeError:
             return params  # not a sequence of ids: the engine names it
-        room = self.engine.max_model_len - n
         if 0 < room < params.max_tokens:
             return dataclasses.replace(params, max_tokens=room)
         return params
 
-    def _truncated(self, kind: str, item: object, params: SamplingParams) -> Sequence[int] | None:
-        """The prompt's ids as params.truncate_prompt_tokens keeps them (vLLM's: the last k, -1: the last
-        max_model_len); None when it is not set."""
-        if not isinstance(params, SamplingParams) or params.truncate_prompt_tokens is None:
-            return None
-        params.validate()  # a bad value is named before anything is encoded
-        if kind == "text" and self.engine.tokenizer is None:
-            return None  # the engine says why text needs a tokenizer
-        ids = self.engine.tokenizer.encode(item) if kind == "text" else item
-        return truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
+    def _encoded(self, kind: str, item: object, params: SamplingParams, add_special: bool
+                 ) -> tuple[str | None, Sequence[int] | None]:
+        """A prompt's text (None for ids) and the ids the engine gets: a text encoded once, here, with or without
+        (add_special False: LLM.chat's rendered prompt, as vLLM's LLM.chat and the server's chat encode it) the
+        special tokens the tokenizer adds, None without a tokenizer; cut to params.truncate_prompt_tokens (vLLM's:
+        the last k, -1: the last max_model_len)."""
+        if params.truncate_prompt_tokens is not None:
+            params.validate()  # a bad value is named before anything is encoded
+        if kind != "text":
+            ids = item
+        elif self.engine.tokenizer is None:
+            return item, None  # type: ignore[return-value]
+        else:
+            ids = encode_text(self.engine.tokenizer, item, add_special)  # type: ignore[arg-type]
+        if params.truncate_prompt_tokens is not None:
+            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
+        return (item if kind == "text" else None), ids  # type: ignore[return-value]
 
 
 @dataclass

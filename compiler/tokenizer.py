@@ -6,6 +6,7 @@ and give text out: UTF-8 bytes are the ids 0-255.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import sys
@@ -84,6 +85,17 @@ class HFTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return token_bytes(self._tok, token_id)
+
+
+def encode_text(tokenizer: TokenizerLike, text: str, add_special: bool = True) -> list[int]:
+    """text's token ids, with (add_special) or without the special tokens the tokenizer adds: vLLM's
+    add_special_tokens, which a chat prompt takes False (the template writes BOS itself, so the ids are transformers'
+    apply_chat_template(tokenize=True)). The one encoding of LLM.chat, `kiln run --chat` and the server. A tokenizer
+    whose encode takes no `special` adds none (the byte-level one) and encodes as it does."""
+    encode = tokenizer.encode
+    if "special" in inspect.signature(encode).parameters:
+        return encode(text, special=add_special)  # type: ignore[call-arg]
+    return encode(text)
 
 
 def with_specials(ids: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
@@ -166,7 +178,9 @@ class ByteTokenizer:
             )
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The UTF-8 text of the byte ids. It has no special tokens, so skip_special_tokens (taken as the other
+        tokenizers take it) changes nothing: an id above 255 has no text either way."""
         try:
             data = bytes(ids)  # all of them bytes (the detokenizer's windows mostly are): no per-id Python filter
         except ValueError:

@@ -215,8 +215,7 @@ def _output_start(prefix: str, new: str) -> int:
 
 def verbatim_decoder(tokenizer: TokenizerLike) -> Callable[[list[int]], str]:
     """decode(ids) keeping special tokens' text: the tokenizer's decode(ids, skip_special_tokens=False) when it takes
-    that argument (kiln.tokenizer.HFTokenizer), else the `tokenizers` library object a kiln tokenizer wraps (its
-    `_tok`: a GGUF's), else its plain decode (the byte-level fallback has no special tokens to skip)."""
+    that argument (kiln's tokenizers all do), else its plain decode (a tokenizer that cannot be asked)."""
     decode = tokenizer.decode
     try:
         params = inspect.signature(decode).parameters
@@ -224,21 +223,14 @@ def verbatim_decoder(tokenizer: TokenizerLike) -> Callable[[list[int]], str]:
         params = {}
     if "skip_special_tokens" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return lambda ids: decode(ids, skip_special_tokens=False)  # type: ignore[call-arg]
-    raw = getattr(tokenizer, "_tok", None)
-    if raw is not None and callable(getattr(raw, "decode", None)):
-        return lambda ids: raw.decode(list(ids), skip_special_tokens=False)
     return decode
 
 
 def added_tokens(tokenizer: TokenizerLike) -> dict[int, str]:
     """The tokenizer's added tokens (special ones included) by id, with their text: its added_tokens() (kiln's
-    HFTokenizer), else those of the `tokenizers` object it wraps; {} when it has none."""
+    HFTokenizer and GGUFTokenizer); {} when it has none."""
     own = getattr(tokenizer, "added_tokens", None)
-    if callable(own):
-        return dict(own())
-    raw = getattr(tokenizer, "_tok", None)
-    get = getattr(raw, "get_added_tokens_decoder", None)
-    return {int(i): t.content for i, t in get().items()} if callable(get) else {}
+    return dict(own()) if callable(own) else {}
 
 
 class TokenTextCache(dict):

@@ -43,7 +43,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (summed over re-admissions)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled (vLLM's)
     num_draft_tokens: int = 0  # speculative decoding: tokens a drafter proposed for this request
     # of those, accepted by verification (as vLLM counts them: drafts after a stop token that ended the request
     # count too, though the stop drops them from the output)
@@ -277,8 +277,8 @@ class RequestOutput:
 
     @property
     def num_cached_tokens(self) -> int:
-        """vLLM's RequestOutput.num_cached_tokens: prompt tokens served from the prefix cache (metrics'; summed over
-        the admissions of a request that was preempted and over a prompt's n choices)."""
+        """vLLM's RequestOutput.num_cached_tokens: prompt tokens found in the prefix cache when the request was first
+        scheduled, kept through preemption (metrics'; LLM sums a prompt's n choices)."""
         return self.metrics.num_cached_tokens
 
 

@@ -341,8 +341,10 @@ class Scheduler:
     def _start(self, req: Request) -> None:
         self.waiting.popleft()
         req.status = RequestStatus.RUNNING
-        req.metrics.num_cached_tokens += req.num_computed_tokens
         if req.metrics.first_scheduled_time is None:
+            # vLLM's num_cached_tokens: the prompt tokens the first admission found cached; a re-admission after
+            # preemption (which finds the request's own blocks, outputs included) leaves it as it was
+            req.metrics.num_cached_tokens = req.num_computed_tokens
             req.metrics.first_scheduled_time = time.perf_counter()
         bisect.insort(self.running, req, key=lambda r: r.priority)
 

@@ -72,7 +72,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             prompt = chat_template_of(m.tokenizer, args.chat_template).render([{"role": "user", "content": prompt}])
         else:
             prompt = chat_prompt(m.tokenizer, prompt)
-    prompt_ids = args.prompt_ids if args.prompt_ids is not None else m.tokenizer.encode(prompt)
+    if args.prompt_ids is not None:
+        prompt_ids = args.prompt_ids
+    else:
+        from kiln.tokenizer import encode_text  # lazy: kiln.tokenizer loads torch, which `kiln --help` never needs
+
+        # A chat prompt gets no special tokens from the tokenizer (the template writes BOS), as LLM.chat and the server
+        prompt_ids = encode_text(m.tokenizer, prompt, add_special=not args.chat)
     defaults = {k: v for k, v in m.generation_defaults.items() if k not in given}
     if defaults:  # the checkpoint's recommendation for the flags not given, as vLLM's --generation-config auto
         if "max_tokens" in defaults:  # not past the context (kiln run's own 32 never was a problem)

@@ -5,7 +5,8 @@ GGUF loader builds them: the token list as the BPE vocabulary (tokens outside th
 it), the file's merges, GPT-2's byte-level pre-tokenizer (or the split regex the file's pre-tokenizer names) and
 decoder. Sentencepiece vocabularies (tokenizer.ggml.model = llama: Llama 2, Mistral 7B v0.1) are rebuilt by
 kiln.gguf.spm. Either way control tokens (type 3) are special tokens and user-defined ones (type 4) added tokens;
-decoding skips special tokens and encoding adds BOS / EOS where the file asks for them. The chat template
+decoding skips special tokens unless asked to keep them (skip_special_tokens=False) and encoding adds BOS / EOS where
+the file asks for them. The chat template
 (tokenizer.chat_template) is rendered by kiln.chat_template, as a checkpoint's is.
 """
 
@@ -36,7 +37,7 @@ SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAM
 
 class GGUFTokenizer:
     """A GGUF's tokenizer: encode adding BOS / EOS as the file says (tokenizer.ggml.add_bos_token / add_eos_token,
-    as llama.cpp and transformers do), decode skipping special tokens, and the chat template."""
+    as llama.cpp and transformers do), decode skipping special tokens (or keeping them), and the chat template."""
 
     def __init__(self, tok: Any, eos_token_ids: tuple[int, ...], bos_token: str | None, eos_token: str | None,
                  chat_template: str | None, path: str, *, kind: str = "gpt2", bos_id: int | None = None,
@@ -61,8 +62,14 @@ class GGUFTokenizer:
         bos, eos = [self.bos_id] if self.add_bos else [], [self.eos_token_ids[0]] if self.add_eos else []
         return with_specials(ids, bos, eos)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ids; control tokens (and sentencepiece's unknown / BOS / EOS / padding pieces) add none unless
+        skip_special_tokens is False (vLLM's option and /detokenize's), as transformers decodes the file."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def added_tokens(self) -> dict[int, str]:
+        """The added tokens (special and user-defined ones) by id, with their text."""
+        return {int(i): t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
     def token_strings(self) -> list[str | None]:
         """Every id's token string, in id order (what a draft model must share with its target)."""

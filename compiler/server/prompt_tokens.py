@@ -7,6 +7,7 @@ import inspect
 
 from kiln.runtime.engine import Engine
 from kiln.server.protocol import APIError
+from kiln.tokenizer import encode_text
 
 
 def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str:
@@ -20,13 +21,10 @@ def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str
 
 
 def _encode(engine: Engine, text: str, add_special: bool, param: str, what: str = "text") -> list[int]:
-    """The text's token ids, with (add_special) or without the special tokens the tokenizer adds. A tokenizer that
-    adds none (the byte-level one) takes no such choice."""
-    encode = engine.tokenizer.encode
+    """The text's token ids, with (add_special) or without the special tokens the tokenizer adds, as LLM.chat and
+    `kiln run --chat` encode (kiln.tokenizer.encode_text); a failure is a 400 naming `param`."""
     try:
-        if "special" in inspect.signature(encode).parameters:
-            return encode(text, special=add_special)
-        return encode(text)
+        return encode_text(engine.tokenizer, text, add_special)
     except Exception as e:
         raise APIError(400, f"the {what} cannot be tokenized: {e}", param=param) from None
 

@@ -145,6 +145,34 @@ def test_tokenizer_and_chat_template(tiny):
     assert tok.chat_template.source == TEMPLATE
 
 
+def test_special_tokens_text_is_kept_when_asked(tiny):
+    """decode(skip_special_tokens=False) keeps control tokens' text, as transformers decodes the file; a request's
+    SamplingParams(skip_special_tokens=False) and the server's /detokenize (vLLM's: specials kept) go through it."""
+    httpx = pytest.importorskip("httpx")
+    from kiln import LLM, SamplingParams
+    from kiln.runtime.detokenizer import added_tokens
+    from kiln.runtime.engine import Engine
+    from kiln.server import ServerConfig
+    from kiln.server.background import serve_in_thread
+
+    path, _ = tiny
+    llm = LLM(str(path), device="cpu", use_kernels=False)
+    ids = llm.tokenizer.encode("the other one <|im_end|>")
+    assert llm.tokenizer.decode(ids) == "the other one "
+    assert llm.tokenizer.decode(ids, skip_special_tokens=False) == "the other one <|im_end|>"
+    assert added_tokens(llm.tokenizer) == {0: "<|endoftext|>", 1: "<|im_start|>", 2: "<|im_end|>"}
+    # only <|im_start|> (id 1, a control token that is not eos) can be sampled
+    params = {"temperature": 0, "max_tokens": 2, "allowed_token_ids": [1]}
+    skip, keep = llm.generate(["the", "the"], [SamplingParams(**params),
+                                               SamplingParams(**params, skip_special_tokens=False)], use_tqdm=False)
+    assert skip.outputs[0].token_ids == keep.outputs[0].token_ids == [1, 1]
+    assert skip.outputs[0].text == "" and keep.outputs[0].text == "<|im_start|><|im_start|>"
+    with serve_in_thread(Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32),
+                         ServerConfig(model_name="tiny")) as url:
+        r = httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=60)
+    assert r.status_code == 200 and r.json()["prompt"] == "the other one <|im_end|>", r.text
+
+
 def test_kiln_import_writes_a_spec_that_loads(tiny, tmp_path, capsys):
     from kiln.cli import main
     from kiln.spec.loader import load_spec

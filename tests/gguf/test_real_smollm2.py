@@ -76,6 +76,9 @@ def test_tokenizer_matches_transformers(llm, hf):
         ids = llm.tokenizer.encode(text)
         assert ids == hf_tok(text, add_special_tokens=False)["input_ids"]
         assert llm.tokenizer.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+        # special tokens' text kept when asked (SamplingParams(skip_special_tokens=False), /detokenize)
+        assert llm.tokenizer.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids, skip_special_tokens=False)
+    assert "<|im_end|>" in llm.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def test_chat_template_matches_transformers(llm, hf):

@@ -146,7 +146,8 @@ def test_preemption_neither_duplicates_nor_loses_entries(caching):
         check(out, p, sp)
     assert eng.scheduler.num_preemptions >= 4 and sum(o.metrics.num_preemptions > 0 for o in outs) >= 2
     if caching:  # prompt logprobs complete before the first token: a recompute after it may hit the cache
-        assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+        # (the pool's hits: num_cached_tokens is vLLM's, the first admission's only, and nothing was cached then)
+        assert eng.stats.prefix_cache_hits > 0 and not any(o.num_cached_tokens for o in outs)
 
 
 def test_a_caller_editing_the_shared_list_cannot_reopen_scoring():

@@ -200,6 +200,22 @@ def test_num_cached_tokens_is_vllms_attribute():
     assert second.num_cached_tokens == second.metrics.num_cached_tokens == 16  # 4 full blocks of 4
 
 
+def test_num_cached_tokens_is_the_first_admissions_through_preemption():
+    """vLLM sets num_cached_tokens when a request is first scheduled; its re-admission after preemption, which finds
+    the request's own blocks cached, leaves it as it was (kiln summed the two)."""
+    e = engine(num_blocks=14, context=44)  # 13 usable blocks of 4: two growing requests do not both fit
+    prompt = list(range(10, 30))
+    final(e, SamplingParams(temperature=0, max_tokens=2), prompt)  # caches the prompt's 4 full blocks
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    e.add_request(prompt_token_ids=list(range(40, 48)), params=long, request_id="c")
+    e.add_request(prompt_token_ids=prompt, params=long, request_id="b")  # the later arrival: the one preempted
+    outs = {o.request_id: o for o in e.stream() if o.finished}
+    b = outs["b"]
+    assert b.metrics.num_preemptions >= 1 and e.scheduler.num_preemptions >= 1
+    assert b.num_cached_tokens == b.metrics.num_cached_tokens == 16
+    assert outs["c"].num_cached_tokens == 0
+
+
 # ---- skip_special_tokens / spaces_between_special_tokens --------------------------------------------------------
 
 WORDS = 12  # ids 0 .. 11 are words, 12 .. 15 special tokens, 16 a plain added token
@@ -240,23 +256,24 @@ def test_special_tokens_text_is_kept_when_asked(tmp_path):
     assert texts(tok, ids, spaces_between_special_tokens=False) == " w3 w4 <x> <x>"
 
 
-def test_verbatim_decoding_reaches_a_wrapped_tokenizers_object(tmp_path):
+def test_verbatim_decoding_asks_the_tokenizer(tmp_path):
+    """Keeping special tokens' text is the tokenizer's own decode(ids, skip_special_tokens=False) (kiln's tokenizers
+    all take it); a tokenizer whose decode cannot be asked decodes as it does, with no added tokens to give."""
     tok = special_tokenizer(tmp_path)
+    assert verbatim_decoder(tok)([3, 12]) == "w3 <|a|>"
+    assert added_tokens(tok) == {12: "<|a|>", 13: "<|b|>", 14: "<|c|>", 15: "<|d|>", 16: "<x>"}
 
-    class Wrapped:  # like the GGUF tokenizer: decode(ids) skips special tokens, `_tok` is the library's object
+    class Plain:  # decode(ids) only
         eos_token_ids = ()
 
-        def __init__(self):
-            self._tok = tok._tok
-
         def decode(self, ids):
-            return self._tok.decode(list(ids), skip_special_tokens=True)
+            return tok.decode(ids)
 
-    assert verbatim_decoder(Wrapped())([3, 12]) == "w3 <|a|>"
-    assert (
-        added_tokens(Wrapped()) == added_tokens(tok) == {12: "<|a|>", 13: "<|b|>", 14: "<|c|>", 15: "<|d|>", 16: "<x>"}
-    )
-    assert verbatim_decoder(ByteTokenizer(300))([104, 105]) == "hi"  # nothing to keep: its plain decode
+    assert verbatim_decoder(Plain())([3, 12]) == "w3" and added_tokens(Plain()) == {}
+    # the byte-level fallback has no special tokens: keeping them changes nothing, ids above 255 have no text
+    byte = ByteTokenizer(300)
+    assert byte.decode([104, 105, 290], skip_special_tokens=False) == byte.decode([104, 105, 290]) == "hi"
+    assert verbatim_decoder(byte)([104, 105]) == "hi"
 
 
 def test_the_engine_keeps_special_tokens_and_stops_on_their_text(tmp_path):

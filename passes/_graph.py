@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from kiln.ir.attrs import get_tensor, set_tensor
+from kiln.ir.attrs import get_tensor, owner, set_tensor
 
 
 def is_call(node: object, target: object) -> bool:
@@ -27,18 +27,16 @@ def set_param(gm: fx.GraphModule, name: str, tensor: torch.Tensor) -> None:
 
 def delete_attr(gm: fx.GraphModule, name: str) -> None:
     """Delete a parameter or buffer by dotted name, then every submodule that this leaves empty."""
-    *path, leaf = name.split(".")
-    chain: list[tuple[torch.nn.Module, str]] = []
-    mod: torch.nn.Module = gm
-    for part in path:
-        chain.append((mod, part))
-        mod = getattr(mod, part)
+    mod, leaf = owner(gm, name)
     delattr(mod, leaf)
-    for parent, part in reversed(chain):
-        child = getattr(parent, part)
-        if next(iter(child.children()), None) is not None or child._parameters or child._buffers:
+    name = name.rpartition(".")[0]
+    while name:  # the submodules on the way, innermost first, as long as they are left empty
+        parent, leaf = owner(gm, name)
+        child = getattr(parent, leaf)
+        if next(child.children(), None) is not None or child._parameters or child._buffers:
             break
-        delattr(parent, part)
+        delattr(parent, leaf)
+        name = name.rpartition(".")[0]
 
 
 def erase_attr_if_unused(gm: fx.GraphModule, node: fx.Node) -> None:

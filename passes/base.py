@@ -25,5 +25,7 @@ class Pass:
 
     name: str
     run: Callable[[fx.GraphModule], PassResult]
-    requires: tuple[str, ...] = ()  # passes that must run before this one (when both are in the pipeline)
+    # passes that must run earlier in the same pipeline: build_pipeline (kiln.compile.pipeline.check_order)
+    # refuses a pipeline that lacks one or runs it later with a PassError, and never reorders
+    requires: tuple[str, ...] = ()
     doc: str = ""

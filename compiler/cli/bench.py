@@ -1,4 +1,6 @@
-"""`kiln bench throughput` and `kiln bench quality`."""
+"""`kiln bench throughput`, `kiln bench quality` and `kiln bench perplexity` (their work in quality.py and
+perplexity.py, which load torch) and the parser of `bench` (perplexity's flags from perplexity_parser.py, `bench
+serve`'s from serve.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from kiln.cli.common import (
     serving_engine,
     step_model,
 )
+from kiln.cli.perplexity_parser import add_perplexity_parser
 from kiln.cli.serve import add_bench_serve_parser
 from kiln.errors import KilnError, UsageError
 from kiln.spec.speculation import describe
@@ -137,6 +140,13 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_perplexity(args: argparse.Namespace) -> int:
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.cli.perplexity import bench_perplexity_main
+
+    return bench_perplexity_main(args)
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bsub = b.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -177,11 +187,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     qb.add_argument("--json", action="store_true", help="print the report as JSON")
     qb.set_defaults(func=model_paths_resolved(cmd_bench_quality))
 
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.cli.perplexity import add_parser as add_perplexity_parser
-
-    add_perplexity_parser(bsub)
-    perplexity = bsub.choices["perplexity"]  # its SPEC takes a checkpoint dir or a .gguf too, as the others'
-    perplexity.set_defaults(func=model_paths_resolved(perplexity.get_default("func")))
+    perplexity = add_perplexity_parser(bsub)  # its SPEC takes a checkpoint dir or a .gguf too, as the others'
+    perplexity.set_defaults(func=model_paths_resolved(cmd_bench_perplexity))
 
     add_bench_serve_parser(bsub)

@@ -1,8 +1,9 @@
 """The `kiln` command line: the parser (one subcommand per family module) and main(), which keeps the error
 contract. The commands live by family: run.py (`kiln run`), spec_files.py (`check`, `fmt`, `import`; no torch),
 compile_cmd.py (`compile`), quantize.py (`quantize`), train_router.py (`train-router`), bench.py (`bench
-throughput | quality | perplexity`, `bench serve` from serve.py), serve.py (`serve`); common.py holds what they
-share.
+throughput | quality | perplexity`, perplexity's flags from perplexity_parser.py, `bench serve` from serve.py),
+serve.py (`serve`); common.py holds what they share. Building the parser loads no torch: `kiln check`, `kiln fmt`
+and `kiln --help` stay fast, so a command's torch-loading imports wait until it runs.
 
 The error contract: only KilnError is a user error: one message naming the file, flag or value and the fix, no
 traceback, exit 2 (argparse's own flag errors exit 2 too). Any other exception is a bug in kiln: its traceback
@@ -20,6 +21,7 @@ import os
 import sys
 import traceback
 
+from kiln import __version__
 from kiln.cli.bench import add_bench_parser
 from kiln.cli.common import EXIT_BROKEN_PIPE, EXIT_BUG, EXIT_USER_ERROR, setup_logging
 from kiln.cli.compile_cmd import add_compile_parser
@@ -35,9 +37,6 @@ REPORT_BUGS = "the kiln issue tracker"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln import __version__
-
     p = argparse.ArgumentParser(prog="kiln", description="kiln: a declarative compiler for LLM inference")
     p.add_argument("--version", action="version", version=f"kiln {__version__}")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors")

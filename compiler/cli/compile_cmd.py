@@ -9,6 +9,8 @@ from pathlib import Path
 
 from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, staged_dir
 from kiln.errors import KilnError, UsageError
+from kiln.gguf.config import open_gguf
+from kiln.gguf.files import bundled_weights, is_gguf
 from kiln.model_config import DTYPE_AUTO, CompileConfig
 from kiln.model_config import dtype_name as normalize_dtype
 from kiln.spec.loader import load_spec
@@ -19,8 +21,6 @@ def _report_gguf_paths(args: argparse.Namespace, comp, dtype) -> None:
     """With GGUF weights (--weights FILE.gguf, or a bundled spec's package), say which tensors loading keeps as
     int4 / int8 and which it dequantizes, as `kiln run`'s load line does: from the tensor types, no data read."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.gguf.config import open_gguf
-    from kiln.gguf.files import bundled_weights, is_gguf
     from kiln.gguf.weights import gguf_paths, paths_summary
 
     weights = args.weights
@@ -87,7 +87,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from kiln.ir.frontend import TORCH_DTYPES, build_graph
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.ir.text import weight_bytes
+    from kiln.ir.text import format_graph, weight_bytes
 
     tuned_before = dataclasses.replace(autotune.stats())
     if not kernels_usable():  # before any work: it renders and loads every kernel of the step
@@ -99,7 +99,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
         _check_emit_dir(emit_dir)
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import describe_model, fit_quantize, quantize_label, resolve_model_paths
-    from kiln.gguf.files import is_gguf
 
     args.spec, weights = resolve_model_paths(args.spec, args.weights)
     if args.spec is None:  # a checkpoint dir or a .gguf named as the model: its shapes, kiln's default compile block
@@ -147,9 +146,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as dump:
         compiled = compile_model(gm, comp, use_kernels=True, dump_dir=dump if args.dump_ir else None)
         if args.dump_ir:
-            # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-            from kiln.ir.text import format_graph
-
             sys.stdout.write(format_graph(graph(), title=f"{model.name}: Level-1 graph (frontend)"))
             for path in sorted(Path(dump).glob("*.txt")):
                 sys.stdout.write("\n" + path.read_text())

@@ -22,24 +22,27 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from kiln.build import describe_model, load_model, say
+from kiln.cli.perplexity_parser import DEFAULT_VARIANTS, DEFAULT_WINDOW
 from kiln.cli.text_input import read_text_file
+from kiln.compile.pipeline import quantize_graph
+from kiln.compile.quantized import is_quantized_checkpoint, stored_scheme
+from kiln.compile.step import allocate_kv_cache, compile_step
 from kiln.errors import KilnError
 from kiln.gguf.files import bundled_weights, is_gguf
+from kiln.model_config import DTYPES
+from kiln.quant.formats import parse_scheme
+from kiln.quant.sizing import fitting_group, quantized_weights, resolve_group
 from kiln.run_info import run_metadata
+from kiln.step import StepBatch
 
-DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4-rtn-g32", "int4-rtn-g128", "int4-gptq-g32", "int4-gptq-g128")
-_DTYPES = ("fp32", "bf16", "fp16")
 _KV_VARIANTS = {"kv-int8": "int8", "kv-auto": "auto"}
 KV_CHUNK = 128  # prefill chunk of the kv-* variants: a 512-token window is scored in 4 steps, 3 over the cache
-DEFAULT_WINDOW = 512  # tokens per window, or the model's context when that is shorter
 
 
 def check_full_precision(weights: str | os.PathLike | None, command: str) -> None:
     """A KilnError when `weights` is a `kiln quantize` output: `command` measures against (or trains on) the
     unquantized weights, which such a checkpoint no longer has, so every figure would be false."""
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.compile.quantized import is_quantized_checkpoint, stored_scheme
-
     if weights is not None and not is_gguf(weights) and is_quantized_checkpoint(weights):
         raise KilnError(f"--weights {weights}: is a `kiln quantize` output ({stored_scheme(weights).label}); "
                         f"{command} needs full-precision weights: give the original checkpoint")
@@ -77,10 +80,6 @@ def window_nll(gm: fx.GraphModule, ids: list[int], window: int) -> tuple[float, 
 def step_window_nll(step, ids: list[int], window: int, chunk: int = KV_CHUNK) -> tuple[float, int]:
     """window_nll through a compiled step model: each window is one sequence in a fresh paged cache, prefilled
     `chunk` tokens per step; every step's logits for all its tokens are returned and scored."""
-    # lazy: the compiler and runtime, which `kiln --help` (it imports this module for the parser) never needs
-    from kiln.compile.step import allocate_kv_cache
-    from kiln.step import StepBatch
-
     block = step.block_size
     cache = allocate_kv_cache(step, num_blocks=-(-window // block), block_size=block)
     dev = step.device
@@ -116,17 +115,13 @@ def plan_variants(variants: list[str] | None, cfg, weights=None,
     when that one is already listed or none fits; either way a note says so. A variant named explicitly that cannot
     apply is a KilnError.
     """
-    # lazy: kiln.quant.formats loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.quant.formats import parse_scheme
-    from kiln.quant.sizing import fitting_group, quantized_weights, resolve_group
-
     explicit = variants is not None
     gguf = is_gguf(weights)
     names = list(variants if explicit else defaults if defaults is not None else DEFAULT_VARIANTS)
     out: list[str] = []
     notes: list[str] = []
     for v in names:
-        if v in _DTYPES or v in _KV_VARIANTS:
+        if v in DTYPES or v in _KV_VARIANTS:
             out.append(v)
             continue
         if v == "gguf":
@@ -161,14 +156,8 @@ def plan_variants(variants: list[str] | None, cfg, weights=None,
 
 
 def _variant_model(spec, weights, variant: str, device: str, calibration: str | None = None):
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import load_model
-    from kiln.compile.pipeline import quantize_graph
-    from kiln.quant.formats import parse_scheme
-    from kiln.quant.sizing import resolve_group
-
     gguf = is_gguf(weights)
-    if variant in _DTYPES or variant in _KV_VARIANTS:
+    if variant in DTYPES or variant in _KV_VARIANTS:
         dtype = "fp32" if variant in _KV_VARIANTS else variant
         return load_model(spec, weights, dtype=dtype, device=device, quantize="none" if gguf else None)
     if variant == "gguf":
@@ -190,9 +179,6 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str] 
     note in result["notes"]). window: None for DEFAULT_WINDOW capped to the model's context (a longer one is a
     KilnError). max_tokens: None scores the whole text. result: a dict to fill in place, so that a caller keeps the
     finished variants when a later one fails."""
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import describe_model
-
     weights = weights if weights is not None else bundled_weights(spec)
     path = Path(text_path)
     if not path.is_file():
@@ -229,9 +215,6 @@ def run_perplexity(spec, weights, text_path: str | Path, *, variants: list[str] 
                                 "text")
             result["tokens"] = len(ids)
         if variant in _KV_VARIANTS:
-            # lazy: the compiler and runtime, which `kiln --help` (it imports this module for the parser) never needs
-            from kiln.compile.step import compile_step
-
             # reference ops off CUDA: Triton's interpreter is for testing codegen, far too slow to score text
             step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=m.device.type == "cuda",
                                 kv_cache_dtype=_KV_VARIANTS[variant])
@@ -272,9 +255,6 @@ def format_perplexity(result: dict) -> str:
 
 
 def bench_perplexity_main(args) -> int:
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import say
-
     variants = [v for v in args.variants.split(",") if v] if args.variants else None
     result: dict = {}
     try:
@@ -300,23 +280,3 @@ def _emit(args, result: dict, say) -> None:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         say(f"wrote {args.output}")
-
-
-def add_parser(bsub) -> None:
-    p = bsub.add_parser("perplexity", help="perplexity on real text for several weight formats",
-                        description="Perplexity of a model on a text file, for the dense model in fp32 / bf16, "
-                        "kiln's quantization schemes and a GGUF's own quantized tensors (variant gguf).")
-    p.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    p.add_argument("--weights", metavar="W", help="a Hugging Face checkpoint dir or a .gguf file (full precision or "
-                   "GGUF-quantized; not a `kiln quantize` output)")
-    p.add_argument("--text", metavar="FILE", required=True, help="UTF-8 text to score (e.g. bench/data/*.txt)")
-    p.add_argument("--variants", metavar="A,B", help=f"default: {','.join(DEFAULT_VARIANTS)} (add gguf for a GGUF; "
-                   "kv-int8 / kv-auto: the cached step model with an int8 / model-dtype KV cache)")
-    p.add_argument("--window", type=int, help=f"tokens per scored window, at most the model's context (default "
-                   f"{DEFAULT_WINDOW}, or the context when shorter)")
-    p.add_argument("--max-tokens", type=int, help="score only the first N tokens of the text, N >= 2 (default: all)")
-    p.add_argument("--calibration", metavar="FILE", help="GPTQ calibration text (default: seeded random tokens)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("-o", "--output", metavar="FILE.json", help="also write the result JSON here")
-    p.set_defaults(func=bench_perplexity_main)

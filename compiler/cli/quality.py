@@ -17,15 +17,23 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TextIO
 
 import torch
 from torch import fx
 
+from kiln.build import describe_model, load_model, say
+from kiln.cli.perplexity import check_full_precision, plan_variants
+from kiln.cli.text_input import read_text_file
+from kiln.compile.pipeline import quantize_graph
 from kiln.errors import KilnError
+from kiln.gguf.files import bundled_weights, is_gguf
+from kiln.ir.text import weight_bytes
 from kiln.quant.formats import QuantScheme, as_scheme
 from kiln.quant.sizing import resolve_group
+from kiln.reference import forward_logits, vocab_size
+from kiln.run_info import run_metadata
 
 DEFAULT_SCHEMES = ("int8", "int4-rtn-g128", "int4-gptq-g128")
 EVAL_SEED = 12345  # differs from QuantScheme.seed, so GPTQ never calibrates on the evaluation tokens
@@ -48,9 +56,6 @@ def weight_breakdown(gm: fx.GraphModule) -> dict[str, int]:
 
     The total equals kiln.ir.text.weight_bytes(gm): quantized tensors are buffers, which it counts.
     """
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.ir.text import weight_bytes
-
     out = {"quantized": 0, "scales_zeros": 0, "dense": 0}
     seen: set[int] = set()
     for name, t in list(gm.named_parameters()) + list(gm.named_buffers()):
@@ -112,11 +117,6 @@ def quality_report(
     ids: evaluation tokens [B, T] (default: `positions` seeded random ones in rows of seq_len).
     calibration_ids: tokens for GPTQ (default: each scheme's own, a text file or seeded random).
     """
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.compile.pipeline import quantize_graph
-    from kiln.ir.text import weight_bytes
-    from kiln.reference import forward_logits, vocab_size
-
     ids = eval_ids(vocab_size(gm), positions, seq_len) if ids is None else ids
     base_bytes = weight_bytes(gm)
     reference = forward_logits(gm, ids)
@@ -188,15 +188,6 @@ def bench_quality_main(
     note); schemes named otherwise that cannot apply are error rows. calibration: a text file for the GPTQ schemes
     (default: seeded random tokens); eval_text: a text file to evaluate on (default: seeded random tokens).
     """
-    from dataclasses import replace
-
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.build import describe_model, load_model, say
-    from kiln.cli.perplexity import check_full_precision, plan_variants
-    from kiln.cli.text_input import read_text_file
-    from kiln.gguf.files import bundled_weights, is_gguf
-    from kiln.run_info import run_metadata
-
     check_full_precision(weights, "bench quality")  # its baseline must be the unquantized model
     cfg = describe_model(spec, weights)
     seq = seq_len or min(128, cfg.context, positions)

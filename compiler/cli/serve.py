@@ -8,6 +8,7 @@ import json
 import logging
 import socket
 
+from kiln.chat_template import ChatTemplateError, chat_template_of
 from kiln.cli.common import (
     LOAD_QUANTIZE_HELP,
     WEIGHTS_HELP,
@@ -48,7 +49,6 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
-    from kiln.chat_template import ChatTemplateError, chat_template_of
     from kiln.server import ServerConfig, build_app
     from kiln.server.drain import DrainingServer
 

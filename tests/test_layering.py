@@ -231,15 +231,6 @@ def _loads_torch(module: str) -> bool:
 
 # False "loads torch" reasons in files being edited by others when this check was added; fix them, then drop them
 # here. (module, the kiln module it imports inside a function)
-KNOWN_FALSE_TORCH_REASONS = {
-    ("kiln.cli.quantize", "kiln.gguf.files"),
-    ("kiln.cli.quantize", "kiln.quant.sizing"),
-    ("kiln.cli.run", "kiln.runtime.sampling_params"),
-    ("kiln.cli.spec_files", "kiln.cli.gguf"),
-    ("kiln.cli.train_router", "kiln.train.flops"),
-}
-
-
 def test_lazy_imports_for_torch_say_true():
     """An import kept inside a function because it "loads torch" must load torch, and its module must not load torch
     already (then the import belongs at the top)."""
@@ -252,7 +243,7 @@ def test_lazy_imports_for_torch_say_true():
                 continue
             if _loads_torch(module):
                 bad.append(f"{_rel(path)}:{line}: {module} loads torch itself: import {target} at the top")
-            elif not _loads_torch(target) and (module, target) not in KNOWN_FALSE_TORCH_REASONS:
+            elif not _loads_torch(target):
                 bad.append(f"{_rel(path)}:{line}: {target} does not load torch: import it at the top")
     assert not bad, "lazy imports whose comment says they load torch:\n" + "\n".join(sorted(set(bad)))
 

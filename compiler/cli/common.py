@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kiln.errors import SpecError, UsageError
 from kiln.model_config import DTYPE_NAMES, KV_DTYPES, SpeculationConfig
+from kiln.model_paths import resolve_model_paths
 from kiln.runtime.sampling_params import SEED_MAX
 from kiln.spec.speculation import OFF, parse_speculation
 
@@ -101,8 +102,6 @@ def model_paths_resolved(func: Callable[[argparse.Namespace], int]) -> Callable[
 
     @functools.wraps(func)
     def run(args: argparse.Namespace) -> int:
-        from kiln.build import resolve_model_paths  # lazy: loads torch, which `kiln --help` never needs
-
         args.spec, args.weights = resolve_model_paths(args.spec, args.weights)
         return func(args)
 

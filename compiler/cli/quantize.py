@@ -11,6 +11,8 @@ from pathlib import Path
 from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, model_paths_resolved, staged_dir
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
+from kiln.gguf.files import bundled_weights, is_gguf
+from kiln.quant.sizing import resolve_group
 
 # What kiln.tokenizer / kiln.chat_template read from a checkpoint: they travel with the weights, so that
 # `kiln run --weights OUT` decodes text and chats as the source does.
@@ -27,9 +29,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.compile.quantized import is_quantized_checkpoint, save_quantized
-    from kiln.gguf.files import bundled_weights, is_gguf
     from kiln.quant.formats import parse_scheme
-    from kiln.quant.sizing import resolve_group
 
     if args.weights and is_quantized_checkpoint(args.weights):
         raise UsageError(f"--weights {args.weights}: is already a `kiln quantize` output, whose weights cannot be "

@@ -22,6 +22,7 @@ from kiln.cli.common import (
 )
 from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError, UsageError
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.spec.validate import describe_route
 
 MAX_TOKENS = 32  # kiln run's own default, when neither --max-tokens nor the checkpoint's max_new_tokens says
@@ -46,9 +47,6 @@ def _ids(text: str) -> list[int]:
 def cmd_run(args: argparse.Namespace) -> int:
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.build import load_model, say
-
-    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-    from kiln.runtime.sampling_params import SamplingParams
 
     given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
     # speculate=True: in a batch of one whether speculation runs never depends on other requests, so a seeded

@@ -164,7 +164,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     src = Path(args.hf_dir)
     if src.suffix == ".gguf":
-        from kiln.cli.gguf import cmd_import_gguf  # lazy: reading a GGUF loads torch and numpy
+        from kiln.cli.gguf import cmd_import_gguf  # lazy: reading a GGUF loads numpy, which `kiln check` never needs
 
         return cmd_import_gguf(args)
     out = check_output_file("-o", args.output) if args.output else None

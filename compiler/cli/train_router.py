@@ -9,6 +9,7 @@ import time
 from kiln.cli.common import at_least, check_output_file, model_paths_resolved
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
+from kiln.train.flops import flops_per_token
 
 DEFAULT_SEQ_LEN = 256  # tokens per window, or the model's context when that is shorter
 DEFAULT_HIDDEN = 128  # the predictor's width (--decide predictor)
@@ -39,7 +40,6 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     from kiln.build import describe_model, load_model, say
     from kiln.cli.perplexity import check_full_precision, fit_window, window_nll
     from kiln.ir.frontend import build_graph
-    from kiln.train.flops import flops_per_token
     from kiln.train.router_files import save_routers
     from kiln.train.routers import RouterTraining, distil
 

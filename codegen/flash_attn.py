@@ -3,6 +3,8 @@ variable-length sequences, and a dense-batch form with the signature of kiln::at
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kiln import env
@@ -17,6 +19,17 @@ from kiln.codegen._host import (
 )
 from kiln.codegen.tiles import TileConfig, default_tile
 from kiln.errors import CodegenError
+
+# A tile is checked once per value, not on every launch: a lowered graph passes the same tiles (its nodes' constants,
+# the memoized defaults) launch after launch, and a TileConfig is frozen.
+checked_tile = functools.cache(TileConfig.validate)
+
+
+@functools.cache
+def _default_tile(device: torch.device, dtype: torch.dtype, head_dim: int) -> TileConfig:
+    """The heuristic tile for q's device (its compute capability is asked once per device), dtype and head size."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return checked_tile(default_tile(head_dim, dtype, capability))
 
 
 def _head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
@@ -117,10 +130,7 @@ def flash_attention_varlen(
     head_dim = _head_dim(q, k, v, num_heads, num_kv_heads)
     check_same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     out = check_out(out, q)
-    if tile is None:
-        capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-        tile = default_tile(head_dim, q.dtype, capability)
-    tile.validate()
+    tile = _default_tile(q.device, q.dtype, head_dim) if tile is None else checked_tile(tile)
     if not scale > 0:
         raise CodegenError(f"scale={scale} must be > 0 (the kernels fold it into exp2 after the row max)")
     block_d = max(16, next_power_of_2(head_dim))
@@ -176,7 +186,8 @@ def flash_attention(
         return out
     # A dense batch is a packed batch of equal lengths; reshape is a view for contiguous (or row-sliced) inputs.
     cu_q = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)[: b + 1]
-    cu_k = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)[: b + 1]
+    # Self-attention (kiln's graphs: S == T) reads the same offsets for keys; the kernel only reads them.
+    cu_k = cu_q if s == t else torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)[: b + 1]
     flash_attention_varlen(
         q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s, num_heads=num_heads,
         num_kv_heads=num_kv_heads, causal=causal, window=window, scale=scale, tile=tile, out=out.view(b * t, -1),

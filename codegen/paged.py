@@ -30,6 +30,7 @@ from kiln.codegen._host import (
     launch,
     next_power_of_2,
 )
+from kiln.codegen.flash_attn import checked_tile
 from kiln.codegen.paged_tiles import MIN_SPLIT_KEYS, decode_splits, decode_tile, prefill_tile
 from kiln.codegen.tiles import TileConfig
 from kiln.errors import CodegenError
@@ -179,7 +180,7 @@ def paged_attention_decode(
     if tile is None:
         tile = decode_tile(q.device, q.dtype, kv_cache.dtype, head_dim, group)
     rows = max(16, next_power_of_2(group))
-    if tile.validate().block_m != rows:
+    if checked_tile(tile).block_m != rows:
         raise CodegenError(f"decode tile {tile} must have block_m = {rows} (the {group} query heads of a kv head)")
     block_n = tile.block_n
     # An explicit num_splits splits as asked; the default keeps every split at least MIN_SPLIT_KEYS long (the
@@ -228,7 +229,7 @@ def paged_attention_prefill(
     out = check_out(out, q)
     if tile is None:
         tile = prefill_tile(q.device, q.dtype, head_dim, bool(causal), window > 0)
-    tile.validate()
+    checked_tile(tile)
     num_seqs = context_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0 or max_query_len <= 0:
         return out

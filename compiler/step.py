@@ -22,8 +22,10 @@ state at each block boundary for prefix caching).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Protocol
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -46,37 +48,61 @@ class ModelLimits(Protocol):
     context: int  # the longest sequence the model takes, prompt and output together
 
 
+@dataclass(frozen=True)
+class StepInput:
+    """What a StepBatch field is to the step graph: the one description of each input, which the kv_cache pass's
+    example inputs and graph_inputs read (and tests tie the runtime's staging layout and the paged op to).
+
+    dtype: the tensor's element type, None for a host-side int. shape: its sizes in symbols, N new tokens, S
+    sequences, R sampled rows, W blocks per sequence, C the tokens W blocks hold, L routed layers, WR routed blocks
+    per sequence ("S+1": one more than S); a host int's shape is the one symbol it bounds (its example value is
+    that size). flat: the Level-1 graph's per-token inputs, which the step graph takes as [1, *shape]. routed:
+    Mixture-of-Depths models only (None otherwise, and no placeholder in a dense model's graph).
+    """
+
+    dtype: torch.dtype | None
+    shape: tuple[str, ...]
+    flat: bool = False
+    routed: bool = False
+
+    def example(self, sizes: Mapping[str, int]) -> tuple[int, ...] | int:
+        """The graph's shape for these symbol sizes (a host int: the size it bounds)."""
+        dims = tuple(sizes[d.removesuffix("+1")] + d.endswith("+1") for d in self.shape)
+        if self.dtype is None:
+            return dims[0]
+        return (1, *dims) if self.flat else dims
+
+
+def _input(dtype: torch.dtype | None, *shape: str, flat: bool = False, routed: bool = False) -> Any:
+    """A StepBatch field with its StepInput (routed ones default to None)."""
+    extra = {"default": None} if routed else {}
+    return field(metadata={"step_input": StepInput(dtype, shape, flat, routed)}, **extra)
+
+
 @dataclass
 class StepBatch:
-    tokens: torch.Tensor  # int64 [N]: the new tokens of every scheduled sequence, concatenated
-    positions: torch.Tensor  # int64 [N]: each new token's position in its sequence
-    slot_mapping: torch.Tensor  # int64 [N]: cache slot each new token's K/V is written to
-    block_tables: torch.Tensor  # int32 [S, max_blocks]: each sequence's blocks in order (padding: 0)
-    context_lens: torch.Tensor  # int32 [S]: tokens in the cache for each sequence after this step
-    query_start_loc: torch.Tensor  # int32 [S + 1]: sequence i's new tokens are rows [q[i], q[i + 1])
-    sample_indices: torch.Tensor  # int64 [R]: rows of N whose logits are returned, in this order
-    max_query_len: int  # host-side copies so kernels need no device -> host sync
-    max_context_len: int
+    tokens: torch.Tensor = _input(torch.int64, "N", flat=True)  # every scheduled sequence's new tokens, concatenated
+    positions: torch.Tensor = _input(torch.int64, "N", flat=True)  # each new token's position in its sequence
+    slot_mapping: torch.Tensor = _input(torch.int64, "N")  # cache slot each new token's K/V is written to
+    block_tables: torch.Tensor = _input(torch.int32, "S", "W")  # each sequence's blocks in order (padding: 0)
+    context_lens: torch.Tensor = _input(torch.int32, "S")  # tokens in the cache for each sequence after this step
+    query_start_loc: torch.Tensor = _input(torch.int32, "S+1")  # sequence i's new tokens: rows [q[i], q[i + 1])
+    sample_indices: torch.Tensor = _input(torch.int64, "R")  # rows of N whose logits are returned, in this order
+    # Host-side copies so kernels need no device -> host sync: a bound on every sequence's new tokens, on its context.
+    max_query_len: int = _input(None, "N")
+    max_context_len: int = _input(None, "C")
     # Mixture-of-Depths models only (None otherwise): per routed layer and sequence, the routed length before the
     # step and that layer's block table (padding: 0, the null block).
-    routed_lens: torch.Tensor | None = None  # int32 [routed_layers, S]
-    routed_block_tables: torch.Tensor | None = None  # int32 [routed_layers, S, max_routed_blocks]
+    routed_lens: torch.Tensor | None = _input(torch.int32, "L", "S", routed=True)
+    routed_block_tables: torch.Tensor | None = _input(torch.int32, "L", "S", "WR", routed=True)
 
     def graph_inputs(self, cache: KVCache) -> dict[str, object]:
-        """The step graph's inputs by name, in step_input_names order (tokens and positions as [1, N])."""
-        inputs: dict[str, object] = {}
-        for f in dataclasses.fields(self):
-            if f.name == "max_query_len":  # the cache goes between the tensors and the host-side bounds
-                inputs["kv_cache"] = cache.data
-                if cache.scales is not None:
-                    inputs["kv_scales"] = cache.scales
-                if cache.routed is not None:
-                    inputs["routed_kv_cache"] = cache.routed
-            value = getattr(self, f.name)
-            if f.name in _ROUTED_INPUTS and value is None:
-                continue
-            inputs[f.name] = value.view(1, -1) if f.name in ("tokens", "positions") else value
-        return {name: inputs[name] for name in step_input_names(cache.scales is not None, cache.routed is not None)}
+        """The step graph's inputs by name, in step_input_names order (the flat ones as [1, N])."""
+        values: dict[str, object] = {"kv_cache": cache.data, "kv_scales": cache.scales, "routed_kv_cache": cache.routed}
+        for name, spec in STEP_INPUTS.items():
+            value = getattr(self, name)
+            values[name] = value.view(1, -1) if spec.flat else value
+        return {name: values[name] for name in step_input_names(cache.scales is not None, cache.routed is not None)}
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +111,10 @@ class StepBatch:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
+
+
+# StepBatch's fields in order, each with what it is (a field without a StepInput fails here, at import).
+STEP_INPUTS: dict[str, StepInput] = {f.name: f.metadata["step_input"] for f in dataclasses.fields(StepBatch)}
 
 
 @dataclass
@@ -131,16 +161,13 @@ class Verifier(Protocol):
     def __call__(self, batch: VerifyBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-_ROUTED_INPUTS = ("routed_lens", "routed_block_tables")
-
-
+@functools.cache
 def step_input_names(quantized: bool, routed: bool = False) -> tuple[str, ...]:
     """The step graph's placeholders in order: StepBatch's tensors (the routed ones only for a routed model), the
     cache (and its scales when int8, the routed layers' pool when routed), then StepBatch's host-side ints.
     StepBatch is the one source; the kv_cache pass and CompiledStep both use this."""
-    fields = dataclasses.fields(StepBatch)
-    tensors = [f.name for f in fields if f.type != "int" and (routed or f.name not in _ROUTED_INPUTS)]
-    ints = [f.name for f in fields if f.type == "int"]
+    tensors = [n for n, s in STEP_INPUTS.items() if s.dtype is not None and (routed or not s.routed)]
+    ints = [n for n, s in STEP_INPUTS.items() if s.dtype is None]
     caches = ("kv_cache", *(("kv_scales",) if quantized else ()), *(("routed_kv_cache",) if routed else ()))
     return (*tensors, *caches, *ints)
 

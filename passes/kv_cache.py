@@ -65,10 +65,11 @@ import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots and kil
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers kiln::linear_w8 / linear_w4, a quantized lm_head)
 from kiln.errors import PassError
+from kiln.ir.signatures import ATTENTION, PAGED_ATTENTION, PAGED_STEP
 from kiln.model_config import KV_DTYPES
 from kiln.passes._graph import is_call, rename
 from kiln.passes.base import Pass, PassResult
-from kiln.step import step_input_names
+from kiln.step import STEP_INPUTS, step_input_names
 
 kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
@@ -76,7 +77,9 @@ _NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
 _ROUTING = (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)
 # The lm_head, quantized or not (`quantize = int4(lm_head = true)` runs before this pass); each takes x first.
 _LM_HEADS = (kiln_ops.linear.default, kiln_ops.linear_w8.default, kiln_ops.linear_w4.default)
-_SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "routed")  # mod_kv_slots'
+# kiln::mod_kv_slots' outputs in order: a routed layer's own values of the paged op's step tensors (by name), then
+# which flat rows it routed.
+_SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "routed")
 # A routed layer's body runs on its routed rows (kiln::mod_narrow) on steps of at least NARROW_MIN_ROWS flat rows,
 # at the price of one device -> host read of the routed count per routed layer. 256 is about where a GEMM turns
 # compute-bound on a GPU (an H100's bf16 FLOP/s over its bandwidth is ~300 rows): below it the linears take about
@@ -85,16 +88,24 @@ _SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_lo
 # Tests lower both to force the narrowed path on small steps.
 NARROW_MIN_ROWS = 256
 NARROW_BUCKET = 64
-# Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic).
-_N, _S, _R, _MAX_BLOCKS, _NUM_BLOCKS, _BLOCK_SIZE = 8, 2, 2, 4, 8, 16
+# Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic), by kiln.step.StepInput's
+# symbols; the host-side bounds take them as values (compile_step loads the kernels for this prefill and a decode).
+_NUM_BLOCKS, _BLOCK_SIZE = 8, 16
+_SIZES = {"N": 8, "S": 2, "R": 2, "W": 4, "WR": 4, "C": 4 * _BLOCK_SIZE}
+
+
+def _attention_args(node: fx.Node) -> dict:
+    """An attention node's kiln::attention arguments by name (a flash_attention's tile arguments follow them)."""
+    return ATTENTION.bind(node.args[: len(ATTENTION.params)], node.kwargs)
 
 
 def _cache_geometry(attn: list[fx.Node]) -> tuple[int, int, torch.dtype]:
     """(kv_heads, head_dim, dtype) shared by every attention node; one cache tensor holds all layers."""
     found = set()
     for n in attn:
-        num_kv_heads = n.args[4]
-        k_val = n.args[1].meta.get("val") if isinstance(n.args[1], fx.Node) else None
+        args = _attention_args(n)
+        num_kv_heads = args["num_kv_heads"]
+        k_val = args["k"].meta.get("val") if isinstance(args["k"], fx.Node) else None
         if not isinstance(k_val, torch.Tensor):
             raise PassError(f"attention %{n.name}: its k input has no meta['val']; propagate shapes first")
         found.add((num_kv_heads, k_val.shape[-1] // num_kv_heads, k_val.dtype))
@@ -179,34 +190,30 @@ def _routed_slots(graph: fx.Graph, owner: dict[fx.Node, fx.Node], routed: list[f
 
 def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
                     routed: int) -> dict:
+    """meta["val"] for every input the step graph may take: StepBatch's from their StepInputs, then the caches."""
+    sizes = {**_SIZES, "L": routed}
     with FakeTensorMode(allow_non_fake_inputs=True):
-        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        examples: dict = {
+            name: torch.empty(spec.example(sizes), dtype=spec.dtype, device=device) if spec.dtype is not None
+            else spec.example(sizes)
+            for name, spec in STEP_INPUTS.items()
+        }  # fmt: skip
         cache = (layers, 2, _NUM_BLOCKS, _BLOCK_SIZE, kv_heads, head_dim)
-        return {
-            "routed_lens": torch.empty(routed, _S, **i32),
-            "routed_block_tables": torch.empty(routed, _S, _MAX_BLOCKS, **i32),
-            "routed_kv_cache": torch.empty((routed, *cache[1:]), dtype=dtype, device=device),
-            "kv_scales": torch.empty(cache[:-1], dtype=torch.float32, device=device),
-            "tokens": torch.empty(1, _N, **i64),
-            "positions": torch.empty(1, _N, **i64),
-            "slot_mapping": torch.empty(_N, **i64),
-            "block_tables": torch.empty(_S, _MAX_BLOCKS, **i32),
-            "context_lens": torch.empty(_S, **i32),
-            "query_start_loc": torch.empty(_S + 1, **i32),
-            "sample_indices": torch.empty(_R, **i64),
-            "kv_cache": torch.empty(cache, dtype=dtype, device=device),
-            "max_query_len": _N,
-            "max_context_len": _MAX_BLOCKS * _BLOCK_SIZE,
-        }
+        examples["kv_cache"] = torch.empty(cache, dtype=dtype, device=device)
+        examples["kv_scales"] = torch.empty(cache[:-1], dtype=torch.float32, device=device)
+        examples["routed_kv_cache"] = torch.empty((routed, *cache[1:]), dtype=dtype, device=device)
+        return examples
 
 
 def _add_inputs(graph: fx.Graph, examples: dict, names: tuple[str, ...]) -> dict[str, fx.Node]:
+    """The step graph's placeholders: the Level-1 graph's (the flat inputs, first in `names`), then the others."""
     nodes = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-    last = nodes["positions"]
-    for name in names[2:]:
-        with graph.inserting_after(last):
-            last = graph.placeholder(name)
-        nodes[name] = last
+    last = list(nodes.values())[-1]
+    for name in names:
+        if name not in nodes:
+            with graph.inserting_after(last):
+                last = graph.placeholder(name)
+            nodes[name] = last
     for name in names:
         nodes[name].meta["val"] = examples[name]
     return nodes
@@ -230,9 +237,10 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     if not attn:
         return PassResult(gm, modified=False)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if [p.name for p in placeholders] != ["tokens", "positions"]:
+    flat = [name for name, spec in STEP_INPUTS.items() if spec.flat]
+    if [p.name for p in placeholders] != flat:
         raise PassError(
-            f"kv_cache expects a Level-1 graph with inputs (tokens, positions), got "
+            f"kv_cache expects a Level-1 graph with inputs ({', '.join(flat)}), got "
             f"({', '.join(p.name for p in placeholders)}); build it with kiln.ir.frontend.build_graph"
         )
     outputs = graph.find_nodes(op="output")[0].args[0]
@@ -257,23 +265,20 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     examples = _example_inputs(device, kv_heads, head_dim, torch.int8 if quantized else dtype, len(dense), len(routed))
     inputs = _add_inputs(graph, examples, step_input_names(quantized, routed=bool(routed)))
     kv_scales = inputs["kv_scales"] if quantized else None  # always passed: the op has no default (ops_paged)
-    step_args = [inputs[n] for n in ("slot_mapping", "block_tables", "context_lens", "query_start_loc")]
-    bounds = [inputs["max_query_len"], inputs["max_context_len"]]
+    step_args = {p.name: inputs[p.name] for p in PAGED_STEP}
 
     slot_parts = _routed_slots(graph, owner, routed, inputs)
     routed_rows = []
     for node in attn:
-        q, k, v, num_heads, num_kv_heads, causal, window, scale = node.args[:8]
-        if node in owner:
-            layer = routed.index(node)
-            parts = slot_parts[node]
-            cache, args_in = inputs["routed_kv_cache"], parts[:4]
-            routed_rows.append(parts[4])
+        if node in owner:  # the routed layer's own step tensors; the batch's host-side bounds bound them too
+            parts = dict(zip(_SLOT_OUTPUTS, slot_parts[node], strict=True))
+            layer, cache, args_in = routed.index(node), inputs["routed_kv_cache"], {**step_args, **parts}
+            routed_rows.append(parts["routed"])
         else:
             layer, cache, args_in = dense.index(node), inputs["kv_cache"], step_args
-        args = (q, k, v, cache, layer, *args_in, *bounds, num_heads, num_kv_heads, causal, window, scale, kv_scales)
+        named = {**_attention_args(node), **args_in, "kv_cache": cache, "layer": layer, "kv_scales": kv_scales}
         with graph.inserting_before(node):
-            new = graph.call_function(kiln_ops.paged_attention.default, args)
+            new = graph.call_function(kiln_ops.paged_attention.default, PAGED_ATTENTION.values(named))
         new.meta["kv_layer"] = layer
         new.meta["kv_routed"] = node in owner
         node.replace_all_uses_with(new)

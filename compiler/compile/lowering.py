@@ -13,6 +13,7 @@ constexprs that pick a kernel instance) exactly as they will at run time, and la
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,10 +109,14 @@ def k_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale):
     return flash_attn.flash_attention(*ATTENTION.values(locals()))
 
 
+# A node's tile arguments are constants: each distinct tile is built once, not on every launch.
+_tile = functools.cache(tiles.TileConfig)
+
+
 @FLASH_ATTENTION.implements
 def k_flash_attention(q, k, v, num_heads, num_kv_heads, causal, window, scale, block_m, block_n, num_warps,
                       num_stages):  # fmt: skip
-    tile = tiles.TileConfig(block_m, block_n, num_warps, num_stages)
+    tile = _tile(block_m, block_n, num_warps, num_stages)
     return flash_attn.flash_attention(*ATTENTION.values(locals()), tile=tile)
 
 
@@ -120,7 +125,7 @@ def k_paged_attention(q, k, v, kv_cache, layer, slot_mapping, block_tables, cont
                       max_query_len, max_context_len, num_heads, num_kv_heads, causal, window, scale, kv_scales,
                       tile=None):  # fmt: skip
     # tile: (block_m, block_n, warps, stages) of a spec's fixed flash tile (compile_step pins it), else the default.
-    fixed = tiles.TileConfig(*tile) if tile is not None else None
+    fixed = _tile(*tile) if tile is not None else None
     return paged.paged_attention(*PAGED_ATTENTION.values(locals()), tile=fixed)
 
 

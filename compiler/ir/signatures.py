@@ -113,7 +113,8 @@ QKV = _params("Tensor q, Tensor k, Tensor v")
 ATTENTION_PARAMS = _params("SymInt num_heads, SymInt num_kv_heads, bool causal, SymInt window, float scale")
 TILE = _params("SymInt block_m, SymInt block_n, SymInt num_warps, SymInt num_stages")
 # The paged op's cache, written in place (kv_scales is None for a float cache and has no default: see
-# kiln.ir.ops_paged), and the step inputs it reads (kiln.step.StepBatch's fields of the same names).
+# kiln.ir.ops_paged), and the step inputs it reads: kiln.step.StepBatch's fields of the same names, in its order and
+# of its kinds (kiln.ir may not import kiln.step; tests/passes/test_kv_cache_inputs.py holds them together).
 PAGED_CACHE = (Param("kv_cache", "Tensor", mutated=True), Param("layer", "SymInt"))
 PAGED_STEP = _params("Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor query_start_loc, "
                      "SymInt max_query_len, SymInt max_context_len")

@@ -16,7 +16,7 @@ from kiln.ir.frontend import build_graph
 from kiln.ir.text import format_graph
 from kiln.passes.kv_cache import PASS
 from kiln.spec.loader import load_spec
-from kiln.step import step_input_names
+from kiln.step import KVCache, step_input_names
 from tests.support.paged_helper import row_positions, shuffled_block_tables, step_batch
 
 kiln_ops = torch.ops.kiln
@@ -27,20 +27,8 @@ STEP2 = [(0, 7), (5, 8), (9, 10), (11, 12)]  # prefill, chunk after a prefix, tw
 
 
 def _run_step(gm, batch, cache):
-    args = (
-        batch.tokens[None],
-        batch.positions[None],
-        batch.slot_mapping,
-        batch.block_tables,
-        batch.context_lens,
-        batch.query_start_loc,
-        batch.sample_indices,
-        cache,
-        batch.max_query_len,
-        batch.max_context_len,
-    )
     with torch.no_grad():
-        return gm(*args)[0]
+        return gm(**batch.graph_inputs(KVCache(cache)))[0]
 
 
 @pytest.fixture(scope="module", params=SPECS)

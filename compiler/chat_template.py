@@ -45,6 +45,12 @@ class ChatTemplateError(KilnError):
     """A chat template that does not parse, or that refused (raise_exception) or failed on a conversation."""
 
 
+class ChatArgumentError(RequestError, ValueError):
+    """render's arguments that cannot go together: the caller's mistake, so a RequestError naming the parameter;
+    also a ValueError, which transformers' apply_chat_template raises for the same call, so code written against it
+    still catches it."""
+
+
 class ChatTemplate:
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", origin: str = "default"):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -66,13 +72,15 @@ class ChatTemplate:
         ChatTemplateError naming the template's origin. continue_final_message (add_generation_prompt False): the
         prompt ends right after the final message's text (a string), cut as transformers cuts it: at a marker
         rendered after the text; a template that trims the text (Llama 3's) trims the marker's space, and then the
-        whitespace before the marker goes too. template_kwargs: more variables for the template (vLLM's
-        chat_template_kwargs; bos_token / eos_token among them override the tokenizer's, as in transformers)."""
+        whitespace before the marker goes too; with add_generation_prompt it is a ChatArgumentError. template_kwargs:
+        more variables for the template (vLLM's chat_template_kwargs; bos_token / eos_token among them override the
+        tokenizer's, as in transformers)."""
         extra = check_template_kwargs(template_kwargs)
         if not continue_final_message:
             return self._render(messages, add_generation_prompt, extra)
         if add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            raise ChatArgumentError("continue_final_message and add_generation_prompt cannot both be true",
+                                    param="continue_final_message")
         final = messages[-1].get("content") if messages else None
         if not isinstance(final, str):
             raise ChatTemplateError("continue_final_message needs a final message whose content is text")

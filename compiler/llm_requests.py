@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kiln.errors import KilnError, RequestError
 from kiln.llm_prompts import _text_prompts, _token_prompts
-from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput, truncate_prompt
+from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import encode_text
 
@@ -87,7 +87,9 @@ class LLMRequests:
             items = _text_prompts(prompts)
         else:
             items = [("ids", p) for p in _token_prompts(prompt_token_ids)]
-        clamp = sampling_params is None and "max_tokens" in self.loaded.generation_defaults
+        # A checkpoint's max_new_tokens is a default the user never chose: the engine cuts it to what max_model_len
+        # leaves after the prompt (as vLLM stops there) rather than refusing the prompt.
+        is_default = sampling_params is None and "max_tokens" in self.loaded.generation_defaults
         if sampling_params is None:  # as vLLM: the model's generation_config.json defaults, unless "vllm"
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, (SamplingParams, dict)):
@@ -109,12 +111,13 @@ class LLMRequests:
                             p = dataclasses.replace(p.validate(), output_kind=output_kind)  # a bad kind is named
                         group = _Prompt([], p.output_kind == "final_only", p.output_kind == "delta")
                         groups.append(group)
-                        text, ids = self._encoded(kind, item, p, add_special)
-                        if clamp and ids is not None:
-                            p = self._within_context(ids, p)
-                        for choice in p.choices():  # n > 1: one engine request per choice
-                            # ids None: text without a tokenizer, which the engine refuses saying why
-                            rid = self.engine.add_request(text, choice, prompt_token_ids=ids)
+                        choices = p.choices()  # validated: a bad value is named before anything is encoded
+                        text, ids = self._encoded(kind, item, add_special)
+                        for choice in choices:  # n > 1: one engine request per choice
+                            # ids None: text without a tokenizer, which the engine refuses saying why; the engine
+                            # applies truncate_prompt_tokens and fits max_tokens to the context
+                            rid = self.engine.add_request(text, choice, prompt_token_ids=ids,
+                                                          max_tokens_is_default=is_default)
                             self._queues[rid] = deque()
                             group.rids.append(rid)
                     except RequestError as e:
@@ -126,35 +129,15 @@ class LLMRequests:
                 raise
         return groups
 
-    def _within_context(self, ids: Sequence[int], params: SamplingParams) -> SamplingParams:
-        """A checkpoint's default max_tokens (generation_config.json's max_new_tokens) cut to what max_model_len
-        leaves after this prompt, as vLLM stops there: a default the user never chose must not refuse a prompt.
-        A prompt that leaves no room is left for the engine to name."""
-        try:
-            room = self.engine.max_model_len - len(ids)
-        except TypeError:
-            return params  # not a sequence of ids: the engine names it
-        if 0 < room < params.max_tokens:
-            return dataclasses.replace(params, max_tokens=room)
-        return params
-
-    def _encoded(self, kind: str, item: object, params: SamplingParams, add_special: bool
-                 ) -> tuple[str | None, Sequence[int] | None]:
+    def _encoded(self, kind: str, item: object, add_special: bool) -> tuple[str | None, Sequence[int] | None]:
         """A prompt's text (None for ids) and the ids the engine gets: a text encoded once, here, with or without
         (add_special False: LLM.chat's rendered prompt, as vLLM's LLM.chat and the server's chat encode it) the
-        special tokens the tokenizer adds, None without a tokenizer; cut to params.truncate_prompt_tokens (vLLM's:
-        the last k, -1: the last max_model_len)."""
-        if params.truncate_prompt_tokens is not None:
-            params.validate()  # a bad value is named before anything is encoded
+        special tokens the tokenizer adds, None without a tokenizer."""
         if kind != "text":
-            ids = item
-        elif self.engine.tokenizer is None:
+            return None, item  # type: ignore[return-value]
+        if self.engine.tokenizer is None:
             return item, None  # type: ignore[return-value]
-        else:
-            ids = encode_text(self.engine.tokenizer, item, add_special)  # type: ignore[arg-type]
-        if params.truncate_prompt_tokens is not None:
-            ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.engine.max_model_len)
-        return (item if kind == "text" else None), ids  # type: ignore[return-value]
+        return item, encode_text(self.engine.tokenizer, item, add_special)  # type: ignore[arg-type,return-value]
 
 
 @dataclass

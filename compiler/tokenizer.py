@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import re
-import sys
 from functools import cached_property
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -18,7 +18,8 @@ from kiln.chat_template import ChatTemplate, ChatTemplateError, load_chat_templa
 from kiln.errors import KilnError
 from kiln.step import TokenizerLike
 
-_noted = False  # the fallback note is printed once per process
+log = logging.getLogger("kiln.tokenizer")
+_noted = False  # the fallback warning is given once per process
 
 
 @runtime_checkable
@@ -229,13 +230,14 @@ def eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
 
 
 def load_tokenizer(hf_dir: str | Path | None, *, vocab: int) -> Tokenizer:
-    """The checkpoint's tokenizer.json when there is one, else the byte-level tokenizer (with a note on stderr)."""
+    """The checkpoint's tokenizer.json when there is one, else the byte-level tokenizer, with a warning (the text
+    in and out is not the model's own tokens)."""
     global _noted
     if hf_dir is not None and (Path(hf_dir) / "tokenizer.json").is_file():
         return HFTokenizer(Path(hf_dir) / "tokenizer.json", eos_ids(hf_dir))
     tok = ByteTokenizer(vocab, eos_ids(hf_dir) if hf_dir is not None else ())
     if not _noted:
         where = f"in {hf_dir}" if hf_dir is not None else "(no checkpoint)"
-        print(f"kiln: no tokenizer.json {where}; using a byte-level tokenizer (ids 0-255)", file=sys.stderr)
+        log.warning("no tokenizer.json %s; using a byte-level tokenizer (ids 0-255)", where)
         _noted = True
     return tok

@@ -1,17 +1,36 @@
 """Sampling a whole step at once: one token per row, non-finite rows flagged on the device, and the requested
 log-probabilities, all brought to the host in one copy. A row whose sampling fails is reported, not raised, so the
-engine can end that request alone."""
+engine can end that request alone.
+
+failure_text is the one way the runtime turns an exception into such a per-request error: a KilnError is the
+request's own doing and its message is enough; anything else is a bug in kiln, logged once with its traceback
+(`kiln.runtime`) so that it is not reduced to the one line the request's error carries."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.runtime.logprob import PositionLogprobs, position_logprobs
 from kiln.runtime.sampler import TokenHistory, sample_rows, to_device
 from kiln.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("kiln.runtime")
+
+
+def failure_text(what: str, e: Exception) -> str:
+    """`what` ("sampling failed", ...) and `e` as a request's error text: "what (TypeError: message)". The caller
+    isolates the failure (the request, or the step's rows, end with an error; the engine goes on); an `e` that is
+    not a KilnError is a bug in kiln, logged here with its traceback, which the text alone would lose."""
+    text = f"{what} ({type(e).__name__}: {e})"
+    if not isinstance(e, KilnError):
+        log.error("%s; this is a bug in kiln, isolated to the requests concerned (the engine goes on)", text,
+                  exc_info=e)
+    return text
 
 
 @dataclass
@@ -146,7 +165,7 @@ def launch_batch(
                 parts.append(argmax[i : i + 1] if direct[i] else sample_rows(rows[i : i + 1], p, generators[i],
                                                                              [prev_tokens[i]]))
             except Exception as e:  # one request's failure must not take down the batch
-                errors[i] = f"sampling failed ({type(e).__name__}: {e}) with {p}"
+                errors[i] = f"{failure_text('sampling failed', e)} with {p}"
                 parts.append(argmax[i : i + 1])
         toks = torch.cat(parts)
     if not asked:

@@ -26,10 +26,9 @@ them, the target scores [last token, drafts] in the same step as everything else
 a prefix and draws the next token, and the unused slots' blocks are freed. Ordinary rows in the same step are
 sampled as without speculation.
 
-A Mixture-of-Depths step model (num_routed_layers > 0) gets a RoutedBlockManager (runtime/routed_blocks.py): its
-routed layers cache only their routed tokens in pools of their own, sized from the routed capacity; the KV memory
-this saves is logged and in the stats. Prefix caching shares the routed layers' state with the dense blocks; speculation
-is refused.
+A Mixture-of-Depths step model (num_routed_layers > 0) gets a RoutedBlockManager (runtime/routed_blocks.py): routed
+layers cache only their routed tokens, in pools sized from the routed capacity (the KV memory saved is logged and in
+the stats); prefix caching shares their state with the dense blocks; speculation is refused.
 """
 
 from __future__ import annotations
@@ -46,15 +45,9 @@ from kiln.runtime.engine_setup import EngineSetup
 from kiln.runtime.engine_stats import EngineStats, collect_stats, kv_waste
 from kiln.runtime.outputs import Made
 from kiln.runtime.plain_rows import launch_plain, take_plain
+from kiln.runtime.prompt_limits import resolve_max_tokens, truncate_prompt
 from kiln.runtime.prompt_logprobs import launch_prompt, prompt_rows, take_prompt
-from kiln.runtime.request import (
-    Request,
-    RequestOutput,
-    RequestStatus,
-    check_params_for_model,
-    check_prompt,
-    truncate_prompt,
-)
+from kiln.runtime.request import Request, RequestOutput, RequestStatus, check_params_for_model, check_prompt
 from kiln.runtime.sampler import make_generator
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
@@ -77,9 +70,13 @@ class Engine(EngineSetup):
     # ---- requests -----------------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int] | None = None, params: SamplingParams | dict | None = None,
-                    request_id: str | None = None, *, prompt_token_ids: Sequence[int] | None = None) -> str:
+                    request_id: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                    max_tokens_is_default: bool = False) -> str:
         """Queue one request and return its id. A prompt is text (tokenized here) or token ids: a sequence of
-        ints, a 1-D numpy array or a 1-D integer tensor. params: a SamplingParams or a dict of its fields."""
+        ints, a 1-D numpy array or a 1-D integer tensor. params: a SamplingParams or a dict of its fields; its
+        truncate_prompt_tokens cuts the prompt, and max_tokens None becomes what max_model_len leaves after it
+        (max_tokens_for). max_tokens_is_default: params.max_tokens is a default the user never chose (a
+        checkpoint's max_new_tokens), cut to that room rather than refusing a prompt it does not fit."""
         params = SamplingParams.coerce(params, "params").validate()
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
@@ -90,7 +87,7 @@ class Engine(EngineSetup):
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; give prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(text)
-        ids, params = self._check_prompt(prompt_token_ids, params)
+        ids, params = self._check_prompt(prompt_token_ids, params, max_tokens_is_default)
         order = next(self._ids)
         rid = str(order) if request_id is None else str(request_id)
         while request_id is None and rid in self.requests:  # a caller took this number as its own id
@@ -109,22 +106,24 @@ class Engine(EngineSetup):
                         "SamplingParams(speculate=True) to speculate them anyway")
         return rid
 
-    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams
+    def _check_prompt(self, prompt_token_ids: Sequence[int], params: SamplingParams, max_tokens_is_default: bool
                       ) -> tuple[list[int], SamplingParams]:
-        """The prompt's ids and the params with max_tokens None made a number (what max_model_len leaves after
-        the prompt), or a RequestError."""
-        limit = "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
-        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
-        ids = check_prompt(prompt_token_ids, params.max_tokens, vocab=self.model.vocab, limit=self.max_model_len,
-                           limit_name=limit)
+        """The prompt's ids, truncated as params say, and the params with max_tokens made the number this prompt
+        gets (max_tokens_for), or a RequestError."""
+        ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        # A default is checked as None is (the prompt must leave room), then cut to the room by max_tokens_for.
+        ids = check_prompt(ids, None if max_tokens_is_default else params.max_tokens, vocab=self.model.vocab,
+                           limit=self.max_model_len, limit_name=self._limit_name)
         check_params_for_model(params, self.model.vocab)
+        max_tokens = self.max_tokens_for(len(ids), params.max_tokens, is_default=max_tokens_is_default)
+        if max_tokens != params.max_tokens:  # the pool always holds one max_model_len sequence (choose_num_blocks)
+            if params.min_tokens > max_tokens:
+                given = "None" if params.max_tokens is None else f"{params.max_tokens} (a default)"
+                raise RequestError(f"sampling parameter min_tokens = {params.min_tokens} is more than the {max_tokens} "
+                                   f"tokens the {self._limit_name} leaves after the prompt (max_tokens = {given}); "
+                                   "allowed: min_tokens <= max_tokens", param="min_tokens")
+            params = dataclasses.replace(params, max_tokens=max_tokens)
         bm = self.block_manager
-        if params.max_tokens is None:  # the pool always holds one max_model_len sequence (choose_num_blocks)
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
-            if params.min_tokens > params.max_tokens:
-                raise RequestError(f"sampling parameter min_tokens = {params.min_tokens} is more than the "
-                                   f"{params.max_tokens} tokens the {limit} leaves after the prompt (max_tokens = "
-                                   "None); allowed: min_tokens <= max_tokens", param="min_tokens")
         total = len(ids) + params.max_tokens
         if bm.blocks_for(total) > bm.num_usable_blocks:
             raise RequestError(
@@ -132,6 +131,19 @@ class Engine(EngineSetup):
                 f"blocks but the pool has {bm.num_usable_blocks}; lower max_tokens or raise num_blocks "
                 "(--num-blocks)", param="max_tokens")
         return ids, params
+
+    def max_tokens_for(self, prompt_len: int, max_tokens: int | None, *, is_default: bool = False) -> int:
+        """How many tokens a request whose prompt has prompt_len tokens (after truncation) generates here:
+        kiln.runtime.prompt_limits.resolve_max_tokens against max_model_len (max_tokens as given; None: the rest of
+        the context; a default, is_default: at most that). add_request applies it; the server asks it first, for
+        its 400s. Reads only fixed settings, so any thread may call it."""
+        return resolve_max_tokens(max_tokens, prompt_len, self.max_model_len, is_default=is_default,
+                                  limit_name=self._limit_name)
+
+    @property
+    def _limit_name(self) -> str:
+        """How errors name max_model_len."""
+        return "model context" if self.max_model_len == self.cfg.context else "engine's max_model_len"
 
     def abort(self, request_id: str, notify: bool = True) -> bool:
         """Stop a request (waiting or running) and free its blocks; False if it is unknown or already done.

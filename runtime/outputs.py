@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from kiln.runtime.batch_sampler import BatchSample
+from kiln.runtime.batch_sampler import BatchSample, failure_text
 from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer, TokenTextCache
 from kiln.runtime.logprob import PositionLogprobs
@@ -97,7 +97,7 @@ class OutputMaker:
                     made.append(req)
                     continue
                 except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
-                    err = f"emitting its output failed ({type(e).__name__}: {e})"
+                    err = failure_text("emitting its output failed", e)
                 finally:
                     self.num_generated_tokens += appended  # before fail() takes back what no output carried
                     appended = 0
@@ -136,7 +136,7 @@ class OutputMaker:
             OutputMaker.catch_up(req)  # a final_only request's tokens are detokenized only now
             req.detokenizer.flush()
         except Exception as e:  # the held-back tail is lost, the request still ends as asked
-            req.error = f"request {req.request_id!r}: flushing its text failed ({type(e).__name__}: {e})"
+            req.error = f"request {req.request_id!r}: {failure_text('flushing its text failed', e)}"
 
     # ---- output objects -----------------------------------------------------------------------------------
 
@@ -146,7 +146,8 @@ class OutputMaker:
             self.catch_up(req)  # a final_only request's text is made only now
             return req.make_output()
         except Exception as e:  # a broken detokenizer: report the text already sent
-            req.error = req.error or f"request {req.request_id!r}: emitting its output failed ({type(e).__name__}: {e})"
+            text = failure_text("emitting its output failed", e)  # logged even when an earlier error is reported
+            req.error = req.error or f"request {req.request_id!r}: {text}"
             req.finish_reason = req.finish_reason or "error"
             return req.make_output(text_failed=True)
 
@@ -179,7 +180,7 @@ class OutputMaker:
                 self.flush(req)
             return req.make_output()
         except Exception as e:  # a detokenizer failure ends this request only
-            return self.fail(req, req.num_computed_tokens, f"emitting its output failed ({type(e).__name__}: {e})")
+            return self.fail(req, req.num_computed_tokens, failure_text("emitting its output failed", e))
 
     # ---- across steps -------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.runtime.batch_sampler import BatchSample, LaunchedSample, launch_batch
+from kiln.runtime.batch_sampler import BatchSample, LaunchedSample, failure_text, launch_batch
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.sampler import TokenHistory, to_device
 from kiln.runtime.scheduler import ScheduledSeq
@@ -38,7 +38,7 @@ def launch_plain(plain: list[ScheduledSeq], rows: list[int], logits: torch.Tenso
                             [TokenHistory(r.prompt_token_ids, r.output_token_ids, eos_token_ids)
                              if r.params.may_process_logits else () for r in reqs])
     except Exception as e:  # not one row's fault (launch_batch isolates rows): the batch is lost, not the engine
-        return f"sampling the batch failed ({type(e).__name__}: {e})"
+        return failure_text("sampling the batch failed", e)
 
 
 def take_plain(output: OutputMaker, plain: list[ScheduledSeq], launched: LaunchedSample | str, now: float, made: Made,
@@ -51,6 +51,7 @@ def take_plain(output: OutputMaker, plain: list[ScheduledSeq], launched: Launche
             raise _BatchLost(launched)
         result = launched.result()
     except Exception as e:
-        err = str(e) if isinstance(e, _BatchLost) else f"sampling the batch failed ({type(e).__name__}: {e})"
+        # a launch that failed was logged there (failure_text), once
+        err = str(e) if isinstance(e, _BatchLost) else failure_text("sampling the batch failed", e)
         result = BatchSample([0] * len(plain), [err] * len(plain))
     output.take_rows(plain, result, now, made, advance)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.runtime.batch_sampler import NONFINITE_LOGITS, queue_host_copy
+from kiln.runtime.batch_sampler import NONFINITE_LOGITS, failure_text, queue_host_copy
 from kiln.runtime.logprob import position_logprobs
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.sampler import to_device
@@ -104,18 +104,19 @@ def launch_prompt(prompt: PromptRows) -> LaunchedPrompt | str:
         packed = torch.cat([torch.cat(p) for p in parts if p])
         return LaunchedPrompt(k, *queue_host_copy(packed))
     except Exception as e:  # not one row's fault: this step's prompt rows are lost, not the engine
-        return f"scoring the prompt failed ({type(e).__name__}: {e})"
+        return failure_text("scoring the prompt failed", e)
 
 
 def take_prompt(output: OutputMaker, prompt: PromptRows, launched: LaunchedPrompt | str, made: Made) -> None:
     """Append each chunk's entries to its request's prompt_logprobs (Logprob objects); a chunk whose rows are
     not finite, or a launch that failed, fails its request (its output goes into `made`)."""
-    try:
-        if isinstance(launched, str):
-            raise RuntimeError(launched)
-        host = launched.values()
-    except Exception as e:
-        err = str(e) if isinstance(launched, str) else f"scoring the prompt failed ({type(e).__name__}: {e})"
+    err = launched if isinstance(launched, str) else None  # a failed launch, logged there (failure_text)
+    if err is None:
+        try:
+            host = launched.values()
+        except Exception as e:
+            err = failure_text("scoring the prompt failed", e)
+    if err is not None:
         for c in prompt.chunks:
             if not c.seq.request.status.done:
                 made.append(output.fail(c.seq.request, c.seq.start, err))

@@ -18,6 +18,7 @@ import torch
 from kiln.errors import RequestError
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.logprob import PositionLogprobs
+from kiln.runtime.prompt_limits import resolve_max_tokens, truncate_prompt  # noqa: F401  (truncate_prompt: re-exported)
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -303,20 +304,6 @@ def check_params_for_model(params: SamplingParams, vocab: int) -> None:
                            f"0 .. {vocab - 1}", param="allowed_token_ids")
 
 
-def truncate_prompt(prompt_token_ids: Sequence[int], truncate_prompt_tokens: int | None,
-                    max_model_len: int) -> Sequence[int]:
-    """The prompt as SamplingParams.truncate_prompt_tokens keeps it, as vLLM does: its last k tokens (k = -1: the
-    last max_model_len), or all of it (None). Anything but a plain sequence is returned as it is, for
-    check_prompt to name."""
-    if truncate_prompt_tokens is None:
-        return prompt_token_ids
-    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-    if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__getitem__") \
-            or not hasattr(prompt_token_ids, "__len__") or len(prompt_token_ids) <= keep:
-        return prompt_token_ids
-    return prompt_token_ids[len(prompt_token_ids) - keep :]
-
-
 def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, *, vocab: int, limit: int,
                  limit_name: str = "model context") -> list[int]:
     """The prompt as a list of ints, or a RequestError naming what is wrong: not integers, empty, an id outside
@@ -343,10 +330,7 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, *, voc
     if bad:
         raise RequestError(f"prompt_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
                            f"0 <= id < {vocab} (was the prompt encoded with this model's tokenizer?)", param="prompt")
-    total = len(ids) + (1 if max_tokens is None else max_tokens)
-    if max_tokens is None and total > limit:
-        raise RequestError(f"prompt of {len(ids)} tokens leaves no room to generate in the {limit_name} of {limit}; "
-                           "shorten the prompt", param="prompt", code="context_length_exceeded")
+    total = len(ids) + resolve_max_tokens(max_tokens, len(ids), limit, limit_name=limit_name)  # None: the room left
     if total > limit:
         raise RequestError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds the {limit_name} "
                            f"of {limit}; shorten the prompt or lower max_tokens", param="max_tokens",

@@ -118,8 +118,10 @@ class SamplingParams:
             return cls(**value)
         raise RequestError(f"{what} must be a SamplingParams or a dict of its fields, not {type(value).__name__}")
 
-    def validate(self) -> SamplingParams:
-        """Raise RequestError naming the first bad parameter, its value and the allowed range; return self."""
+    def validate(self, *, across: bool = True) -> SamplingParams:
+        """Raise RequestError naming the first bad parameter, its value and the allowed range; return self.
+        across=False checks each value alone and leaves min_tokens <= max_tokens out (the server words that rule
+        in its request's fields: max_completion_tokens, or the limit a default gave)."""
         # _finite rejects NaN and inf, which would slip through the range comparisons.
         checks = (
             (
@@ -161,7 +163,7 @@ class SamplingParams:
                 "stop",
                 self.stop,
                 isinstance(self.stop, tuple) and all(isinstance(t, str) and t for t in self.stop),
-                "a tuple of non-empty strings",
+                "non-empty strings: one or a sequence of them",
             ),
             ("ignore_eos", self.ignore_eos, isinstance(self.ignore_eos, bool), "True or False"),
             ("speculate", self.speculate, self.speculate is None or isinstance(self.speculate, bool),
@@ -239,7 +241,7 @@ class SamplingParams:
                                    f"allowed: {allowed}", param=name)
             raise RequestError(f"sampling parameter {name} = {value!r} is out of range; allowed: {allowed}",
                                param=name)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+        if across and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError(f"sampling parameter min_tokens = {self.min_tokens} is more than max_tokens = "
                                f"{self.max_tokens}; allowed: min_tokens <= max_tokens", param="min_tokens")
         return self

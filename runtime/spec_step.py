@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from kiln.runtime.batch_sampler import NONFINITE_LOGITS
+from kiln.runtime.batch_sampler import NONFINITE_LOGITS, failure_text
 from kiln.runtime.engine_stats import SpecCounters
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.scheduler import ScheduledSeq
@@ -36,7 +36,7 @@ class SpecStep:
         try:
             drafts = self.drafter.propose(reserved)
         except Exception as e:  # the drafter is an optimisation: without it every row is a plain decode
-            log.warning("the drafter failed (%s: %s); this step decodes without speculation", type(e).__name__, e)
+            log.warning("%s; this step decodes without speculation", failure_text("the drafter failed", e))
             self.counters.drafter_failures += 1
             drafts = [Draft([], None)] * len(reserved)
         out = {}
@@ -55,7 +55,7 @@ class SpecStep:
             results = verify_rows(self.verify_fn, logits, spec)
         except Exception as e:  # the verifier's failure loses this step's speculative rows, not the engine
             results = [(0, 0, False)] * len(spec)
-            err_all = f"verifying the drafts failed ({type(e).__name__}: {e})"
+            err_all = failure_text("verifying the drafts failed", e)
         else:
             err_all = None
         c.verify_steps += 1
@@ -82,4 +82,4 @@ class SpecStep:
                     output.commit(req, s.start)
                 made.append(req)
             except Exception as e:  # a stop-string search (its detokenizer) failed: this request only
-                made.append(output.fail(req, s.start, f"emitting its output failed ({type(e).__name__}: {e})"))
+                made.append(output.fail(req, s.start, failure_text("emitting its output failed", e)))

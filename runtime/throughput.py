@@ -32,7 +32,8 @@ def parse_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     a, b = int(lo), int(hi or lo)
     if not 1 <= a <= b:
-        # ValueError on purpose: argparse turns it into "argument --input-len: invalid ..." naming the flag
+        # A ValueError, as int() raises for "x:3": the callers (`kiln bench throughput`, `kiln bench serve`) turn
+        # either into a user error naming --input-len / --output-len
         raise ValueError(f"{text!r}: expected LO:HI with 1 <= LO <= HI")
     return a, b
 

@@ -17,6 +17,7 @@ progress) to stderr; diagnostics from inside kiln go through the `kiln` logger, 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import traceback
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     check_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
     setup_logging(args.debug)
+    # Status lines (kiln.loaded_model.say and the like) are the commands' own output: shown without --debug too.
+    logging.getLogger("kiln.status").setLevel(logging.INFO)
     try:
         return args.func(args)
     except BrokenPipeError:

@@ -22,6 +22,7 @@ from kiln.cli.common import (
 )
 from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError, UsageError
+from kiln.runtime.prompt_limits import resolve_max_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.spec.validate import describe_route
 
@@ -79,10 +80,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids = encode_text(m.tokenizer, prompt, add_special=not args.chat)
     defaults = {k: v for k, v in m.generation_defaults.items() if k not in given}
     if defaults:  # the checkpoint's recommendation for the flags not given, as vLLM's --generation-config auto
-        if "max_tokens" in defaults:  # not past the context (kiln run's own 32 never was a problem)
-            defaults["max_tokens"] = max(1, min(defaults["max_tokens"], m.model.context - len(prompt_ids)))
         params = dataclasses.replace(params, **defaults)
         say(m.generation_note() + (f"; flags given win ({', '.join(sorted(given))})" if given else ""))
+    # The checkpoint's max_new_tokens is a default the user never chose: cut to what the context (the engine's
+    # max_model_len, made below) leaves after the prompt, by the engine's own rule; known here to size the pool.
+    params = dataclasses.replace(params, max_tokens=resolve_max_tokens(
+        params.max_tokens, len(prompt_ids), m.model.context, is_default="max_tokens" in defaults))
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
     engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)

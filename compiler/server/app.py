@@ -24,7 +24,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from kiln import __version__
 from kiln.chat_template import ChatTemplate, ChatTemplateError, chat_template_of
+from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
+from kiln.runtime.prompt_limits import prompt_keep
 from kiln.server.body import read_json, validation_error
 from kiln.server.config import MAX_BODY_BYTES, ServerConfig  # noqa: F401  (MAX_BODY_BYTES: imported from here too)
 from kiln.server.engine_loop import EngineLoop
@@ -41,6 +43,7 @@ from kiln.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
+    request_error,
 )
 
 log = logging.getLogger("kiln.server")
@@ -166,7 +169,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         req = parse(CompletionRequest, body)
         req.check()
         given = req.prompts()
-        keep = truncation(req)
+        keep = truncation(req)  # cut here too: --max-prompt-tokens, echo and usage see the prompt the engine runs
         # Off the event loop: a long prompt's tokenization would stall every stream being served.
         prompts = await asyncio.to_thread(lambda: [_tokens(engine, p, max_prompt, add_special=req.add_special_tokens,
                                                            keep=keep) for p in given])
@@ -183,22 +186,18 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         req = parse(ChatCompletionRequest, body)
         req.check()
         text = render(req)
-        if req.max_completion_tokens is not None:  # as in OpenAI and vLLM, it overrides the deprecated max_tokens
-            req.max_tokens = req.max_completion_tokens
         keep = truncation(req)
         ids = await asyncio.to_thread(lambda: _tokens(engine, text, max_prompt, "messages",
                                                       add_special=req.add_special_tokens, keep=keep))
         return await _generate(request, req, [ids], "chat.completion", None)
 
     def truncation(req) -> int | None:
-        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all); over max_model_len is a
-        400, as in vLLM."""
-        k = req.truncate_prompt_tokens
-        if k is not None and k > engine.max_model_len:
-            raise APIError(400, f"truncate_prompt_tokens = {k} is greater than max_model_len = "
-                           f"{engine.max_model_len}; select a smaller truncation size (or -1: the last max_model_len "
-                           "tokens)", param="truncate_prompt_tokens", code="invalid_value")
-        return engine.max_model_len if k == -1 else k
+        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all), by the engine's rule
+        (kiln.runtime.prompt_limits.prompt_keep, which the engine applies again, a no-op on a prompt cut here)."""
+        try:
+            return prompt_keep(req.truncate_prompt_tokens, engine.max_model_len)
+        except RequestError as e:
+            raise request_error(e) from None
 
     @functools.lru_cache(maxsize=16)  # a client sends the same template with every request: parsed once
     def request_template(text: str) -> ChatTemplate:

@@ -137,13 +137,13 @@ class ChatCompletionRequest(_Sampling, _Conversation):
 
     logprobs: bool = False
     top_logprobs: int | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None  # OpenAI's name for max_tokens (deprecated there), which it overrides
     # vLLM's chat echo prepends the last message to the reply when it is the assistant's; kiln does not, so only
     # false is taken.
     echo: bool = False
 
-    def check(self) -> None:
-        _Sampling.check(self)
+    def check_fields(self) -> None:
+        _Sampling.check_fields(self)
         self.check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",
@@ -156,3 +156,18 @@ class ChatCompletionRequest(_Sampling, _Conversation):
 
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens, else the deprecated max_tokens, as in OpenAI and vLLM."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def unset_limit(self, max_tokens: int) -> tuple[str, str]:
+        return "max_completion_tokens", (f"the {max_tokens} tokens the context leaves after the messages (no "
+                                         "max_completion_tokens given)")
+
+    def param_name(self, param: str | None) -> str | None:
+        if param == "prompt":  # chat has no prompt: it was made from the messages
+            return "messages"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param

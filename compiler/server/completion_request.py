@@ -11,8 +11,6 @@ from kiln.server.request_base import MAX_PROMPTS, _Sampling
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    # 0 only with echo: the prompt alone (with its logprobs), as OpenAI's legacy API and vLLM
-    max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = None
     echo: bool = False  # the prompt before the text; with logprobs, its tokens' logprobs before the output's
     suffix: str | None = None
@@ -21,9 +19,8 @@ class CompletionRequest(_Sampling):
     # vLLM extension: a text prompt gets the special tokens the tokenizer adds (Llama's BOS), as vLLM's default
     add_special_tokens: bool = True
 
-    def check(self) -> None:
-        super().check()
-        self.check_logprobs(self.logprobs, "logprobs")
+    def check_fields(self) -> None:
+        super().check_fields()
         if self.suffix:
             raise APIError(400, "suffix is not supported; omit suffix", param="suffix")
         if self.best_of is not None and self.best_of < self.n:
@@ -38,10 +35,15 @@ class CompletionRequest(_Sampling):
             raise APIError(400, f"prompt is a list of {len(self.prompt)} prompts, over the limit of {MAX_PROMPTS} in "
                            "one request (vLLM's VLLM_MAX_COMPLETION_PROMPTS default); split it over several requests",
                            param="prompt", code="invalid_value")
+        # max_tokens 0 is OpenAI's legacy API's (and vLLM's) with echo: the prompt alone, with its logprobs
         if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens = 0 generates nothing; it is allowed only with echo: true (the prompt "
                            "alone, with its logprobs when logprobs is set); give max_tokens >= 1",
                            param="max_tokens", code="invalid_value")
+
+    def requested_max_tokens(self) -> int | None:
+        """echo with max_tokens 0 runs the engine for one token (not shown), as vLLM does."""
+        return 1 if self.prompt_only else self.max_tokens
 
     @property
     def prompt_only(self) -> bool:

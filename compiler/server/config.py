@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kiln.chat_template import ChatTemplate
+from kiln.errors import UsageError
 
 MAX_BODY_BYTES = 32 << 20  # --max-body-bytes' default: a 131072-token context as token ids (~1 MiB) many times over
 
@@ -41,5 +42,5 @@ class ServerConfig:
         """The served model ids, the reported one first."""
         names = [self.model_name] if isinstance(self.model_name, str) else list(self.model_name)
         if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(f"model_name: give one or more non-empty model ids, not {self.model_name!r}")
+            raise UsageError(f"model_name: give one or more non-empty model ids, not {self.model_name!r}")
         return names

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +28,8 @@ from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.server.metrics import ServerMetrics
 from kiln.server.protocol import APIError
+
+log = logging.getLogger("kiln.server")
 
 Job = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params): one engine request
 
@@ -136,7 +138,8 @@ class EngineLoop:
             try:
                 outs = self.engine.step()
             except Exception as e:  # fail the requests in flight, keep serving new ones
-                traceback.print_exc()
+                log.error("the engine failed during a step; the requests in flight are failed, new ones are served%s",
+                          "" if isinstance(e, KilnError) else "; this is a bug in kiln", exc_info=e)
                 self._fail_all(EngineFailure(f"the engine failed during a step ({type(e).__name__}: {e}); "
                                              "the request was aborted, retry it"))
                 continue

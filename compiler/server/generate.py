@@ -19,7 +19,7 @@ from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
 from kiln.server.config import ServerConfig
 from kiln.server.engine_loop import EngineLoop
-from kiln.server.protocol import APIError, ChatCompletionRequest, request_error
+from kiln.server.protocol import APIError, request_error
 from kiln.server.streaming import Choices, completion_body, sse_stream
 
 log = logging.getLogger("kiln.server")
@@ -34,37 +34,33 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
                        code="engine_stopped")
     jobs = []  # (request id, prompt ids, params)
     chat = kind == "chat.completion"
-    default_cap = defaults.get("max_tokens")  # generation_config.json's max_new_tokens: the default, not a cap
-    if default_cap is not None:
-        default_max = None
+    model_default = defaults.get("max_tokens")  # generation_config.json's max_new_tokens: a default, not a cap
     prefix = "chatcmpl" if chat else "cmpl"
     base = f"{prefix}-{uuid.uuid4().hex}"  # the engine's request ids: unique, whatever the client sends
     # The response's id: vLLM's, from X-Request-Id or the request_id field when the client gives one
     given = request.headers.get("x-request-id") or req.request_id
     response_id = f"{prefix}-{given}" if given else base
+    asked, is_default = req.requested_max_tokens(), False
+    if asked is None and model_default is not None:  # vLLM's: the model's default, cut to the room left
+        asked, is_default = model_default, True
+    elif asked is None:  # completions' 16 (vLLM's field default) is checked as if sent; chat: the rest of the context
+        asked = default_max
     for p, ids in enumerate(prompts):
-        room = engine.max_model_len - len(ids)
-        if req.max_tokens is None and default_max is None and room < 1:
+        if req.prompt_only and engine.max_model_len - len(ids) < 1:
+            # echo with max_tokens 0 samples one token, not shown (as vLLM): the engine would blame a max_tokens 1
+            # the client never sent
             raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, and "
-                           f"your request has {len(ids)} input tokens, which leaves no room for the completion; "
-                           "reduce the length of the messages", param="messages",
-                           code="context_length_exceeded")
-        if req.max_tokens == 0:  # completions' echo of the prompt alone: one token sampled, not shown (as vLLM)
-            max_tokens = 1
-            if room < 1:  # the engine would blame a max_tokens of 1 the client never sent
-                raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, and "
-                               f"your prompt has {len(ids)}: echo with max_tokens 0 still computes one token "
-                               "after the prompt, so the prompt must leave room for it; shorten the prompt by "
-                               "one token", param="prompt", code="context_length_exceeded")
-        else:
-            max_tokens = req.max_tokens or (default_max if default_max is not None else room)
-            if req.max_tokens is None and default_cap is not None:  # vLLM's: the model's default, in the room
-                max_tokens = min(default_cap, room)
-        _check_min_tokens(req, 0 if req.max_tokens == 0 else max_tokens, chat)
+                           f"your prompt has {len(ids)}: echo with max_tokens 0 still computes one token "
+                           "after the prompt, so the prompt must leave room for it; shorten the prompt by "
+                           "one token", param="prompt", code="context_length_exceeded")
         try:
+            # The engine's own rule (runtime.prompt_limits), asked here for the number the 400s below name; the
+            # engine gets it as the request's max_tokens.
+            max_tokens = engine.max_tokens_for(len(ids), asked, is_default=is_default)
+            req.check_min_tokens(max_tokens, is_default)
             choices = req.sampling_params(max_tokens, defaults).choices()  # validated; n > 1: the seed rule there
         except RequestError as e:
-            raise request_error(e, _chat_param(e.param, req) if chat else None) from None
+            raise request_error(e, req.param_name(e.param)) from None
         for i, params in enumerate(choices):
             jobs.append((f"{base}-{p * req.n + i}", ids, params))
     if config.max_waiting is not None and len(jobs) > config.max_waiting:
@@ -82,14 +78,14 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
     try:
         await loop.add(jobs, sink)  # all at once: every choice starts in the same engine step
     except RequestError as e:  # none of them was added
-        raise request_error(e, _chat_param(e.param, req) if chat else None) from None
+        raise request_error(e, req.param_name(e.param)) from None
     except BaseException:
         loop.abort(rids)  # cancelled (client gone) while adding: one of them may be queued already
         raise
     choices = Choices(response_id, kind, served, rids, sum(len(p) for p in prompts),
                       req.return_token_ids, logprobs=req.engine_logprobs(), tokenizer=engine.tokenizer,
                       echo=None if echo is None else [t for t in echo for _ in range(req.n)],
-                      prompt_only=getattr(req, "prompt_only", False),
+                      prompt_only=req.prompt_only,
                       prompt_logprobs=req.shown_prompt_logprobs(),
                       prompt_ids=[ids for ids in prompts for _ in range(req.n)],
                       tokens_as_ids=req.return_tokens_as_token_ids)
@@ -104,31 +100,6 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
     finally:
         loop.abort(rids)  # a no-op once they finished; frees their KV blocks when the client left early
     return JSONResponse(completion_body(choices))
-
-
-def _check_min_tokens(req, max_tokens: int, chat: bool) -> None:
-    """A 400 when min_tokens is over the completion's limit, naming the field that set it as the client sent it."""
-    if req.min_tokens <= max_tokens:
-        return
-    name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
-    if req.max_tokens is not None:  # chat's max_completion_tokens was copied into max_tokens
-        limit = f"{name} = {max_tokens}"
-    elif chat:
-        name = "max_completion_tokens"
-        limit = f"the {max_tokens} tokens the context leaves after the messages (no {name} given)"
-    else:
-        limit = f"max_tokens = {max_tokens} (the default; set max_tokens)"
-    raise APIError(400, f"min_tokens = {req.min_tokens} is more than {limit}; allowed: min_tokens <= {name}",
-                   param="min_tokens", code="invalid_value")
-
-
-def _chat_param(param: str | None, req: ChatCompletionRequest) -> str | None:
-    """A RequestError's parameter as a chat request names it."""
-    if param == "prompt":  # chat has no prompt: it was made from the messages
-        return "messages"
-    if param == "max_tokens" and req.max_completion_tokens is not None:
-        return "max_completion_tokens"
-    return param
 
 
 async def _collect(request: Request, sink: asyncio.Queue, choices: Choices) -> None:

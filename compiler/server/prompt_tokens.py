@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+from kiln.errors import KilnError
 from kiln.runtime.engine import Engine
 from kiln.server.protocol import APIError
 from kiln.tokenizer import encode_text
@@ -22,10 +23,13 @@ def _prompt_text(engine: Engine, prompt: str | list[int], ids: list[int]) -> str
 
 def _encode(engine: Engine, text: str, add_special: bool, param: str, what: str = "text") -> list[int]:
     """The text's token ids, with (add_special) or without the special tokens the tokenizer adds, as LLM.chat and
-    `kiln run --chat` encode (kiln.tokenizer.encode_text); a failure is a 400 naming `param`."""
+    `kiln run --chat` encode (kiln.tokenizer.encode_text). A text the tokenizer refuses (a KilnError: the byte-level
+    tokenizer's byte beyond the vocabulary) is a 400 naming `param`; any other failure is a bug, left to surface as
+    a 500 with its traceback logged. (Lone surrogates, which the `tokenizers` library refuses, are a 400 already
+    when the request is read.)"""
     try:
         return encode_text(engine.tokenizer, text, add_special)
-    except Exception as e:
+    except KilnError as e:
         raise APIError(400, f"the {what} cannot be tokenized: {e}", param=param) from None
 
 

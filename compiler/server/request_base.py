@@ -1,16 +1,22 @@
 """The request models' shared bases: _Body (strict; an explicit null is the default; fields beyond the model's are
 sorted by kiln.server.fields) and _Sampling (the fields completions and chat completions share, mapped onto
 SamplingParams), with StreamOptions and vLLM's bounds MAX_PROMPTS and MAX_N.
+
+Pydantic checks types only, and bounds SamplingParams does not know (vLLM's MAX_N, OpenAI-only fields): a field
+that maps onto a SamplingParams field is range-checked by SamplingParams.validate, so each rule has one message
+(_Sampling.check runs it on the values as sent, before the prompt is tokenized).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, model_validator
 
-from kiln.runtime.sampling_params import MAX_LOGPROBS, MAX_PENALTY, SamplingParams
-from kiln.server.errors import APIError
+from kiln.errors import RequestError
+from kiln.runtime.sampling_params import MAX_LOGPROBS, SamplingParams
+from kiln.server.errors import APIError, request_error
 from kiln.server.fields import COMPLETION_UNSUPPORTED, IGNORED, sort_fields
 
 # vLLM's bounds (VLLM_MAX_COMPLETION_PROMPTS, VLLM_MAX_N_SEQUENCES defaults): prompts in one completions request, n.
@@ -78,15 +84,16 @@ class _Sampling(_Body):
     _IGNORED: ClassVar[dict[str, str]] = IGNORED
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = COMPLETION_UNSUPPORTED
 
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # -1 means off, as in vLLM
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    # The ranges of the fields SamplingParams has are its validate()'s (see the module docstring).
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # -1 means off, as in vLLM (SamplingParams takes it)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, le=MAX_N)  # the server's bound (vLLM's); n >= 1 is SamplingParams'
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -101,11 +108,11 @@ class _Sampling(_Body):
     speculate: bool | None = None
     # vLLM extension: the response's id is cmpl- / chatcmpl- and this (an X-Request-Id header wins, as in vLLM)
     request_id: str | None = Field(default=None, min_length=1)
-    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # OpenAI's form: {"token id as a string": bias in -100 .. 100}; ids are checked against the vocabulary
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(default=0, ge=0)  # vLLM extension: no eos, stop id or stop string before this many
+    min_tokens: int = 0  # vLLM extension: no eos, stop id or stop string before this many
     prompt_logprobs: int | None = None  # vLLM extension: the prompt tokens' logprobs (not streamed, as vLLM)
     # vLLM extensions, SamplingParams' fields of those names: special tokens' text kept in the output (false), and
     # then whether spaces go between two of them; the only token ids that may be sampled; keep the prompt's last k
@@ -119,16 +126,13 @@ class _Sampling(_Body):
     # keyed by SamplingParams field: the same names here); max_tokens is applied by the route.
     _DEFAULTED: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
-    def sampling_params(self, max_tokens: int, defaults: dict[str, object] | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, defaults: dict[str, object] | None = None) -> SamplingParams:
         """The request's SamplingParams, n included: SamplingParams.choices() makes its n requests. defaults: the
         model's generation_config.json sampling (vLLM's --generation-config auto), for the fields the client left
         unset (or sent as null); a value the client sent wins."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stop):
-            raise APIError(400, "stop strings must be non-empty", param="stop", code="invalid_value")
         sampling = {k: getattr(self, k) for k in self._DEFAULTED}
         sampling.update({k: v for k, v in (defaults or {}).items() if k in sampling and k not in self.model_fields_set})
-        sampling["top_k"] = max(sampling["top_k"], 0)  # -1 means off, as in vLLM
         return SamplingParams(**sampling, max_tokens=max_tokens,
                               seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos,
                               stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -143,6 +147,14 @@ class _Sampling(_Body):
                               tuple(self.allowed_token_ids),
                               truncate_prompt_tokens=self.truncate_prompt_tokens,
                               output_kind="delta")  # see streaming.Choices
+
+    def requested_max_tokens(self) -> int | None:
+        """The client's limit on the completion as SamplingParams.max_tokens takes it; None: not given."""
+        return self.max_tokens
+
+    def param_name(self, param: str | None) -> str | None:
+        """A SamplingParams / engine parameter as this request names it (a RequestError's param)."""
+        return param
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """logit_bias with integer token ids (OpenAI sends the ids as JSON object keys, so strings)."""
@@ -170,21 +182,58 @@ class _Sampling(_Body):
         return self.shown_prompt_logprobs()
 
     def check(self) -> None:
+        """The route's own checks (check_fields), then SamplingParams.validate on the values as sent (before the
+        model's defaults, and prompt_logprobs before completions' echo merges it with logprobs): a bad value is
+        refused before the prompt is tokenized, with SamplingParams' message naming the field."""
+        self.check_fields()
+        sent = dataclasses.replace(self.sampling_params(self.requested_max_tokens()),
+                                   prompt_logprobs=self.prompt_logprobs)
+        try:
+            sent.validate(across=False)
+        except RequestError as e:
+            raise request_error(e, self.param_name(e.param)) from None
+        self.check_min_tokens(self.requested_max_tokens())
+
+    def check_min_tokens(self, max_tokens: int | None, is_default: bool = False) -> None:
+        """SamplingParams' min_tokens <= max_tokens, worded in this request's fields (the limit as the client set
+        it, or what a default came to: is_default, the model's); a 400. max_tokens None: not known yet."""
+        if max_tokens is None:
+            return
+        limit_value = 0 if self.prompt_only else max_tokens  # echo's max_tokens 0 generates nothing shown
+        if self.min_tokens <= limit_value:
+            return
+        if self.requested_max_tokens() is not None:
+            name = self.param_name("max_tokens")
+            limit = f"{name} = {limit_value}"
+        elif is_default:
+            name = self.unset_limit(max_tokens)[0]
+            limit = f"the {max_tokens} tokens of the model's default max_tokens that fit the context (no {name} given)"
+        else:
+            name, limit = self.unset_limit(max_tokens)
+        raise APIError(400, f"min_tokens = {self.min_tokens} is more than {limit}; allowed: min_tokens <= {name}",
+                       param="min_tokens", code="invalid_value")
+
+    def unset_limit(self, max_tokens: int) -> tuple[str, str]:
+        """(the field, what the limit was) for a request that set no max_tokens, as min_tokens' 400 names them."""
+        return "max_tokens", f"max_tokens = {max_tokens} (the default; set max_tokens)"
+
+    @property
+    def prompt_only(self) -> bool:
+        """Whether the response is the prompt alone (completions' echo with max_tokens 0)."""
+        return False
+
+    def check_fields(self) -> None:
+        """The checks SamplingParams cannot make: fields of OpenAI's API alone, and how fields go together."""
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options applies to streamed responses only; set stream: true or omit "
                            "stream_options", param="stream_options")
-        self.check_logprobs(self.prompt_logprobs, "prompt_logprobs")
-        k = self.truncate_prompt_tokens
-        if k is not None and (k == 0 or k < -1):  # as vLLM's
-            raise APIError(400, f"truncate_prompt_tokens = {k} is out of range; allowed: an integer k >= 1 (keep the "
-                           "prompt's last k tokens) or -1 (its last max_model_len)", param="truncate_prompt_tokens",
-                           code="invalid_value")
         if self.stream and self.prompt_logprobs:  # vLLM's rule: 0 is accepted (and shows nothing)
             raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM); ask without "
                            "stream, or use echo with logprobs on /v1/completions", param="prompt_logprobs")
 
     @staticmethod
     def check_logprobs(value: int | None, name: str) -> None:
+        """An OpenAI-only count of top logprobs (chat's top_logprobs) in SamplingParams.logprobs' range."""
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise APIError(400, f"{name} = {value} is out of range; allowed: an integer 0 .. {MAX_LOGPROBS} (how "
                            "many most likely tokens to report beside each token's own)", param=name,

@@ -16,11 +16,12 @@ the causal form with the earlier layers already routed, so each fit sees the inp
 
 from __future__ import annotations
 
-import sys
+import logging
 
 import torch
 import torch.fx as fx
 
+from kiln.errors import InternalError
 from kiln.ir.frontend import build_graph
 from kiln.model_config import ModelConfig
 from kiln.train.differentiable import Differentiable
@@ -28,6 +29,8 @@ from kiln.train.differentiable import Differentiable
 EPS = 0.01  # spread of the fitted scores around 1 (their standard deviation over the calibration tokens)
 RIDGE = 1e-2  # ridge penalty per sample on the standardized features
 _FLOOR = 1e-4  # received attention below this is noise; keeps log() finite
+
+status = logging.getLogger("kiln.status")  # the status lines kiln.loaded_model.say writes (the CLI shows them)
 
 
 class _Stop(Exception):
@@ -76,7 +79,7 @@ def _layer_stats(gm: fx.GraphModule, calib: torch.Tensor, nth: int) -> tuple[tor
     except _Stop:
         pass
     if not got:
-        raise RuntimeError(f"routed layer #{nth} has no kiln::routed_attention after its router: this is a bug in kiln")
+        raise InternalError(f"routed layer #{nth} has no kiln::routed_attention after its router")
     x = xs[nth]
     return x.reshape(-1, x.shape[-1]).double(), got[0].flatten().double()
 
@@ -115,5 +118,5 @@ def fit_routers(cfg: ModelConfig, weights: dict[str, torch.Tensor], routers: dic
         routers[f"layers.{i}.router.bias"] = torch.tensor([b])
         routers[f"layers.{i}.router.threshold"] = torch.quantile(r, 1 - cfg.route.capacity).view(1)
         if progress:
-            print(f"kiln: router of layer {i} fitted (correlation {corr[f'layers.{i}']:.2f})", file=sys.stderr)
+            status.info("router of layer %d fitted (correlation %.2f)", i, corr[f"layers.{i}"])
     return corr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 
 import pytest
@@ -40,10 +41,11 @@ def test_an_explicit_group_is_kept():
     assert resolve_group(scheme, TINY) == (scheme, None)
 
 
-def test_load_model_quantizes_a_plain_int4_with_the_group_that_fits(capsys):
+def test_load_model_quantizes_a_plain_int4_with_the_group_that_fits(caplog):
+    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.loaded_model.say)
     m = load_model("tiny-llama", device="cpu", quantize="int4")
     assert m.compile.extra["quantize"].label == "int4-rtn-g64"
-    assert "group 64 is used (int4-rtn-g64)" in capsys.readouterr().err
+    assert "group 64 is used (int4-rtn-g64)" in caplog.text
 
 
 def test_run_says_the_group_and_an_explicit_g128_stays_an_error(capsys):

@@ -116,10 +116,11 @@ def test_a_lone_weights_file_names_its_directory(tmp_path):
 # ---- generation_config.json -------------------------------------------------------------------------------------
 
 
-def test_generation_config_defaults_are_read_and_used(checkpoint, monkeypatch, capsys):
+def test_generation_config_defaults_are_read_and_used(checkpoint, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.loaded_model.say)
     llm = LLM(str(checkpoint))
     assert llm.loaded.generation_defaults == DEFAULTS
-    assert str(checkpoint / "generation_config.json") in capsys.readouterr().err  # said, as vLLM warns
+    assert str(checkpoint / "generation_config.json") in caplog.text  # said, as vLLM warns
     params = llm.get_default_sampling_params()
     assert params == SamplingParams(**DEFAULTS)
     seen = spy_params(llm, monkeypatch)
@@ -135,10 +136,11 @@ def dataclasses_fields(p: SamplingParams) -> tuple:
     return (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens)
 
 
-def test_generation_config_vllm_keeps_kilns_defaults(checkpoint, capsys):
+def test_generation_config_vllm_keeps_kilns_defaults(checkpoint, caplog):
+    caplog.set_level(logging.INFO, logger="kiln.status")  # where the note would be (kiln.loaded_model.say)
     llm = LLM(str(checkpoint), generation_config="vllm")
     assert llm.loaded.generation_defaults == {} and llm.get_default_sampling_params() == SamplingParams()
-    assert "generation_config.json" not in capsys.readouterr().err
+    assert "generation_config.json" not in caplog.text  # captured when said (the test above)
 
 
 def test_generation_config_from_a_directory_and_bad_values(tmp_path, checkpoint):
@@ -207,7 +209,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     )[0]
     assert got.prompt_token_ids == short
     long = list(range(1, 200)) * 2  # past the context of 256: kept to 256 tokens, which leave no room (as vLLM)
-    with pytest.raises(RequestError, match="prompt of 256 tokens leaves no room to generate"):
+    with pytest.raises(RequestError, match="the prompt has 256 input tokens .* leaves no room to generate"):
         llm.generate(
             prompt_token_ids=long,
             sampling_params=SamplingParams(max_tokens=None, truncate_prompt_tokens=-1),

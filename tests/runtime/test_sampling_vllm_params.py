@@ -159,6 +159,16 @@ def test_min_tokens_over_max_tokens_is_refused_by_name():
     SamplingParams(min_tokens=4, max_tokens=4).validate()
 
 
+def test_validate_across_false_checks_each_value_but_leaves_min_tokens_over_max_tokens_to_the_caller():
+    # the server words that rule in its request's fields (max_completion_tokens, a model default), the ranges not
+    over = SamplingParams(min_tokens=9, max_tokens=4)
+    assert over.validate(across=False) is over
+    with pytest.raises(RequestError, match="min_tokens = -1 is out of range"):
+        SamplingParams(min_tokens=-1, max_tokens=4).validate(across=False)
+    with pytest.raises(RequestError, match="max_tokens = 0 is out of range"):
+        SamplingParams(max_tokens=0).validate(across=False)
+
+
 def test_coerce_takes_the_new_fields_and_numpy_scalars_become_python_values():
     p = SamplingParams.coerce({"presence_penalty": np.float32(0.5), "frequency_penalty": np.float64(-1),
                                "min_tokens": np.int64(2), "n": np.int32(3),

@@ -197,7 +197,7 @@ def test_a_chat_prompt_that_fills_the_context_is_refused_naming_the_messages(url
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "messages" and err["code"] == "context_length_exceeded", r.text
     assert f"maximum context length is {MAX_LEN} tokens" in err["message"]
-    assert f"{MAX_LEN} input tokens" in err["message"] and "reduce the length of the messages" in err["message"]
+    assert f"{MAX_LEN} input tokens" in err["message"] and "leaves no room to generate" in err["message"]
     r = _post(url, "/v1/chat/completions", {"messages": _filling(llm, MAX_LEN - 1), "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text  # one token of room
 

@@ -6,14 +6,13 @@ loaders' status line (the `kiln.status` logger).
 from __future__ import annotations
 
 import dataclasses
-import logging
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from kiln.errors import KilnError
 from kiln.model_config import DTYPE_ALIASES, DTYPE_AUTO, DTYPES, CompileConfig, ModelConfig
+from kiln.progress import say
 from kiln.quant.formats import as_scheme
 from kiln.quant.sizing import resolve_group
 
@@ -95,21 +94,3 @@ def fit_quantize(comp: CompileConfig, cfg: ModelConfig) -> CompileConfig:
 def quantize_label(comp: CompileConfig) -> str | None:
     """The short name of the compile config's quantize scheme (int8, int4-rtn-g64, ...), None when there is none."""
     return as_scheme(comp.extra["quantize"]).label if comp.extra.get("quantize") else None
-
-
-# Status lines for humans (what is loaded, notes on the settings, a command's progress): INFO records of their own
-# logger, which the CLI always prints on stderr as `kiln: message` while kiln's other INFO records wait for --debug.
-status = logging.getLogger("kiln.status")
-
-
-def say(msg: str) -> None:
-    """A one-line status message for humans, on stderr so stdout stays clean for text and JSON: an INFO record of
-    `kiln.status`, which the CLI prints as `kiln: msg`. In a program that has set up no logging (no handler on the
-    root logger or kiln's) it is printed the same way, as vLLM's LLM shows its INFO lines and as logging's own last
-    resort shows warnings; a level set on `kiln` or `kiln.status` still decides. Once the program sets up logging,
-    its handlers and levels decide alone."""
-    kiln = logging.getLogger("kiln")
-    if logging.getLogger().handlers or kiln.handlers or status.handlers:
-        status.info("%s", msg)
-    elif not (kiln.level or status.level) or status.isEnabledFor(logging.INFO):
-        print(f"kiln: {msg}", file=sys.stderr, flush=True)

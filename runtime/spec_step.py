@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, failure_text
 from kiln.runtime.engine_stats import SpecCounters
 from kiln.runtime.outputs import Made, OutputMaker
@@ -36,7 +37,11 @@ class SpecStep:
         try:
             drafts = self.drafter.propose(reserved)
         except Exception as e:  # the drafter is an optimisation: without it every row is a plain decode
-            log.warning("%s; this step decodes without speculation", failure_text("the drafter failed", e))
+            text = f"the drafter failed ({type(e).__name__}: {e}); this step decodes without speculation"
+            if isinstance(e, KilnError) or self.counters.drafter_failures:
+                log.warning("%s", text)
+            else:  # a bug in kiln: its traceback once, not on every step a broken drafter fails
+                log.error("%s (this is a bug in kiln)", text, exc_info=e)
             self.counters.drafter_failures += 1
             drafts = [Draft([], None)] * len(reserved)
         out = {}

@@ -229,8 +229,6 @@ def _loads_torch(module: str) -> bool:
     return False
 
 
-# False "loads torch" reasons in files being edited by others when this check was added; fix them, then drop them
-# here. (module, the kiln module it imports inside a function)
 def test_lazy_imports_for_torch_say_true():
     """An import kept inside a function because it "loads torch" must load torch, and its module must not load torch
     already (then the import belongs at the top)."""

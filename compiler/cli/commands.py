@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     check_unknown_flags(parser, argv)
     args = parser.parse_args(argv)
     setup_logging(args.debug)
-    # Status lines (kiln.loaded_model.say and the like) are the commands' own output: shown without --debug too.
+    # Status lines (kiln.progress.say and the like) are the commands' own output: shown without --debug too.
     logging.getLogger("kiln.status").setLevel(logging.INFO)
     try:
         return args.func(args)

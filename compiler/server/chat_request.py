@@ -144,6 +144,10 @@ class ChatCompletionRequest(_Sampling, _Conversation):
 
     def check_fields(self) -> None:
         _Sampling.check_fields(self)
+        if self.max_completion_tokens is not None and self.max_tokens is not None and self.max_tokens < 1:
+            # overridden, so SamplingParams never sees it; still a bad value, as OpenAI's schema says
+            raise APIError(400, f"max_tokens = {self.max_tokens} is out of range: it must be at least 1 (or omitted: "
+                           "max_completion_tokens overrides it)", param="max_tokens")
         self.check_logprobs(self.top_logprobs, "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",

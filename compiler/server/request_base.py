@@ -227,7 +227,8 @@ class _Sampling(_Body):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options applies to streamed responses only; set stream: true or omit "
                            "stream_options", param="stream_options")
-        if self.stream and self.prompt_logprobs:  # vLLM's rule: 0 is accepted (and shows nothing)
+        # vLLM's rule: 0 is accepted (and shows nothing); a value out of range is refused by SamplingParams' check
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs > 0:
             raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM); ask without "
                            "stream, or use echo with logprobs on /v1/completions", param="prompt_logprobs")
 

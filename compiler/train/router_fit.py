@@ -16,21 +16,20 @@ the causal form with the earlier layers already routed, so each fit sees the inp
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.fx as fx
 
 from kiln.errors import InternalError
 from kiln.ir.frontend import build_graph
 from kiln.model_config import ModelConfig
+from kiln.progress import say
 from kiln.train.differentiable import Differentiable
 
 EPS = 0.01  # spread of the fitted scores around 1 (their standard deviation over the calibration tokens)
 RIDGE = 1e-2  # ridge penalty per sample on the standardized features
 _FLOOR = 1e-4  # received attention below this is noise; keeps log() finite
 
-status = logging.getLogger("kiln.status")  # the status lines kiln.loaded_model.say writes (the CLI shows them)
+
 
 
 class _Stop(Exception):
@@ -118,5 +117,5 @@ def fit_routers(cfg: ModelConfig, weights: dict[str, torch.Tensor], routers: dic
         routers[f"layers.{i}.router.bias"] = torch.tensor([b])
         routers[f"layers.{i}.router.threshold"] = torch.quantile(r, 1 - cfg.route.capacity).view(1)
         if progress:
-            status.info("router of layer %d fitted (correlation %.2f)", i, corr[f"layers.{i}"])
+            say(f"router of layer {i} fitted (correlation {corr[f'layers.{i}']:.2f})")
     return corr

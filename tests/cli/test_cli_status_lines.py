@@ -1,4 +1,4 @@
-"""Status lines (kiln.loaded_model.say, the byte-level tokenizer's warning, the router fit's progress) go through the
+"""Status lines (kiln.progress.say, the byte-level tokenizer's warning, the router fit's progress) go through the
 `kiln` loggers: the CLI prints them on stderr as `kiln: ...`, as it did when they were prints; from Python (LLM)
 they are log records that follow the program's logging setup, and a status line is printed by kiln itself only while
 the program has set up no logging at all."""
@@ -12,7 +12,7 @@ import pytest
 import kiln.tokenizer as tokmod
 from kiln.cli.commands import main
 from kiln.ir.frontend import random_weights
-from kiln.loaded_model import say
+from kiln.progress import say
 from kiln.tokenizer import load_tokenizer
 from kiln.train.routers import RouterTraining, distil
 from tests.train.test_train import DENSE, IDS
@@ -103,3 +103,17 @@ def test_the_cli_prints_status_lines_as_before_and_other_info_only_with_debug(ki
     lines = capsys.readouterr().err.splitlines()
     assert any(line.startswith("kiln: loaded tiny-llama from ") for line in lines)
     assert "kiln: removed 3 stale temporary files" in lines
+
+
+def test_router_fit_progress_prints_while_no_logging_is_set_up(python_logging, capsys):
+    """A script calling distil(progress=True) sees a line per fitted router, as kiln.progress.say prints them."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    try:
+        distil(DENSE, random_weights(DENSE), IDS, RouterTraining(capacity=0.5, steps=0, seq_len=48, calib_windows=4),
+               progress=True)  # fmt: skip
+    finally:
+        root.handlers[:] = saved
+    fitted = [line for line in capsys.readouterr().err.splitlines() if "fitted" in line]
+    assert [line.split(" (")[0] for line in fitted] == [f"kiln: router of layer {i} fitted" for i in (1, 3)]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.codegen import paged
+from kiln.codegen import paged, paged_tiles
 from kiln.codegen.tiles import shared_memory_limit
 from kiln.compile.lowering import KERNEL_TABLE
 from tests.codegen.test_cuda_compile import _ptxas_available
@@ -136,3 +136,14 @@ def test_every_launched_kernel_compiles_for_h100(monkeypatch):
 def test_each_kernel_variant_compiles_for_a100(monkeypatch):
     # A100s are not what kiln is measured on: one request per variant that changes the kernel's code
     _compile(_distinct(_launches(monkeypatch, 80), ignore=("GROUP", "EVEN_K", "HAS_BIAS", "SPLIT_K")), 80)
+
+
+def test_the_pretend_gpu_leaves_no_tile_behind():
+    meta = torch.device("meta")
+    tiles = lambda: (paged_tiles.prefill_tile(meta, torch.bfloat16, 64, True, False),  # noqa: E731
+                     paged_tiles.decode_tile(meta, torch.bfloat16, torch.bfloat16, 64, 4))
+    before = tiles()
+    with pytest.MonkeyPatch.context() as mp, gpu_launches(mp, 90):
+        inside = tiles()
+    assert inside[0] != before[0] and inside[1] != before[1]  # an H100's tiles, not the interpreter's
+    assert tiles() == before

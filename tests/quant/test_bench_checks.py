@@ -67,7 +67,7 @@ def test_perplexity_json_weights_is_null_and_unused_calibration_is_noted(files):
 
 
 def test_quality_defaults_adapt_to_the_model_and_json_says_where(caplog):
-    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.loaded_model.say)
+    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.progress.say)
     rep = bench_quality_main("tiny-llama", positions=32, device="cpu", json=True, out=io.StringIO())
     assert [r["error"] for r in rep["rows"]] == [None] * len(rep["rows"])
     assert [r["scheme"] for r in rep["rows"]] == ["int8", "int4-rtn-g64", "int4-gptq-g64"]

@@ -42,7 +42,7 @@ def test_an_explicit_group_is_kept():
 
 
 def test_load_model_quantizes_a_plain_int4_with_the_group_that_fits(caplog):
-    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.loaded_model.say)
+    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.progress.say)
     m = load_model("tiny-llama", device="cpu", quantize="int4")
     assert m.compile.extra["quantize"].label == "int4-rtn-g64"
     assert "group 64 is used (int4-rtn-g64)" in caplog.text

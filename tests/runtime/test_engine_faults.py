@@ -12,6 +12,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import ByteTokenizer
+from tests.support.engine_run import finish_all
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
 
 V = 97
@@ -68,18 +69,6 @@ def normal_requests() -> list[tuple[list[int], SamplingParams]]:
     return reqs
 
 
-def run_all(eng: Engine) -> dict[str, object]:
-    final = {}
-    for _ in range(200):
-        if not eng.has_unfinished():
-            break
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert not eng.has_unfinished(), "the engine stopped making progress"
-    return final
-
-
 def assert_no_leak(eng: Engine) -> None:
     bm = eng.block_manager
     bm.check_invariants()
@@ -100,7 +89,7 @@ def assert_no_leak(eng: Engine) -> None:
 def test_bad_requests_in_a_batch_of_16_leave_the_other_14_untouched(extreme):
     base = make_engine()
     ids = [base.add_request(prompt_token_ids=pr, params=p) for pr, p in normal_requests()]
-    want = {rid: out.outputs[0].token_ids for rid, out in run_all(base).items()}
+    want = {rid: out.outputs[0].token_ids for rid, out in finish_all(base).items()}
 
     eng = make_engine()
     free_at_start = eng.block_manager.num_free_blocks
@@ -109,7 +98,7 @@ def test_bad_requests_in_a_batch_of_16_leave_the_other_14_untouched(extreme):
     boom = eng.add_request(prompt_token_ids=[8, 9, 10, 11], params=SamplingParams(temperature=0, max_tokens=8))
     eng.requests[boom].detokenizer = BoomDetokenizer(eng.tokenizer)
     mixed += [eng.add_request(prompt_token_ids=pr, params=p) for pr, p in normal_requests()[7:]]
-    final = run_all(eng)
+    final = finish_all(eng)
 
     assert [final[r].outputs[0].token_ids for r in mixed] == [want[r] for r in ids]
     assert all(final[r].outputs[0].finish_reason == "length" and final[r].error is None for r in mixed)
@@ -128,7 +117,7 @@ def test_bad_requests_in_a_batch_of_16_leave_the_other_14_untouched(extreme):
 
     # Still serving.
     again = eng.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=5))
-    assert run_all(eng)[again].outputs[0].token_ids == fake_generate([1, 2, 3], 5, V)
+    assert finish_all(eng)[again].outputs[0].token_ids == fake_generate([1, 2, 3], 5, V)
     assert_no_leak(eng)
 
 
@@ -137,7 +126,7 @@ def test_a_sampler_exception_ends_only_that_request():
     good = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
     bad = eng.add_request(prompt_token_ids=[3, 4], params=SamplingParams(temperature=0.7, max_tokens=4, seed=1))
     eng.requests[bad].generator = "not a generator"  # torch.multinomial raises TypeError for this row only
-    final = run_all(eng)
+    final = finish_all(eng)
     assert final[good].outputs[0].token_ids == fake_generate([1, 2], 4, V)
     out = final[bad]
     assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
@@ -169,7 +158,7 @@ def test_nan_logits_end_that_request_with_an_error_naming_the_cause():
     greedy_bad = eng.add_request(prompt_token_ids=[4, poison], params=SamplingParams(temperature=0, max_tokens=6))
     sampled_bad = eng.add_request(prompt_token_ids=[5, poison],
                                   params=SamplingParams(temperature=0.9, max_tokens=6, seed=0))
-    final = run_all(eng)
+    final = finish_all(eng)
     assert final[good].outputs[0].token_ids == fake_generate([1, 2, 3], 6, V)
     for rid in (greedy_bad, sampled_bad):
         out = final[rid]
@@ -178,7 +167,7 @@ def test_nan_logits_end_that_request_with_an_error_naming_the_cause():
     # The poisoned prompt's blocks were not offered to the prefix cache, and nothing leaked.
     assert_no_leak(eng)
     again = eng.add_request(prompt_token_ids=[1, 2, 3, 4], params=SamplingParams(temperature=0, max_tokens=3))
-    assert run_all(eng)[again].outputs[0].token_ids == fake_generate([1, 2, 3, 4], 3, V)
+    assert finish_all(eng)[again].outputs[0].token_ids == fake_generate([1, 2, 3, 4], 3, V)
 
 
 def test_nan_weights_in_the_tiny_spec_end_requests_with_an_error():
@@ -195,7 +184,7 @@ def test_nan_weights_in_the_tiny_spec_end_requests_with_an_error():
     step = compile_step(m.gm, m.model, m.compile, device=m.device, use_kernels=False)
     eng = Engine(step, m.tokenizer, m.model, num_blocks=20, block_size=16)
     rid = eng.add_request("Hi", SamplingParams(temperature=0, max_tokens=4))
-    final = run_all(eng)
+    final = finish_all(eng)
     assert final[rid].outputs[0].finish_reason == "error" and NONFINITE_LOGITS in final[rid].error
     assert_no_leak(eng)
 
@@ -221,7 +210,7 @@ def test_a_sampler_crash_for_the_whole_batch_fails_that_batch_and_the_engine_goe
     assert_no_leak(eng)
     monkeypatch.undo()
     c = eng.add_request(prompt_token_ids=[1, 2], params=SamplingParams(temperature=0, max_tokens=4))
-    assert run_all(eng)[c].outputs[0].token_ids == fake_generate([1, 2], 4, V)
+    assert finish_all(eng)[c].outputs[0].token_ids == fake_generate([1, 2], 4, V)
 
 
 def test_kiln_run_reports_nan_logits_as_one_message(monkeypatch, capsys):

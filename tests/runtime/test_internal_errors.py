@@ -25,6 +25,7 @@ from kiln.runtime.prompt_logprobs import LaunchedPrompt
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import NgramDrafter
 from kiln.tokenizer import ByteTokenizer
+from tests.support.engine_run import finish_all
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
 
 V = 97
@@ -228,18 +229,6 @@ CASES = {
 }
 
 
-def run(eng: Engine) -> dict:
-    final = {}
-    for _ in range(100):
-        if not eng.has_unfinished():
-            break
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert not eng.has_unfinished(), "the engine stopped making progress"
-    return final
-
-
 def check_outcome(final: dict, want: dict, exc: type[Exception]) -> None:
     for rid, failed in want.items():
         out = final[rid]
@@ -257,7 +246,7 @@ def test_a_bug_is_logged_once_with_its_traceback_and_ends_only_its_requests(name
     case = CASES[name]
     caplog.set_level(logging.DEBUG, logger="kiln")
     eng, want = case.setup(monkeypatch, Boom)
-    check_outcome(run(eng), want, Boom)
+    check_outcome(finish_all(eng, 100), want, Boom)
 
     logged = [r for r in caplog.records if r.exc_info is not None]
     assert len(logged) == 1, [r.getMessage() for r in logged]
@@ -271,21 +260,34 @@ def test_a_bug_is_logged_once_with_its_traceback_and_ends_only_its_requests(name
 
     # The engine goes on: a new request is served in full.
     again = eng.add_request(prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=0, max_tokens=3))
-    assert run(eng)[again].outputs[0].token_ids == fake_generate([1, 2, 3], 3, V)
+    assert finish_all(eng, 100)[again].outputs[0].token_ids == fake_generate([1, 2, 3], 3, V)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_kiln_error_keeps_its_one_line_and_logs_no_traceback(name, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger="kiln")
     eng, want = CASES[name].setup(monkeypatch, UserBoom)
-    check_outcome(run(eng), want, UserBoom)
+    check_outcome(finish_all(eng, 100), want, UserBoom)
     assert not [r for r in caplog.records if r.exc_info is not None or "bug in kiln" in r.getMessage()]
 
 
 def test_the_drafters_failure_is_still_a_warning_naming_it(monkeypatch, caplog):
     caplog.set_level(logging.DEBUG, logger="kiln")
     eng, _ = drafting(monkeypatch, UserBoom)
-    run(eng)
+    finish_all(eng, 100)
     assert eng.stats.spec_drafter_failures >= 1
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "the drafter failed (UserBoom: kaboom); this step decodes without speculation" in warned
+
+
+def test_a_drafter_that_keeps_failing_logs_its_traceback_once(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="kiln")
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, reserved: boom(Boom))
+    eng = _spec_engine()
+    rid = eng.add_request(prompt_token_ids=EVERY_ID, params=GREEDY)
+    assert finish_all(eng, 100)[rid].outputs[0].finish_reason == "length"  # served without drafts
+    assert eng.stats.spec_drafter_failures >= 2
+    traced = [r for r in caplog.records if r.exc_info is not None]
+    assert len(traced) == 1 and "bug in kiln" in traced[0].getMessage()
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == eng.stats.spec_drafter_failures - 1

@@ -117,7 +117,7 @@ def test_a_lone_weights_file_names_its_directory(tmp_path):
 
 
 def test_generation_config_defaults_are_read_and_used(checkpoint, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.loaded_model.say)
+    caplog.set_level(logging.INFO, logger="kiln.status")  # the note is a status line (kiln.progress.say)
     llm = LLM(str(checkpoint))
     assert llm.loaded.generation_defaults == DEFAULTS
     assert str(checkpoint / "generation_config.json") in caplog.text  # said, as vLLM warns
@@ -137,7 +137,7 @@ def dataclasses_fields(p: SamplingParams) -> tuple:
 
 
 def test_generation_config_vllm_keeps_kilns_defaults(checkpoint, caplog):
-    caplog.set_level(logging.INFO, logger="kiln.status")  # where the note would be (kiln.loaded_model.say)
+    caplog.set_level(logging.INFO, logger="kiln.status")  # where the note would be (kiln.progress.say)
     llm = LLM(str(checkpoint), generation_config="vllm")
     assert llm.loaded.generation_defaults == {} and llm.get_default_sampling_params() == SamplingParams()
     assert "generation_config.json" not in caplog.text  # captured when said (the test above)

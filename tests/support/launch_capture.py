@@ -41,8 +41,8 @@ def _types(args: Mapping[str, Any]) -> dict[str, Any]:
             none.append(name)
         elif isinstance(value, torch.Tensor):
             dtypes[name] = "*" + _TRITON_DTYPES[value.dtype]
-        elif isinstance(value, bool):
-            dtypes[name] = "i1"
+        elif isinstance(value, bool):  # as triton's launcher specializes a Python bool
+            dtypes[name] = "u1"
         elif isinstance(value, int):
             dtypes[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value == 1:
@@ -81,9 +81,13 @@ def gpu_launches(monkeypatch: pytest.MonkeyPatch, arch: int = 90, sm_count: int 
     monkeypatch.setattr(env, "autotune", lambda: False)
     monkeypatch.setattr(quant, "device_info", lambda device: (sm_count, capability))
     monkeypatch.setattr(paged_tiles, "_capability", lambda device: capability)
-    paged_tiles.decode_tile.cache_clear()
+    # the tile choosers cache per device: nothing chosen for the pretend GPU may outlive it, or leak into it
+    caches = (paged_tiles.decode_tile, paged_tiles.prefill_tile)
+    for cached in caches:
+        cached.cache_clear()
     try:
         with _host.recording(record):
             yield requests
     finally:
-        paged_tiles.decode_tile.cache_clear()
+        for cached in caches:
+            cached.cache_clear()

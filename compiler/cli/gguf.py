@@ -6,7 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from kiln.errors import KilnError
 from kiln.gguf.config import config_from_gguf, open_gguf
 from kiln.hf.to_spec import config_to_spec
 from kiln.spec.formatter import format_spec
@@ -25,12 +24,3 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
-
-
-def chat_prompt(tokenizer: object, text: str) -> str:
-    """`text` as one user turn through the tokenizer's chat template, ready for the assistant's reply."""
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if apply is None:
-        raise KilnError("--chat needs a tokenizer with a chat template (a GGUF file carries one); this model's "
-                        "tokenizer has none: drop --chat and write the prompt in the model's own format")
-    return apply([{"role": "user", "content": text}], add_generation_prompt=True)

@@ -20,7 +20,6 @@ from kiln.cli.common import (
     seed_arg,
     serving_engine,
 )
-from kiln.cli.gguf import chat_prompt
 from kiln.errors import KilnError, UsageError
 from kiln.runtime.prompt_limits import resolve_max_tokens
 from kiln.runtime.sampling_params import SamplingParams
@@ -65,12 +64,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                    quantize=args.quantize, routers=args.routers, generation_config=args.generation_config)
     prompt = args.prompt
     if args.chat and args.prompt_ids is None:
-        if args.chat_template is not None:
-            from kiln.chat_template import chat_template_of  # lazy: jinja2, which only a chat needs
+        from kiln.chat_template import chat_template_of  # lazy: jinja2, which only a chat needs
 
-            prompt = chat_template_of(m.tokenizer, args.chat_template).render([{"role": "user", "content": prompt}])
-        else:
-            prompt = chat_prompt(m.tokenizer, prompt)
+        # the template LLM.chat and kiln serve use: --chat-template, the model's own, else kiln's default (warned)
+        prompt = chat_template_of(m.tokenizer, args.chat_template).render([{"role": "user", "content": prompt}])
     if args.prompt_ids is not None:
         prompt_ids = args.prompt_ids
     else:

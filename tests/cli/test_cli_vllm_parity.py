@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 import pytest
 
@@ -257,3 +258,15 @@ def test_new_sampling_flags_are_checked_before_loading(capsys):
     assert code == 2 and "min_p = 1.5 is out of range; allowed: 0 <= min_p <= 1" in err
     code, _, err = run_cli(capsys, "run", "--prompt", "hi", "--repetition-penalty", "0")
     assert code == 2 and "repetition_penalty = 0.0 is out of range" in err
+
+
+def test_chat_without_a_template_uses_kilns_default_as_llm_chat_does(capsys, caplog, monkeypatch):
+    import kiln.chat_template as chat_template_mod
+    from kiln.chat_template import default_chat_template
+
+    monkeypatch.setattr(chat_template_mod, "_default_noted", False)
+    caplog.set_level(logging.WARNING, logger="kiln.chat_template")
+    got = run_json(capsys, "run", "--prompt", "hi", "--chat", "--max-tokens", "1", "--json", "--seed", "0")
+    want = default_chat_template().render([{"role": "user", "content": "hi"}])
+    assert got["prompt_token_ids"] == list(want.encode())  # tiny-llama's byte tokenizer has no template
+    assert "this model has no chat template" in caplog.text

@@ -9,17 +9,19 @@ import json
 
 from kiln.cli.common import (
     FULL_PRECISION_WEIGHTS_HELP,
-    LOAD_QUANTIZE_HELP,
-    WEIGHTS_HELP,
+    batch_limit_flags,
     check_input_file,
+    device_flag,
     dtype_flag,
     engine_flags,
     model_paths_resolved,
     positive_int,
+    quantize_flag,
     routers_flag,
-    seed_arg,
+    seed_flag,
     serving_engine,
     step_model,
+    weights_flag,
 )
 from kiln.cli.perplexity_parser import add_perplexity_parser
 from kiln.cli.serve import add_bench_serve_parser
@@ -155,17 +157,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         "continuous batching, then with static batching on the same step model, and report "
                         "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
     t.add_argument("spec", metavar="SPEC", nargs="?", help=SPEC_HELP)
-    t.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
+    weights_flag(t)
     t.add_argument("--num-requests", type=positive_int, default=256, help="requests in the trace (default 256)")
     t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
     t.add_argument("--output-len", default="100:1024", metavar="LO:HI", help="output lengths, uniform (100:1024)")
-    t.add_argument("--seed", type=seed_arg, default=0, help="seed of the trace and of random weights (default 0)")
-    t.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most, and static batch size")
-    t.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
-    t.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    seed_flag(t, help="seed of the trace and of random weights (default 0)")
+    batch_limit_flags(t, max_num_seqs_help="running requests at most, and static batch size (default 64)")
+    device_flag(t)
     dtype_flag(t)
     t.add_argument("--json", action="store_true", help="print the full result as JSON")
-    t.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
+    quantize_flag(t)
     routers_flag(t)
     t.add_argument("--profile", metavar="FILE", help="profile the continuous run with cProfile; write the summary "
                    "(top functions by cumulative and own time) to FILE")
@@ -176,13 +177,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                          description="Relative logit error and top-1 agreement of each quantization scheme "
                          "against the unquantized model, over the same evaluation tokens.")
     qb.add_argument("spec", metavar="SPEC", nargs="?", help=SPEC_HELP)
-    qb.add_argument("--weights", metavar="PATH", help=FULL_PRECISION_WEIGHTS_HELP)
+    weights_flag(qb, help=FULL_PRECISION_WEIGHTS_HELP)
     qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,"
                     "int4-gptq-g128, whose group becomes the largest that divides every K when 128 does not)")
     qb.add_argument("--positions", type=positive_int, default=256, help="evaluated positions (default 256)")
     qb.add_argument("--eval-text", metavar="FILE", help="text to evaluate on (default: seeded random tokens)")
     qb.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
-    qb.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    device_flag(qb)
     dtype_flag(qb)
     qb.add_argument("--json", action="store_true", help="print the report as JSON")
     qb.set_defaults(func=model_paths_resolved(cmd_bench_quality))

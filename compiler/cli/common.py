@@ -30,6 +30,7 @@ WEIGHTS_HELP = ("a Hugging Face checkpoint dir (config.json + *.safetensors), a 
 FULL_PRECISION_WEIGHTS_HELP = ("a Hugging Face checkpoint dir or a .gguf file (full precision or GGUF-quantized; "
                                "not a `kiln quantize` output; default: a bundled spec's packaged weights, else "
                                "seeded random weights)")
+DEVICE_HELP = "auto (CUDA when present), cpu or cuda"
 SPECULATION_HELP = ("speculative decoding: ngram(n = 3, k = 4), self(layers = L, k = 4) or draft(spec = \"...\", "
                     "weights = \"...\", k = 4), in the spec syntax; `off` overrides the spec's `speculation`")
 
@@ -93,6 +94,37 @@ def chat_template_flag(p: argparse.ArgumentParser) -> None:
     """vLLM's --chat-template: a file, or the template's text (kiln.chat_template.chat_template_arg)."""
     p.add_argument("--chat-template", metavar="FILE_OR_TEXT",
                    help="the chat template to use instead of the model's: a Jinja file, or the template's text")
+
+
+# ---- the flags several commands share: one definition each, so their types and defaults cannot drift apart
+# (tests/cli/test_cli_shared_flags.py checks every subcommand). A command passes help= (or default=) only where its
+# meaning truly differs.
+
+
+def device_flag(p: argparse.ArgumentParser, default: str = "auto", help: str = DEVICE_HELP) -> None:
+    p.add_argument("--device", default=default, help=help)
+
+
+def weights_flag(p: argparse.ArgumentParser, help: str = WEIGHTS_HELP, metavar: str = "PATH") -> None:
+    p.add_argument("--weights", metavar=metavar, help=help)
+
+
+def seed_flag(p: argparse.ArgumentParser, help: str, default: int | None = 0) -> None:
+    """--seed, of seed_arg's range: default 0, or None where "not given" means something (kiln run's sampling)."""
+    p.add_argument("--seed", type=seed_arg, default=default, help=help)
+
+
+def quantize_flag(p: argparse.ArgumentParser, help: str = LOAD_QUANTIZE_HELP, required: bool = False) -> None:
+    p.add_argument("--quantize", metavar="SCHEME", required=required, help=help)
+
+
+def batch_limit_flags(p: argparse.ArgumentParser,
+                      max_num_seqs_help: str = "running requests at most (default 64)") -> None:
+    """vLLM's --max-num-seqs / --max-num-batched-tokens: the engine's batch limits, for the commands that batch
+    many requests (serve, bench throughput; kiln run's single request takes max_num_seqs=1, so engine_flags
+    leaves these out)."""
+    p.add_argument("--max-num-seqs", type=int, default=64, help=max_num_seqs_help)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
 
 
 def model_paths_resolved(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, staged_dir
+from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, quantize_flag, staged_dir, weights_flag
 from kiln.errors import KilnError, UsageError
 from kiln.gguf.config import open_gguf
 from kiln.gguf.files import bundled_weights, is_gguf
@@ -187,7 +187,7 @@ def add_compile_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--emit", metavar="DIR", help="write the graph after every pass and every generated kernel "
                    "(a .py file with a header naming op, shapes, dtypes and tile config) under DIR")
     dtype_flag(k)
-    k.add_argument("--quantize", metavar="SCHEME", help=QUANTIZE_HELP)
-    k.add_argument("--weights", metavar="FILE.gguf", help="a GGUF whose tensors' load paths (kept int4 / int8 or "
-                   "dequantized) to report (default: a bundled spec's own GGUF)")
+    quantize_flag(k, help=QUANTIZE_HELP)
+    weights_flag(k, metavar="FILE.gguf", help="a GGUF whose tensors' load paths (kept int4 / int8 or "
+                 "dequantized) to report (default: a bundled spec's own GGUF)")
     k.set_defaults(func=cmd_compile)

@@ -8,7 +8,16 @@ import shutil
 import time
 from pathlib import Path
 
-from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, model_paths_resolved, staged_dir
+from kiln.cli.common import (
+    QUANTIZE_HELP,
+    check_output_dir,
+    device_flag,
+    dtype_flag,
+    model_paths_resolved,
+    quantize_flag,
+    staged_dir,
+    weights_flag,
+)
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 from kiln.gguf.files import bundled_weights, is_gguf
@@ -101,12 +110,12 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
                         "`kiln run --weights OUT` and the Python API load without calibrating again.")
     qz.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name (default: from "
                     "--weights, else tiny-llama)")
-    qz.add_argument("--weights", metavar="PATH", help="a Hugging Face checkpoint dir or a .gguf file, in full "
-                    "precision or GGUF-quantized (default: the spec's bundled or seeded random weights)")
-    qz.add_argument("--quantize", metavar="SCHEME", required=True, help=QUANTIZE_HELP)
+    weights_flag(qz, help="a Hugging Face checkpoint dir or a .gguf file, in full "
+                 "precision or GGUF-quantized (default: the spec's bundled or seeded random weights)")
+    quantize_flag(qz, help=QUANTIZE_HELP, required=True)
     qz.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
     qz.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="where to write the checkpoint: a new "
                     "or empty directory, or a previous `kiln quantize` output (replaced)")
-    qz.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    device_flag(qz)
     dtype_flag(qz)
     qz.set_defaults(func=model_paths_resolved(cmd_quantize))

@@ -9,16 +9,17 @@ import sys
 import time
 
 from kiln.cli.common import (
-    LOAD_QUANTIZE_HELP,
-    WEIGHTS_HELP,
     chat_template_flag,
+    device_flag,
     dtype_flag,
     engine_flags,
     generation_config_flag,
     model_paths_resolved,
+    quantize_flag,
     routers_flag,
-    seed_arg,
+    seed_flag,
     serving_engine,
+    weights_flag,
 )
 from kiln.errors import KilnError, UsageError
 from kiln.runtime.prompt_limits import resolve_max_tokens
@@ -134,7 +135,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("spec", nargs="?", help="a .kiln file or bundled spec name, or a Hugging Face checkpoint dir or "
                    "a .gguf file, as --weights (default: from --weights, else the bundled tiny-llama with seeded "
                    "random weights)")
-    r.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
+    weights_flag(r)
     r.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (one user turn)")
     g = r.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", metavar="TEXT", help="prompt text (tokenized with the checkpoint's tokenizer)")
@@ -152,11 +153,11 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
                    "checkpoint's, else 1.0: off)")
     r.add_argument("--stop", metavar="TEXT", action="append", default=[],
                    help="end generation at this text, left out of the output (repeat the flag for several)")
-    r.add_argument("--seed", type=seed_arg, default=None, help="seed for sampling and random weights")
-    r.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    seed_flag(r, default=None, help="seed for sampling and random weights")
+    device_flag(r)
     dtype_flag(r)
     r.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and timings")
-    r.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
+    quantize_flag(r)
     routers_flag(r)
     generation_config_flag(r)
     chat_template_flag(r)

@@ -10,18 +10,20 @@ import socket
 
 from kiln.chat_template import ChatTemplateError, chat_template_of
 from kiln.cli.common import (
-    LOAD_QUANTIZE_HELP,
-    WEIGHTS_HELP,
+    batch_limit_flags,
     chat_template_flag,
+    device_flag,
     dtype_flag,
     engine_flags,
     generation_config_flag,
     human_int,
     model_paths_resolved,
+    quantize_flag,
     routers_flag,
-    seed_arg,
+    seed_flag,
     serving_engine,
     step_model,
+    weights_flag,
 )
 from kiln.errors import KilnError, UsageError
 
@@ -207,7 +209,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        "with SSE), /v1/models, vLLM's /tokenize, /detokenize, /version and /ping, /health and "
                        "/metrics (Prometheus).")
     s.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
-    s.add_argument("--weights", metavar="PATH", help=WEIGHTS_HELP)
+    weights_flag(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", metavar="KEY",
@@ -215,8 +217,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", metavar="NAME", nargs="+",
                    help="the model ids clients use, as vLLM's: the first is reported, every one is accepted "
                    "(default: SPEC as given, else --weights as given; the spec's own name is accepted too)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="running requests at most (default 64)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most (2048)")
+    batch_limit_flags(s)
     s.add_argument("--max-model-len", type=human_int, metavar="N",
                    help="prompt + output tokens at most, as vLLM writes it: 4096, 4k (4000), 32K (32768) (default: "
                    "the context)")
@@ -233,10 +234,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--allowed-headers", type=json_list("--allowed-headers"), default=["*"], metavar="JSON",
                    help='CORS: the request headers allowed, a JSON list (default ["*"])')
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
-    s.add_argument("--seed", type=seed_arg, default=0, help="seed of random weights (default 0)")
-    s.add_argument("--device", default="auto", help="auto (CUDA when present), cpu or cuda")
+    seed_flag(s, help="seed of random weights (default 0)")
+    device_flag(s)
     dtype_flag(s)
-    s.add_argument("--quantize", metavar="SCHEME", help=LOAD_QUANTIZE_HELP)
+    quantize_flag(s)
     routers_flag(s)
     generation_config_flag(s)
     chat_template_flag(s)
@@ -267,7 +268,7 @@ def add_bench_serve_parser(bsub: argparse._SubParsersAction) -> None:
     b.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     b.add_argument("--max-concurrency", type=int, help="requests in flight at most (default unbounded)")
-    b.add_argument("--seed", type=seed_arg, default=0, help="seed of the trace and the arrivals (default 0)")
+    seed_flag(b, help="seed of the trace and the arrivals (default 0)")
     b.add_argument("--out-dir", default="bench/results",
                    help="where the JSON goes (default bench/results, relative to the working directory; "
                    "'' for nowhere)")

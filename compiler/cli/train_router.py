@@ -6,7 +6,7 @@ import argparse
 import math
 import time
 
-from kiln.cli.common import at_least, check_output_file, model_paths_resolved
+from kiln.cli.common import at_least, check_output_file, device_flag, model_paths_resolved, seed_flag, weights_flag
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 from kiln.train.flops import flops_per_token
@@ -98,8 +98,8 @@ def add_train_router_parser(sub: argparse._SubParsersAction) -> None:
                        "distillation from the dense model on a text; every other weight stays frozen. Writes the "
                        "router tensors to a safetensors file whose metadata records the routing.")
     p.add_argument("spec", metavar="SPEC", nargs="?", help="a dense .kiln file or bundled spec name")
-    p.add_argument("--weights", metavar="PATH", help="its checkpoint (dir or .gguf, not a `kiln quantize` output; "
-                   "default: the spec's bundled or seeded random weights)")
+    weights_flag(p, help="its checkpoint (dir or .gguf, not a `kiln quantize` output; "
+                 "default: the spec's bundled or seeded random weights)")
     p.add_argument("--text", metavar="FILE", required=True, help="training text (UTF-8)")
     p.add_argument("--eval-text", metavar="FILE", help="held-out text: report dense and routed perplexity on it")
     p.add_argument("--eval-tokens", type=at_least(2), default=4096,
@@ -123,7 +123,8 @@ def add_train_router_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"tokens per window, 2 to the model's context (default {DEFAULT_SEQ_LEN}, or the context when "
                    "shorter; fit and score on the context length you serve)")
     p.add_argument("--lr", type=_learning_rate, default=3e-3, help="learning rate of the distillation steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    seed_flag(p, help="seed of the initial routers and of the training batches (default 0)")
+    # cpu, not auto: training is deliberate about where it runs (and a GGUF is dequantized off CUDA)
+    device_flag(p, default="cpu", help="cpu (default) or cuda")
     p.add_argument("-o", "--output", metavar="FILE", required=True, help="routers file to write (.safetensors)")
     p.set_defaults(func=model_paths_resolved(cmd_train_router))

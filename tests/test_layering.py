@@ -20,12 +20,10 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.source_tree import ROOT, SOURCES, rel_path
+
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 TABLE_HEADING = "## Packages and what each may import"
-# import name prefix -> folder (pyproject's package-dir)
-FOLDERS = {"kiln.passes": "passes", "kiln.codegen": "codegen", "kiln.runtime": "runtime", "kiln.specs": "specs",
-           "kiln": "compiler"}  # fmt: skip
 PART_NAME = re.compile(r"kiln(\.[a-z_]+)?")
 
 
@@ -54,22 +52,6 @@ def read_table(text: str) -> dict[str, frozenset[str]]:
 
 
 ALLOWED = read_table(DOC.read_text())
-
-
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT)
-    for prefix, folder in sorted(FOLDERS.items(), key=lambda kv: -len(kv[0])):
-        if rel.parts[0] == folder:
-            parts = [*prefix.split("."), *rel.with_suffix("").parts[1:]]
-            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-    raise AssertionError(path)
-
-
-def _sources() -> dict[str, Path]:
-    return {_module_name(p): p for folder in FOLDERS.values() for p in sorted((ROOT / folder).rglob("*.py"))}
-
-
-SOURCES = _sources()
 
 
 def _part(module: str) -> str:
@@ -127,10 +109,6 @@ def _graph(*, top_only: bool) -> nx.DiGraph:
     return g
 
 
-def _rel(path: Path) -> str:
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def test_every_module_belongs_to_a_part():
     for module in SOURCES:
         _part(module)
@@ -148,9 +126,9 @@ def test_a_new_root_module_needs_a_row_of_its_own(tmp_path, monkeypatch):
 def test_every_part_in_the_table_exists():
     """A row names modules that exist, and allows only parts that have rows (no stale kiln.log)."""
     absent = [p for p in ALLOWED if not any(_part(m) == p for m in SOURCES)]
-    assert not absent, f"rows of the import table in {_rel(DOC)} for parts with no module: {absent}"
+    assert not absent, f"rows of the import table in {rel_path(DOC)} for parts with no module: {absent}"
     unknown = sorted({f"{p} -> {d}" for p, deps in ALLOWED.items() for d in deps if d not in ALLOWED})
-    assert not unknown, f"the import table in {_rel(DOC)} allows parts it has no row for: {unknown}"
+    assert not unknown, f"the import table in {rel_path(DOC)} allows parts it has no row for: {unknown}"
 
 
 def violations(sources: dict[str, Path] | None = None) -> list[str]:
@@ -160,13 +138,13 @@ def violations(sources: dict[str, Path] | None = None) -> list[str]:
         for target, line, _ in _imports(module):
             there = _part(target)
             if there != here and there not in ALLOWED[here]:
-                found.append(f"{_rel(SOURCES[module])}:{line}: {here} may not import {target}")
+                found.append(f"{rel_path(SOURCES[module])}:{line}: {here} may not import {target}")
     return found
 
 
 def test_imports_point_one_way():
     bad = violations()
-    assert not bad, f"imports against the layering table ({_rel(DOC)}):\n" + "\n".join(bad)
+    assert not bad, f"imports against the layering table ({rel_path(DOC)}):\n" + "\n".join(bad)
 
 
 def test_the_part_table_itself_has_no_cycle():
@@ -240,9 +218,9 @@ def test_lazy_imports_for_torch_say_true():
             if at_top or "loads torch" not in _lazy_reason(lines, line):
                 continue
             if _loads_torch(module):
-                bad.append(f"{_rel(path)}:{line}: {module} loads torch itself: import {target} at the top")
+                bad.append(f"{rel_path(path)}:{line}: {module} loads torch itself: import {target} at the top")
             elif not _loads_torch(target):
-                bad.append(f"{_rel(path)}:{line}: {target} does not load torch: import it at the top")
+                bad.append(f"{rel_path(path)}:{line}: {target} does not load torch: import it at the top")
     assert not bad, "lazy imports whose comment says they load torch:\n" + "\n".join(sorted(set(bad)))
 
 
@@ -302,7 +280,32 @@ def test_importing_the_compiler_does_not_import_triton():
 
 
 def test_environment_variables_are_read_in_kiln_env_only():
-    readers = [f"{_rel(path)}:{i}" for module, path in SOURCES.items() if module != "kiln.env"
+    readers = [f"{rel_path(path)}:{i}" for module, path in SOURCES.items() if module != "kiln.env"
                for i, line in enumerate(path.read_text().splitlines(), start=1)
                if ("os.environ" in line or "getenv(" in line) and not line.lstrip().startswith("#")]
     assert not readers, f"read environment variables through kiln.env: {readers}"
+
+
+def _test_imports(path: Path) -> list[str]:
+    """The modules a test file imports from the tests package, with relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(ROOT).parent.parts)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            found += [module] if module != base or not node.level else [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return [m for m in found if m == "tests" or m.startswith("tests.")]
+
+
+def test_tests_share_helpers_through_tests_support_only():
+    """A helper another test file needs lives in tests.support: importing a test module runs its module-level code,
+    and a hypothesis TestCase or fixture it defines can be collected or shadowed twice."""
+    test_files = sorted((ROOT / "tests").rglob("test_*.py"))
+    wrong = {rel_path(p): m for p in test_files for m in _test_imports(p)
+             if not (m == "tests.support" or m.startswith("tests.support."))}  # fmt: skip
+    assert not wrong, wrong
+    assert not sorted((ROOT / "tests" / "support").glob("test_*.py")), "tests.support holds helpers, not tests"

@@ -11,7 +11,7 @@ import pytest
 
 import kiln
 from kiln.model_config import DTYPES
-from tests.test_layering import ROOT, SOURCES, _rel
+from tests.support.source_tree import ROOT, SOURCES, rel_path
 
 tomllib = pytest.importorskip("tomllib")  # python >= 3.11
 
@@ -35,7 +35,7 @@ def test_the_float_dtype_names_are_listed_in_model_config_only():
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 names = {e.value for e in node.elts if isinstance(e, ast.Constant)}
                 if set(DTYPES) <= names:
-                    copies.append(f"{_rel(path)}:{node.lineno}")
+                    copies.append(f"{rel_path(path)}:{node.lineno}")
     assert not copies, f"use kiln.model_config.DTYPES instead of a copy of its names: {copies}"
 
 
@@ -60,7 +60,7 @@ def _walks_a_dotted_name(func: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
 
 
 def test_dotted_names_are_walked_in_kiln_ir_attrs_only():
-    walks = [f"{_rel(path)}:{f.lineno} {f.name}" for module, path in SOURCES.items() if module != "kiln.ir.attrs"
+    walks = [f"{rel_path(path)}:{f.lineno} {f.name}" for module, path in SOURCES.items() if module != "kiln.ir.attrs"
              for f in ast.walk(ast.parse(path.read_text()))
              if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and _walks_a_dotted_name(f)]
     assert not walks, f"walk dotted names with kiln.ir.attrs (owner, get_tensor, set_tensor): {walks}"

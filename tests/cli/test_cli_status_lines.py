@@ -15,7 +15,7 @@ from kiln.ir.frontend import random_weights
 from kiln.progress import say
 from kiln.tokenizer import load_tokenizer
 from kiln.train.routers import RouterTraining, distil
-from tests.train.test_train import DENSE, IDS
+from tests.support.train_data import DENSE, IDS
 
 KILN_LOGGERS = ("kiln", "kiln.status")
 FALLBACK = "no tokenizer.json (no checkpoint); using a byte-level tokenizer (ids 0-255)"

@@ -4,25 +4,14 @@ here, not in the next GPU session. (Run in a subprocess: the test process has TR
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from kiln.codegen.paged_tiles import decode_candidates
 from kiln.codegen.tiles import TileConfig, candidate_tiles, default_tile, shared_memory_limit
-from tests.support.cuda_compile import compile_in_subprocess
+from tests.support.cuda_compile import compile_in_subprocess, ptxas_available
 
-
-def _ptxas_available() -> bool:
-    try:
-        import triton.backends.nvidia as nv
-    except ImportError:
-        return False
-    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
-
-
-pytestmark = pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
+pytestmark = pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
 
 # Integer arguments a real launch passes as multiples of 16 (triton specializes those): row strides, head dims
 # that are multiples of 16 (64, 80, 128), the cache's block and row strides, a block size of 16.
@@ -71,8 +60,6 @@ def _decode(arch, d, dtype="bf16", quant=False, window=False, tile=_DECODE_DEFAU
     return {"template": "paged_decode", "name": "paged_decode_kernel", "op": "paged_attention_decode",
             "consts": consts, "options": tile.options(), "arch": arch,
             "dtypes": _paged_dtypes(dtype, quant), "divisible": _DIVISIBLE}
-
-
 
 
 def test_attention_kernels_compile_pipelined_for_h100_and_a100():

@@ -19,12 +19,11 @@ import torch
 from kiln.codegen import paged, paged_tiles
 from kiln.codegen.tiles import shared_memory_limit
 from kiln.compile.lowering import KERNEL_TABLE
-from tests.codegen.test_cuda_compile import _ptxas_available
-from tests.codegen.test_kernel_table import _examples
-from tests.support.cuda_compile import compile_in_subprocess
+from tests.support.cuda_compile import compile_in_subprocess, ptxas_available
+from tests.support.kernel_examples import kernel_examples
 from tests.support.launch_capture import gpu_launches, to_meta
 
-pytestmark = pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
+pytestmark = pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "codegen" / "templates"
 META = {"device": "meta"}
@@ -85,7 +84,7 @@ def _paged_step(kv_dtype: torch.dtype, decode: bool) -> None:
 def _launches(monkeypatch: pytest.MonkeyPatch, arch: int) -> list[dict]:
     with gpu_launches(monkeypatch, arch) as requests:
         for dtype in (torch.bfloat16, torch.float16):
-            for op, build in _examples("real", dtype, "cpu").items():
+            for op, build in kernel_examples("real", dtype, "cpu").items():
                 if build is not None and op not in _NO_KERNEL:
                     KERNEL_TABLE[op](*to_meta(build()))
         _linears()

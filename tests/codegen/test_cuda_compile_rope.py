@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.codegen.test_cuda_compile import _ptxas_available
-from tests.support.cuda_compile import compile_in_subprocess
+from tests.support.cuda_compile import compile_in_subprocess, ptxas_available
 
-pytestmark = pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
+pytestmark = pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
 
 
 def _rope(arch: int, head_dim: int, norm: bool, dtype: str = "bf16", block_h: int = 16) -> dict:

@@ -10,36 +10,7 @@ import torch
 
 from kiln.codegen._host import launch
 from kiln.errors import CodegenError
-from kiln.ir import ops
-from tests.support.paged_helper import shuffled_block_tables
-
-LAYERS, LAYER = 2, 1  # write and read layer 1 of 2, so a wrong layer offset shows
-
-
-def _setup(heads, kv_heads, d, block_size, q_lens, ctx_lens, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    tables, num_blocks = shuffled_block_tables(ctx_lens, block_size, seed)
-    cache = torch.randn(LAYERS, 2, num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
-    q = torch.randn(sum(q_lens), heads * d, generator=g).to(dtype)
-    bt = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, cache, tables, bt, torch.tensor(ctx_lens, dtype=torch.int32), qsl
-
-
-def _expected(q, cache, tables, q_lens, ctx_lens, heads, kv_heads, causal, window, scale):
-    block_size, d = cache.shape[3], cache.shape[-1]
-    outs, at = [], 0
-    for table, q_len, ctx in zip(tables, q_lens, ctx_lens, strict=True):
-        where = [(table[p // block_size], p % block_size) for p in range(ctx)]
-        k = torch.stack([cache[LAYER, 0, b, o] for b, o in where]).reshape(1, ctx, kv_heads * d)
-        v = torch.stack([cache[LAYER, 1, b, o] for b, o in where]).reshape(1, ctx, kv_heads * d)
-        qs = q[at : at + q_len].float()[None]
-        outs.append(ops.attention(qs, k.float(), v.float(), heads, kv_heads, causal, window, scale)[0])
-        at += q_len
-    return torch.cat(outs)
-
+from tests.support.paged_helper import LAYER, LAYERS, gathered_attention, paged_inputs
 
 # (heads, kv_heads, head_dim, block_size, context lengths, window, num_splits, splits launched)
 # Splits are whole 32-key tiles (the interpreter's BLOCK_N) of the visible span, so short spans get fewer.
@@ -62,13 +33,13 @@ def test_decode_matches_reference(case, monkeypatch):
     monkeypatch.setattr(paged, "launch", lambda t, op, grid, *a: (grids.append((t, grid)), launch(t, op, grid, *a)))
     heads, kv_heads, d, bs, ctx, window, splits, launched = DECODE[case]
     q_lens = [1] * len(ctx)
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=len(case))
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=len(case))
     out = torch.full_like(q, float("nan"))
     got = paged.paged_attention_decode(q, cache, LAYER, bt, cl, qsl, max(ctx), heads, window, d**-0.5,
                                  num_splits=splits, out=out)  # fmt: skip
     assert got is out
     assert grids[0] == ("paged_decode", (len(ctx), kv_heads, launched)) and grids[1][0] == "paged_merge"
-    want = _expected(q, cache, tables, q_lens, ctx, heads, kv_heads, True, window, d**-0.5)
+    want = gathered_attention(q, cache, tables, q_lens, ctx, heads, kv_heads, True, window, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -82,11 +53,11 @@ def test_decode_under_a_loose_bound_splits_each_context_by_its_own_length(splits
     grids = []
     monkeypatch.setattr(paged, "launch", lambda t, op, grid, *a: (grids.append((t, grid)), launch(t, op, grid, *a)))
     heads, kv_heads, d, bs, ctx = 4, 2, 32, 16, [70, 9, 1]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, [1] * 3, ctx, seed=5)
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, [1] * 3, ctx, seed=5)
     wide = torch.zeros(3, 4096 // bs, dtype=torch.int32)  # full-width tables, as a captured graph has
     wide[:, : bt.shape[1]] = bt
     got = paged.paged_attention_decode(q, cache, LAYER, wide, cl, qsl, 4096, heads, 0, d**-0.5, num_splits=splits)
-    want = _expected(q, cache, tables, [1] * 3, ctx, heads, kv_heads, True, 0, d**-0.5)
+    want = gathered_attention(q, cache, tables, [1] * 3, ctx, heads, kv_heads, True, 0, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert grids[0][1][2] == (4 if splits else paged_tiles.choose_splits(3, kv_heads, 4096, 32, q.device))
 
@@ -108,12 +79,12 @@ def test_prefill_matches_reference(case):
     from kiln.codegen.tiles import TileConfig
 
     heads, kv_heads, d, bs, q_lens, ctx, causal, window = PREFILL[case]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=len(case) + 1)
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=len(case) + 1)
     out = torch.full_like(q, float("nan"))
     tile = TileConfig(16, 16, 4, 1)  # several query and key tiles per sequence: block skipping is exercised
     got = paged_attention_prefill(q, cache, LAYER, bt, cl, qsl, max(q_lens), heads, causal, window, d**-0.5, tile,
                                   out=out)  # fmt: skip
-    want = _expected(q, cache, tables, q_lens, ctx, heads, kv_heads, causal, window, d**-0.5)
+    want = gathered_attention(q, cache, tables, q_lens, ctx, heads, kv_heads, causal, window, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -125,13 +96,13 @@ def test_16bit_decode_and_prefill_match_the_fp32_reference(dtype):
 
     heads, kv_heads, d, bs = 4, 2, 32, 16
     for q_lens, ctx in (([1, 1], [37, 5]), ([9, 2], [9, 21])):
-        q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(ctx), dtype=dtype)
+        q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(ctx), dtype=dtype)
         if max(q_lens) == 1:
             got = paged_attention_decode(q, cache, LAYER, bt, cl, qsl, max(ctx), heads, 0, d**-0.5, num_splits=2)
         else:
             got = paged_attention_prefill(q, cache, LAYER, bt, cl, qsl, max(q_lens), heads, True, 0, d**-0.5,
                                           TileConfig(16, 16, 4, 1))  # fmt: skip
-        want = _expected(q, cache, tables, q_lens, ctx, heads, kv_heads, True, 0, d**-0.5)
+        want = gathered_attention(q, cache, tables, q_lens, ctx, heads, kv_heads, True, 0, d**-0.5)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
@@ -161,7 +132,8 @@ def test_paged_attention_writes_then_attends_like_the_op(q_lens):
     from kiln.ir.ops_paged import paged_attention as reference
 
     heads, kv_heads, d, bs, ctx = 4, 2, 64, 16, [21, 35]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(q_lens), dtype=torch.float16)
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(q_lens),
+                                                 dtype=torch.float16)
     g = torch.Generator().manual_seed(5)
     k = torch.randn(1, sum(q_lens), kv_heads * d, generator=g).half()
     v = torch.randn(1, sum(q_lens), kv_heads * d, generator=g).half()
@@ -194,7 +166,7 @@ def test_rows_past_the_last_sequence_are_zeros_as_in_the_reference(case):
 
     q_lens, ctx, pad = PADDED[case]
     heads, kv_heads, d, bs = 6, 2, 48, 4  # GQA 3, head_dim 48 (not a power of two)
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=len(case))
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=len(case))
     real, g = q.shape[0], torch.Generator().manual_seed(7)
     q = torch.cat([q, torch.randn(pad, q.shape[1], generator=g)])[None]
     k, v = (torch.randn(1, real + pad, kv_heads * d, generator=g) for _ in range(2))
@@ -213,7 +185,7 @@ def test_rows_past_the_last_sequence_are_zeros_as_in_the_reference(case):
 def test_paged_kernels_reject_bad_inputs():
     from kiln.codegen.paged import paged_attention_decode, paged_kv_write
 
-    q, cache, _, bt, cl, qsl = _setup(4, 2, 64, 16, [1, 1], [5, 9], seed=0)
+    q, cache, _, bt, cl, qsl = paged_inputs(4, 2, 64, 16, [1, 1], [5, 9], seed=0)
     args = (bt, cl, qsl, 9, 4, 0, 0.125)
     with pytest.raises(CodegenError, match="kv_cache must have 6 dims"):
         paged_attention_decode(q, cache[0], LAYER, *args)
@@ -242,7 +214,7 @@ def test_paged_attention_real_size_on_gpu(q_lens, dtype):
     heads, kv_heads, d, bs = 32, 8, 128, 16
     g = torch.Generator().manual_seed(len(q_lens))
     ctx = [int(q) + int(torch.randint(0, 1500, (1,), generator=g)) for q in q_lens]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=len(q_lens), dtype=dtype)
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=len(q_lens), dtype=dtype)
     q, cache, bt, cl, qsl = (t.cuda() for t in (q, cache, bt, cl, qsl))
     k = torch.randn(1, sum(q_lens), kv_heads * d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)

@@ -6,7 +6,7 @@ import torch
 
 from kiln.errors import CodegenError
 from kiln.ir import ops_level2  # noqa: F401  (registers kiln::qk_norm_rope)
-from tests.codegen.test_kernels_rope import llama3_inv_freq
+from tests.support.rope import llama3_inv_freq
 
 qk_norm_rope_ref = torch.ops.kiln.qk_norm_rope
 

@@ -17,8 +17,7 @@ from kiln.ir.ops_paged import paged_attention as reference
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.step import KVCache, kv_bytes_per_block
-from tests.codegen.test_kernels_paged import LAYER, _expected, _setup
-from tests.support.paged_helper import shuffled_block_tables, step_batch
+from tests.support.paged_helper import LAYER, gathered_attention, paged_inputs, shuffled_block_tables, step_batch
 
 
 def _int8(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,12 +72,12 @@ def test_decode_on_int8_cache_matches_reference(case):
     from kiln.codegen.paged import paged_attention_decode
 
     heads, kv_heads, d, bs, ctx, splits = DECODE[case]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, [1] * len(ctx), ctx, seed=len(case))
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, [1] * len(ctx), ctx, seed=len(case))
     data, scales, deq = _int8(cache)
     out = torch.full_like(q, float("nan"))
     got = paged_attention_decode(q, data, LAYER, bt, cl, qsl, max(ctx), heads, 0, d**-0.5, num_splits=splits,
                                  out=out, kv_scales=scales)  # fmt: skip
-    want = _expected(q, deq, tables, [1] * len(ctx), ctx, heads, kv_heads, True, 0, d**-0.5)
+    want = gathered_attention(q, deq, tables, [1] * len(ctx), ctx, heads, kv_heads, True, 0, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -88,18 +87,18 @@ def test_prefill_after_cached_prefix_on_int8_cache_matches_reference(bs, kv_head
     from kiln.codegen.tiles import TileConfig
 
     heads, d, q_lens, ctx = 4, 64, [7, 3, 1], [7, 20, 9]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=bs + kv_heads)
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=bs + kv_heads)
     data, scales, deq = _int8(cache)
     out = torch.full_like(q, float("nan"))
     got = paged_attention_prefill(q, data, LAYER, bt, cl, qsl, max(q_lens), heads, True, 0, d**-0.5,
                                   TileConfig(16, 16, 4, 1), out=out, kv_scales=scales)  # fmt: skip
-    want = _expected(q, deq, tables, q_lens, ctx, heads, kv_heads, True, 0, d**-0.5)
+    want = gathered_attention(q, deq, tables, q_lens, ctx, heads, kv_heads, True, 0, d**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def _op_case(q_lens, dtype):
     heads, kv_heads, d, bs, ctx = 4, 2, 64, 16, [21, 35]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(q_lens), dtype=dtype)
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=sum(q_lens), dtype=dtype)
     g = torch.Generator().manual_seed(5)
     k = torch.randn(1, sum(q_lens), kv_heads * d, generator=g).to(dtype)
     v = torch.randn(1, sum(q_lens), kv_heads * d, generator=g).to(dtype)
@@ -210,7 +209,7 @@ def test_int8_paged_attention_real_size_on_gpu(q_lens):
     heads, kv_heads, d, bs = 32, 8, 128, 16
     g = torch.Generator().manual_seed(len(q_lens))
     ctx = [int(q) + int(torch.randint(0, 1500, (1,), generator=g)) for q in q_lens]
-    q, cache, tables, bt, cl, qsl = _setup(heads, kv_heads, d, bs, q_lens, ctx, seed=len(q_lens))
+    q, cache, tables, bt, cl, qsl = paged_inputs(heads, kv_heads, d, bs, q_lens, ctx, seed=len(q_lens))
     data, scales, _ = _int8(cache)
     q, data, scales, bt, cl, qsl = (t.cuda() for t in (q.bfloat16(), data, scales, bt, cl, qsl))
     k = torch.randn(1, sum(q_lens), kv_heads * d, device="cuda", dtype=torch.bfloat16)

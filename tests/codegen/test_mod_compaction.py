@@ -7,15 +7,13 @@ feature blocks). Outputs are poisoned before each run, so an element no program 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from kiln.codegen import mod
 from kiln.codegen.mod import RouteTiles, mod_gather, mod_route, mod_scatter, route_tiles
 from kiln.ir.ops_mod import mod_rows
-from tests.support.cuda_compile import compile_in_subprocess
+from tests.support.cuda_compile import compile_in_subprocess, ptxas_available
 
 ops = torch.ops.kiln
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,20 +168,12 @@ def test_a_long_flat_batch_on_the_gpu(dtype):
            ("index", "count", "xs", "xpos"))
 
 
-def _ptxas_available() -> bool:
-    try:
-        import triton.backends.nvidia as nv
-    except ImportError:
-        return False
-    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
-
-
 def _request(template: str, op: str, consts: dict, arch: int, dtypes: dict, divisible: list[str]) -> dict:
     return {"template": template, "name": f"{template}_kernel", "op": op, "consts": consts, "arch": arch,
             "options": {"num_warps": route_tiles(8192, 4096).num_warps}, "dtypes": dtypes, "divisible": divisible}
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
+@pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
 def test_the_kernels_compile_for_h100_and_a100():
     """Built by triton's own ptxas for sm90 / sm80 in a subprocess (this one has TRITON_INTERPRET=1), at the tiles
     a flat batch of 8192 rows of 4096 features gets, in both forms and with int32 / int64 positions."""

@@ -19,6 +19,7 @@ import torch
 from kiln import env
 from kiln.dynamo.backend import OPTIONS, STATS, parse_options
 from kiln.errors import KilnError
+from tests.support.dynamo_models import Unknown
 from tests.support.hf_models import build_hf_model, prompts
 
 EAGER = {"fallback": "eager"}
@@ -108,18 +109,6 @@ def test_padding_fails_the_mask_guard_and_runs_the_original_graph():
             compiled(tokens, attention_mask=padded)
     assert STATS.mask_fallbacks == before + 2
     assert close(got[1], want[1]) and close(got[0, 3:], want[0, 3:])
-
-
-class Unknown(torch.nn.Module):
-    """Nothing kiln knows: cumulative sums, flips, reductions, a broadcasting product."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.randn(7))
-
-    def forward(self, x):
-        y = torch.cumsum(torch.sin(x) * self.scale, dim=-1).flip(0)
-        return y - y.amax(dim=-1, keepdim=True) + x.abs().mean()
 
 
 def test_unknown_module_runs_as_torch_and_claims_nothing():

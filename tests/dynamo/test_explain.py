@@ -8,7 +8,7 @@ import torch
 import kiln
 from kiln.dynamo.backend import STATS
 from kiln.errors import KilnError
-from tests.dynamo.test_dynamo_backend import Unknown
+from tests.support.dynamo_models import Unknown
 from tests.support.hf_models import build_hf_model, prompts
 
 

@@ -11,7 +11,7 @@ import torch
 from kiln.errors import KilnError
 from kiln.gguf.config import config_from_gguf, open_gguf
 from kiln.model_config import RopeScaling
-from tests.gguf.spm_files import hf_model, llama3_factors, write_spm_gguf
+from tests.support.spm_files import hf_model, llama3_factors, write_spm_gguf
 
 # original = 64 puts the tiny model's 8 rotary pairs in all three bands (kept, smoothed, divided by the factor).
 SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

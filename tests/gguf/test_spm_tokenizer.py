@@ -11,7 +11,7 @@ import torch
 
 from kiln.gguf.config import GGUFError, open_gguf
 from kiln.gguf.tokenizer import load_gguf_tokenizer
-from tests.gguf.spm_files import hf_model, hf_tokenizer, spm_vocab, write_spm_gguf
+from tests.support.spm_files import hf_model, hf_tokenizer, spm_vocab, write_spm_gguf
 
 TEXTS = ["hello world", " hello", "  two  spaces  ", "Hello World!! The day, the star.", "a\nb\n\nc",
          "\n leading newline", "the other one <|im_end|>there", "<|im_start|>user\nhi<|im_end|>\n",

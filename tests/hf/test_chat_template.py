@@ -10,8 +10,7 @@ import pytest
 
 from kiln.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
 from kiln.tokenizer import load_tokenizer
-
-from .test_tokenizer import write_bpe
+from tests.support.bpe_tokenizer import write_bpe
 
 MSGS = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 

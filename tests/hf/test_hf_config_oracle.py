@@ -7,7 +7,6 @@ compared with kiln's import of the same directory: equal logits, or a KilnError 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,41 +14,12 @@ import torch
 from kiln.cli import main
 from kiln.errors import KilnError
 from kiln.hf.config import config_from_hf, load_hf_config
-from kiln.hf.weights import load_hf_weights
-from kiln.ir.frontend import build_graph
-from kiln.reference import forward_logits
-from tests.support.hf_models import MISTRAL_WINDOW, prompts, save_hf_model
-
-PROMPT_LEN = 11  # longer than MISTRAL_WINDOW, so a wrong window changes the logits
-
-
-def edit_config(d: Path, **changes) -> None:
-    path = d / "config.json"
-    hf = json.loads(path.read_text())
-    hf.update(changes)
-    path.write_text(json.dumps(hf))
-
-
-def hf_logits(d: Path, ids: torch.Tensor) -> torch.Tensor:
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def kiln_logits(d: Path, ids: torch.Tensor) -> torch.Tensor:
-    hf = load_hf_config(d)
-    cfg = config_from_hf(hf)
-    return forward_logits(build_graph(cfg, load_hf_weights(d, cfg, model_type=hf["model_type"])), ids)
-
-
-def assert_same_logits(d: Path) -> None:
-    ids = prompts(batch=2, length=PROMPT_LEN)
-    want, got = hf_logits(d, ids), kiln_logits(d, ids)
-    assert got.shape == want.shape
-    err = (got - want).abs().max().item()
-    assert err < 1e-4 * want.abs().max().item(), err
+from tests.support.hf_models import (
+    MISTRAL_WINDOW,
+    assert_same_logits,
+    edit_config,
+    save_hf_model,
+)
 
 
 def test_mistral_with_mixed_layer_types_is_refused_by_name(tmp_path, capsys):

@@ -17,8 +17,7 @@ from kiln.ir.frontend import build_graph
 from kiln.model_config import AttentionCall
 from kiln.reference import forward_logits, generate
 from kiln.runtime.sampling_params import SamplingParams
-from tests.hf.test_hf_config_oracle import assert_same_logits, edit_config
-from tests.support.hf_models import QWEN3_HEAD_DIM, prompts, save_hf_model
+from tests.support.hf_models import QWEN3_HEAD_DIM, assert_same_logits, edit_config, prompts, save_hf_model
 
 NEW_TOKENS = 10
 

@@ -11,8 +11,7 @@ from kiln.hf.config import config_from_hf, load_hf_config
 from kiln.hf.weights import load_hf_weights
 from kiln.ir.frontend import build_graph
 from kiln.model_config import CompileConfig
-from tests.hf.test_hf_config_oracle import PROMPT_LEN, hf_logits
-from tests.support.hf_models import prompts, save_hf_model
+from tests.support.hf_models import PROMPT_LEN, hf_logits, prompts, save_hf_model
 
 VARIANTS = {  # name -> Qwen3Config overrides (norm weights perturbed by save_hf_model, q's and k's apart)
     "gqa 2, head_dim 16": {},

@@ -6,26 +6,12 @@ import json
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import models, pre_tokenizers
 
 import kiln.tokenizer as tokmod
 from kiln.errors import KilnError
 from kiln.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-
-CORPUS = ["the quick brown fox jumps over the lazy dog", "a kiln fires clay into pots", "hello world"] * 20
-
-
-def write_bpe(d) -> RawTokenizer:
-    tok = RawTokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    tok.save(str(d / "tokenizer.json"))
-    return tok
+from tests.support.bpe_tokenizer import write_bpe
 
 
 def test_hf_tokenizer_round_trip_and_eos_from_generation_config(tmp_path):

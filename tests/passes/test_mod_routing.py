@@ -16,8 +16,7 @@ from kiln.ir.frontend import build_graph
 from kiln.model_config import ModConfig
 from kiln.passes import mod_routing
 from kiln.spec.loader import load_spec
-from tests.passes.test_passes import inputs
-from tests.support.pass_helper import check_pass
+from tests.support.pass_helper import check_pass, inputs
 
 ops = torch.ops.kiln
 

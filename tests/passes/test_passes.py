@@ -10,28 +10,15 @@ import torch
 
 from kiln.compile.pipeline import run_pipeline
 from kiln.ir.frontend import build_graph
-from kiln.model_config import AttentionCall, LayerAssign, MlpCall, ModelConfig, NormConfig, Var
+from kiln.model_config import AttentionCall, MlpCall, ModelConfig
 from kiln.passes import flash_tiling, gqa_fusion, norm_fusion, rope_fusion
 from kiln.passes._graph import attr_tensor, set_param
 from kiln.spec.loader import load_spec
-from tests.support.pass_helper import check_pass
+from tests.support.pass_helper import check_pass, inputs, plain_mlp_model
 
 ops = torch.ops.kiln
 SPLIT = torch.ops.aten.split_with_sizes.default
 SPECS = ("tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", "tiny-gpt2")
-
-
-def inputs(cfg: ModelConfig, batch: int = 2, seq: int = 10) -> tuple[torch.Tensor, torch.Tensor]:  # seq > window 8
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
-    return tokens, torch.arange(seq).expand(batch, seq).contiguous()
-
-
-def plain_mlp_model() -> ModelConfig:
-    """No attention, no norm, an ungated MLP: nothing any pass here matches."""
-    body = (LayerAssign("x", MlpCall(Var("x"), "mlp0", "relu")),)
-    return ModelConfig(name="plain", vocab=32, dim=16, layers=1, heads=2, kv_heads=2, head_dim=8, ffn=32, context=16,
-                       norm=NormConfig("rms", 1e-5), body=body, positions="none", final_norm=False)
 
 
 def counts(cfg: ModelConfig) -> tuple[int, int, bool]:

@@ -19,8 +19,7 @@ from kiln.model_config import ModConfig
 from kiln.passes import gqa_fusion, mod_routing, rope_fusion
 from kiln.passes._graph import erase_attr_if_unused, set_param
 from kiln.spec.loader import load_spec
-from tests.passes.test_passes import inputs
-from tests.support.pass_helper import check_pass, op_counts
+from tests.support.pass_helper import check_pass, inputs, op_counts
 
 ops = torch.ops.kiln
 SPLIT = torch.ops.aten.split_with_sizes.default

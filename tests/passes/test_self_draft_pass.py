@@ -14,9 +14,8 @@ from kiln.ir.frontend import build_graph
 from kiln.model_config import ModelConfig, param_shapes
 from kiln.passes.speculative import make_pass, self_draft_graph
 from kiln.spec.loader import load_spec
-from tests.passes.test_passes import inputs, plain_mlp_model
 from tests.support.model_configs import tiny_gpt2, tiny_llama, tiny_parallel
-from tests.support.pass_helper import check_pass, node_delta, op_counts
+from tests.support.pass_helper import check_pass, inputs, node_delta, op_counts, plain_mlp_model
 
 
 def cut(cfg: ModelConfig, layers: int, seed: int = 3) -> torch.fx.GraphModule:

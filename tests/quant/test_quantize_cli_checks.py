@@ -54,7 +54,7 @@ def test_a_gguf_tokenizer_and_chat_template_travel_with_the_weights(tmp_path, ca
 def test_a_gguf_that_adds_bos_still_adds_it_after_quantize(tmp_path):
     from kiln.gguf.config import open_gguf
     from kiln.gguf.tokenizer import load_gguf_tokenizer
-    from tests.gguf.spm_files import write_spm_gguf
+    from tests.support.spm_files import write_spm_gguf
 
     src = tmp_path / "spm.gguf"
     write_spm_gguf(src, add_bos=True)

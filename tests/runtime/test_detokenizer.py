@@ -159,7 +159,7 @@ def spm_tok(tmp_path_factory):
     piece's U+2581, dropped at the start of a decode)."""
     from kiln.gguf.config import open_gguf
     from kiln.gguf.tokenizer import load_gguf_tokenizer
-    from tests.gguf.spm_files import write_spm_gguf
+    from tests.support.spm_files import write_spm_gguf
 
     path = tmp_path_factory.mktemp("spm") / "tiny-spm.gguf"
     write_spm_gguf(path)

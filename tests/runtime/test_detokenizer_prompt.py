@@ -19,7 +19,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def spm(tmp_path_factory):
     from kiln import LLM
-    from tests.gguf.spm_files import write_spm_gguf
+    from tests.support.spm_files import write_spm_gguf
 
     path = tmp_path_factory.mktemp("spm") / "tiny-spm.gguf"
     write_spm_gguf(path)

@@ -16,9 +16,10 @@ from kiln.errors import KilnError
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import ByteTokenizer
-from tests.runtime.test_engine_faults import BoomDetokenizer
-from tests.runtime.test_engine_logic import speculative_engine
-from tests.runtime.test_engine_overlap import (
+from tests.support.engine_machines import speculative_engine
+from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
+from tests.support.faulty_parts import BoomDetokenizer
+from tests.support.overlap_engine import (
     EOS,
     OverlapMachine,
     Script,
@@ -30,7 +31,6 @@ from tests.runtime.test_engine_overlap import (
     per_request,
     prompt,
 )
-from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
 
 
 def engine(ahead: bool, **kw) -> Engine:

@@ -8,41 +8,14 @@ import pytest
 import torch
 
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS
-from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.tokenizer import ByteTokenizer
 from tests.support.engine_run import finish_all
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate
+from tests.support.faulty_parts import BoomDetokenizer, NaNStepModel
 
 V = 97
-
-
-class BoomDetokenizer(Detokenizer):
-    """Raises on the third token, as a broken tokenizer or stop-string search would."""
-
-    def add(self, token_id: int) -> str | None:
-        if len(self.tokens) == 2:
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "boom")
-        return super().add(token_id)
-
-    def flush(self) -> None:
-        raise RuntimeError("flush boom")
-
-
-class NaNStepModel(FakeStepModel):
-    """The fake model, except that rows whose context contains `poison` get NaN logits."""
-
-    def __init__(self, poison: int, vocab: int = V):
-        super().__init__(vocab)
-        self.poison = poison
-
-    def __call__(self, batch, kv_cache):
-        logits = super().__call__(batch, kv_cache)
-        for r, row in enumerate(batch.sample_indices.tolist()):
-            if int(batch.tokens[row]) == self.poison:
-                logits[r] = float("nan")
-        return logits
 
 
 def make_engine(model: FakeStepModel | None = None, **kw) -> Engine:

@@ -17,10 +17,10 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import OUTPUT_KINDS, SamplingParams
 from kiln.tokenizer import ByteTokenizer
-from tests.runtime.test_engine_faults import BoomDetokenizer, NaNStepModel
-from tests.runtime.test_engine_logic import speculative_engine
-from tests.runtime.test_engine_overlap import EOS, Script, V, add_all, drive, make_engine, mixed_params
+from tests.support.engine_machines import speculative_engine
 from tests.support.fake_step import fake_config, fake_generate
+from tests.support.faulty_parts import BoomDetokenizer, NaNStepModel
+from tests.support.overlap_engine import EOS, Script, V, add_all, drive, make_engine, mixed_params
 
 # view() fields: 0 id, 1 finished, 2 token_ids, 3 text, 4 delta_token_ids, 5 delta_text, 6 finish_reason,
 # 7 stop_reason, 8 logprobs, 9 delta_logprobs, 10 error, 11 prompt_token_ids

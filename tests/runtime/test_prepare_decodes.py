@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,15 +19,8 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from tests.support.fake_step import HostOnlyModel
 from tests.support.prepare_snapshot import DENSE, snapshot
-
-
-class HostOnlyModel:
-    """What ModelRunner needs to build batches; prepare() never calls it."""
-
-    num_layers, num_kv_heads, head_dim, vocab = 1, 1, 1, 50
-    dtype = kv_dtype = torch.float32
-    device = torch.device("cpu")
 
 
 @settings(max_examples=150, deadline=None)

@@ -18,7 +18,7 @@ from kiln.runtime.batch_sampler import NONFINITE_LOGITS
 from kiln.runtime.engine import Engine
 from kiln.runtime.logprob import Logprob
 from kiln.runtime.sampling_params import SamplingParams
-from tests.runtime.test_engine_logic import speculative_engine
+from tests.support.engine_machines import speculative_engine
 from tests.support.fake_step import FakeStepModel, fake_config, fake_generate, fake_logits
 
 V = 97

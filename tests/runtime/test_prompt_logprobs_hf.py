@@ -17,8 +17,8 @@ from kiln.reference import forward_logits
 from kiln.runtime.engine import Engine
 from kiln.runtime.logprob import top_logprobs
 from kiln.runtime.sampling_params import SamplingParams
-from tests.runtime.test_routed_kv import MARGIN, reference_routing
 from tests.support.hf_models import prompts, save_hf_model
+from tests.support.routed_engine import MARGIN, reference_routing
 
 ATOL = 2e-5  # fp32 log-probabilities of magnitude ~10 from two implementations
 K = 4

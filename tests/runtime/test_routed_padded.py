@@ -7,9 +7,9 @@ at position 0 scores above the threshold there), so kiln::mod_kv_slots must send
 block, and the host must not record it.
 
 The padded engine must give the unpadded engine's greedy tokens and routed lengths (which the uncached reference's
-routing confirms) on the trace of tests/runtime/test_routed_kv.py, with a roomy pool and a warm prefix cache, and
-under preemption. A watch around the step model checks every step: padding rows carry routed length 0 and null
-tables; with every pool's null block poisoned (NaN) before the step, the entries that changed are exactly the
+routing confirms) on the mixed trace (tests/support/routed_engine.make_trace), with a roomy pool and a warm prefix
+cache, and under preemption. A watch around the step model checks every step: padding rows carry routed length 0 and
+null tables; with every pool's null block poisoned (NaN) before the step, the entries that changed are exactly the
 real rows' slots (dense, and per routed layer from the step's routed flags) plus entry 0 of the null block, which
 is written iff a padding row ran through that pool; the pools start all NaN, so a real row that read an entry no
 real row wrote (a null block included) would turn its logits to NaN.
@@ -31,8 +31,18 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.step import KVCache, StepBatch
-from tests.runtime import test_routed_kv as kv
-from tests.runtime.test_routed_kv import check_no_leaks, make_trace, reference_routing, run_engine
+from tests.support.routed_engine import (
+    BLOCK,
+    CONTEXT,
+    GREEDY,
+    MARGIN,
+    SPECS,
+    RoutingDecisions,
+    check_no_leaks,
+    make_trace,
+    reference_routing,
+    run_engine,
+)
 
 NAN = float("nan")
 Slots = set[tuple[int, int]]
@@ -127,7 +137,7 @@ class StaticInputs:
         return self.model(static, cache)
 
 
-@pytest.fixture(scope="module", params=kv.SPECS)
+@pytest.fixture(scope="module", params=SPECS)
 def model(request):
     m = load_model(request.param, device="cpu", seed=0)
     ref_gm = copy.deepcopy(m.gm)
@@ -136,7 +146,7 @@ def model(request):
 
 def make_engine(model, **kw) -> Engine:
     m, _, step = model
-    return Engine(step, m.tokenizer, m.model, block_size=kv.BLOCK, max_model_len=kv.CONTEXT, max_num_seqs=8,
+    return Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, max_num_seqs=8,
                   max_num_batched_tokens=24, **kw)
 
 
@@ -163,7 +173,7 @@ def unpadded(model):
         got, lens = run(engine, trace)
         for (prompt, _), toks, c in zip(trace, got, lens, strict=True):
             assert c == reference_routing(ref_gm, prompt + toks[:-1])[0]
-            assert reference_routing(ref_gm, prompt + toks)[1] > kv.MARGIN, "a score near its threshold: another seed"
+            assert reference_routing(ref_gm, prompt + toks)[1] > MARGIN, "a score near its threshold: another seed"
         out[name] = trace, got, lens
     return out
 
@@ -224,9 +234,9 @@ def test_the_generated_kernels_serve_padded_routed_decodes():
     ref_gm = copy.deepcopy(m.gm)
     step = compile_step(m.gm, m.model, m.compile, device="cpu", use_kernels=True)
     trace = [(list(range(100, 111)), 6), ([5, 6, 7, 8, 9], 4), ([40, 41, 42, 43, 44, 45, 46], 2)]
-    want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **kv.GREEDY), context=m.model.context).token_ids
+    want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=m.model.context).token_ids
             for p, n in trace]
-    assert min(reference_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > kv.MARGIN
+    assert min(reference_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > MARGIN
     engine = Engine(step, m.tokenizer, m.model, block_size=4, max_model_len=32, max_num_batched_tokens=32,
                     max_num_seqs=4, pad_decode_batches=True)
     watch = poisoned(engine)
@@ -237,7 +247,7 @@ def test_the_generated_kernels_serve_padded_routed_decodes():
 
 def cuda_routing(gm, tokens: list[int]) -> tuple[list[int], float]:
     """reference_routing for a Level-1 graph on the GPU."""
-    interp = kv._Decisions(gm)
+    interp = RoutingDecisions(gm)
     with torch.inference_mode():
         interp.run(torch.tensor([tokens], device="cuda"), torch.arange(len(tokens), device="cuda")[None])
     counts = [int((score > thr).sum()) for score, thr in interp.seen]
@@ -246,7 +256,7 @@ def cuda_routing(gm, tokens: list[int]) -> tuple[list[int], float]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("spec", kv.SPECS)
+@pytest.mark.parametrize("spec", SPECS)
 def test_cuda_graph_decodes_of_a_routed_model_match_the_reference(spec, ahead):
     """On CUDA: generated kernels, decode steps of a routed model replayed from captured graphs (padded sizes);
     async: launched ahead of the step in flight, its routed counts added to their routed lengths on the device
@@ -254,14 +264,14 @@ def test_cuda_graph_decodes_of_a_routed_model_match_the_reference(spec, ahead):
     m = load_model(spec, device="cuda", seed=0)
     ref_gm = copy.deepcopy(m.gm)
     step = compile_step(m.gm, m.model, m.compile, device="cuda", use_kernels=True)
-    engine = Engine(step, m.tokenizer, m.model, block_size=kv.BLOCK, max_model_len=kv.CONTEXT, max_num_seqs=8,
+    engine = Engine(step, m.tokenizer, m.model, block_size=BLOCK, max_model_len=CONTEXT, max_num_seqs=8,
                     max_num_batched_tokens=24, use_cuda_graphs=True, async_scheduling=ahead)
     assert sorted(engine.runner.graphs) == [1, 2, 4, 8], "CUDA graph capture failed (see the log)"
     replays = engine.runner.graph_stats.decode_replays
     for trace in (make_trace(n=12), staggered()):  # the second: decode steps of 7, 6, ... 1 sequences
-        want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **kv.GREEDY), context=m.model.context).token_ids
+        want = [generate(ref_gm, p, SamplingParams(max_tokens=n, **GREEDY), context=m.model.context).token_ids
                 for p, n in trace]
-        assert min(cuda_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > kv.MARGIN
+        assert min(cuda_routing(ref_gm, p + w)[1] for (p, _), w in zip(trace, want, strict=True)) > MARGIN
         got, lens, _ = run_engine(engine, trace, check=not ahead)
         assert got == want
         assert list(lens.values()) == [cuda_routing(ref_gm, p + w[:-1])[0]

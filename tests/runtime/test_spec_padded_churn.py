@@ -26,9 +26,8 @@ from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Schedule, ScheduledSeq
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch
-from tests.runtime.test_engine_logic import SpeculativeMachine, V
-from tests.runtime.test_prepare_decodes import HostOnlyModel
-from tests.support.fake_step import FakeDraftModel, FakeStepModel, fake_config, fake_generate
+from tests.support.engine_machines import SpeculativeMachine, V
+from tests.support.fake_step import FakeDraftModel, FakeStepModel, HostOnlyModel, fake_config, fake_generate
 from tests.support.speculative import reference_verify
 
 

@@ -13,7 +13,7 @@ from kiln.compile.step import compile_step
 from kiln.ir.frontend import build_graph
 from kiln.runtime.engine import Engine
 from kiln.spec.loader import load_spec, parse_and_resolve
-from tests.spec.test_spec_errors import edit, only
+from tests.support.spec_errors import edit, only
 
 kiln_ops = torch.ops.kiln
 

@@ -10,7 +10,7 @@ from kiln.spec.formatter import format_spec
 from kiln.spec.loader import load_spec, parse_and_resolve
 from kiln.spec.parser import parse_spec
 from kiln.spec.validate import param_count
-from tests.spec.test_spec_errors import BASE, diagnostics, only
+from tests.support.spec_errors import BASE, diagnostics, only
 
 ROUTE_LINE = "  norm = rms(eps = 1e-5)\n"
 

@@ -14,7 +14,7 @@ from kiln.spec.formatter import format_spec
 from kiln.spec.loader import load_spec, parse_and_resolve
 from kiln.spec.parser import parse_spec
 from kiln.spec.speculation import check_layers, describe, parse_speculation, speculation_config
-from tests.spec.test_spec_errors import BASE, edit, only
+from tests.support.spec_errors import BASE, edit, only
 
 S = SpeculationConfig
 

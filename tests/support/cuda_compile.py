@@ -66,6 +66,15 @@ def compile_one(req: dict) -> dict:
             "mma": ptx.count("wgmma.mma_async") + ptx.count("mma.sync")}  # fmt: skip
 
 
+def ptxas_available() -> bool:
+    """Whether triton's CUDA backend, with its ptxas, is installed (it is in the CPU wheels too)."""
+    try:
+        import triton.backends.nvidia as nv
+    except ImportError:
+        return False
+    return (Path(nv.__file__).parent / "bin" / "ptxas").exists()
+
+
 def compile_in_subprocess(requests: list[dict]) -> list[dict]:
     """Compile each request in a fresh python without TRITON_INTERPRET (the tests run under it); asserts that
     every request compiled and returns the results in order."""
@@ -88,3 +97,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+

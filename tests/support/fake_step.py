@@ -92,3 +92,11 @@ def fake_config(context: int = 128, vocab: int = 97) -> ModelConfig:
 
     return ModelConfig(name="fake", vocab=vocab, dim=2, layers=1, heads=1, kv_heads=1, head_dim=2, ffn=2,
                        context=context, norm=NormConfig("rms", 1e-5), body=())
+
+
+class HostOnlyModel:
+    """What ModelRunner needs to build batches; prepare() never calls it."""
+
+    num_layers, num_kv_heads, head_dim, vocab = 1, 1, 1, 50
+    dtype = kv_dtype = torch.float32
+    device = torch.device("cpu")

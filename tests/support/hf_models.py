@@ -6,9 +6,15 @@ wanders over many tokens instead of repeating one, which makes the oracle compar
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+
+from kiln.hf.config import config_from_hf, load_hf_config
+from kiln.hf.weights import load_hf_weights
+from kiln.ir.frontend import build_graph
+from kiln.reference import forward_logits
 
 INIT = 0.3
 VOCAB = 288  # >= 256 so the byte-level tokenizer fallback works with these checkpoints too
@@ -93,3 +99,35 @@ def prompts(vocab: int = VOCAB, batch: int = 2, length: int = 10, seed: int = 1)
     """A [batch, length] batch of token ids avoiding the special ids 0-2."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+PROMPT_LEN = 11  # longer than MISTRAL_WINDOW, so a wrong window changes the logits
+
+
+def edit_config(d: Path, **changes) -> None:
+    path = d / "config.json"
+    hf = json.loads(path.read_text())
+    hf.update(changes)
+    path.write_text(json.dumps(hf))
+
+
+def hf_logits(d: Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def kiln_logits(d: Path, ids: torch.Tensor) -> torch.Tensor:
+    hf = load_hf_config(d)
+    cfg = config_from_hf(hf)
+    return forward_logits(build_graph(cfg, load_hf_weights(d, cfg, model_type=hf["model_type"])), ids)
+
+
+def assert_same_logits(d: Path) -> None:
+    ids = prompts(batch=2, length=PROMPT_LEN)
+    want, got = hf_logits(d, ids), kiln_logits(d, ids)
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err < 1e-4 * want.abs().max().item(), err

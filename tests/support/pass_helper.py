@@ -15,6 +15,7 @@ from torch import fx
 
 from kiln.compile.pipeline import Pass, check_ir, propagate
 from kiln.ir.text import format_graph
+from kiln.model_config import LayerAssign, MlpCall, ModelConfig, NormConfig, Var
 
 ATOL = RTOL = 1e-5
 
@@ -79,3 +80,16 @@ def check_pass(
         actual = gm(*example_inputs)
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
     return gm
+
+
+def inputs(cfg: ModelConfig, batch: int = 2, seq: int = 10) -> tuple[torch.Tensor, torch.Tensor]:  # seq > window 8
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=gen)
+    return tokens, torch.arange(seq).expand(batch, seq).contiguous()
+
+
+def plain_mlp_model() -> ModelConfig:
+    """No attention, no norm, an ungated MLP: nothing any pass here matches."""
+    body = (LayerAssign("x", MlpCall(Var("x"), "mlp0", "relu")),)
+    return ModelConfig(name="plain", vocab=32, dim=16, layers=1, heads=2, kv_heads=2, head_dim=8, ffn=32, context=16,
+                       norm=NormConfig("rms", 1e-5), body=body, positions="none", final_norm=False)

@@ -11,7 +11,7 @@ from kiln.errors import KilnError
 from kiln.ir.frontend import build_graph, random_weights
 from kiln.train.router_fit import EPS, fit_router, received_attention
 from kiln.train.routers import RouterTraining, _scores, calibration_windows, distil, routed_layers
-from tests.train.test_train import DENSE, IDS
+from tests.support.train_data import DENSE, IDS
 
 
 @pytest.mark.parametrize("window", [0, 3])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,7 @@ from kiln.train.differentiable import Differentiable
 from kiln.train.flops import flops_per_token, layer_flops
 from kiln.train.routers import RouterTraining, _scores, distil, initial_routers, windows
 from kiln.train.scratch import ScratchTraining, train_from_scratch
-
-TEXT = (Path(__file__).resolve().parents[2] / "bench" / "data" / "shakespeare-calibration.txt").read_bytes()[:6000]
-DENSE = dataclasses.replace(load_spec("tiny-llama").model, layers=4)
-IDS = list(TEXT)  # bytes < 256 < vocab 512
+from tests.support.train_data import DENSE, IDS
 
 
 @pytest.mark.parametrize("form", ["causal", "training"])

@@ -42,8 +42,8 @@ class LLMRequests:
             comps = [g.latest[j] for j in range(len(g.rids))] if g.final_only else [comp]
             errors = "; ".join(g.errors[j] for j in sorted(g.errors)) or None  # the failed choices' so far
             yield RequestOutput(g.request_id, out.prompt, out.prompt_token_ids, comps, done,
-                                _merge_metrics([g.metrics[j] for j in sorted(g.metrics)]) if done else out.metrics,
-                                errors, g.prompt_logprobs(out))
+                                _merge_metrics([g.metrics[j] for j in sorted(g.metrics)], out.metrics) if done
+                                else out.metrics, errors, g.prompt_logprobs(out))
 
     def _drain(self, ids: list[str]) -> Iterator[RequestOutput]:
         """This caller's outputs: what is queued first, and a step of the engine whenever nothing is."""
@@ -87,8 +87,8 @@ class LLMRequests:
             items = _text_prompts(prompts)
         else:
             items = [("ids", p) for p in _token_prompts(prompt_token_ids)]
-        # A checkpoint's max_new_tokens is a default the user never chose: the engine cuts it to what max_model_len
-        # leaves after the prompt (as vLLM stops there) rather than refusing the prompt.
+        # The engine cuts any max_tokens to what max_model_len leaves after the prompt (vLLM's engine stops a request
+        # there); is_default (a checkpoint's max_new_tokens, which the user never chose) only words its errors.
         is_default = sampling_params is None and "max_tokens" in self.loaded.generation_defaults
         if sampling_params is None:  # as vLLM: the model's generation_config.json defaults, unless "vllm"
             sampling_params = self.get_default_sampling_params()
@@ -115,7 +115,7 @@ class LLMRequests:
                         text, ids = self._encoded(kind, item, add_special)
                         for choice in choices:  # n > 1: one engine request per choice
                             # ids None: text without a tokenizer, which the engine refuses saying why; the engine
-                            # applies truncate_prompt_tokens and fits max_tokens to the context
+                            # applies truncate_prompt_tokens and cuts max_tokens to the context
                             rid = self.engine.add_request(text, choice, prompt_token_ids=ids,
                                                           max_tokens_is_default=is_default)
                             self._queues[rid] = deque()
@@ -170,9 +170,11 @@ class _Prompt:
         return self.prompt
 
 
-def _merge_metrics(ms: list[RequestMetrics]) -> RequestMetrics:
+def _merge_metrics(ms: list[RequestMetrics], last: RequestMetrics) -> RequestMetrics:
     """One prompt's metrics over its choices: from the first arrival to the last finish, the first token of any
-    choice (as vLLM reports a request with n > 1), counts summed."""
+    choice (as vLLM reports a request with n > 1), the work counts summed. num_cached_tokens counts the prompt's
+    tokens, not work: the last choice to finish (`last`) gives it, as vLLM's output of a request with n > 1 is made
+    by its last child to finish, with that child's count (a sum could pass the prompt's length)."""
     def first(name: str) -> float | None:
         vals = [getattr(m, name) for m in ms if getattr(m, name) is not None]
         return min(vals) if vals else None
@@ -181,6 +183,6 @@ def _merge_metrics(ms: list[RequestMetrics]) -> RequestMetrics:
     return RequestMetrics(min(m.arrival_time for m in ms), first_scheduled_time=first("first_scheduled_time"),
                           first_token_time=first("first_token_time"), finish_time=max(finishes) if finishes else None,
                           num_preemptions=sum(m.num_preemptions for m in ms),
-                          num_cached_tokens=sum(m.num_cached_tokens for m in ms),
+                          num_cached_tokens=last.num_cached_tokens,
                           num_draft_tokens=sum(m.num_draft_tokens for m in ms),
                           num_accepted_tokens=sum(m.num_accepted_tokens for m in ms))

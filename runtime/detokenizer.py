@@ -26,9 +26,12 @@ tokenizer's decoder puts before it, as vLLM's fast detokenizer does.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 
 from kiln.step import TokenizerLike
+
+log = logging.getLogger("kiln.runtime")
 
 MAX_PENDING = 8  # tokens an incomplete character may wait for before its replacement character is emitted
 # Prompt tokens the first window starts with: a character's first 3 bytes, the token before them (the space rule)
@@ -123,7 +126,8 @@ class Detokenizer:
         if text is None:
             try:  # an alternative the request never produced must not fail it (a slow tokenizer raises on some ids)
                 text = self._dec([token_id])
-            except Exception:
+            except Exception as e:
+                _log_undecodable(self.tokenizer, token_id, e)
                 return None
             if cache is not None:
                 cache[token_id] = text
@@ -240,3 +244,18 @@ class TokenTextCache(dict):
     def __init__(self) -> None:
         super().__init__()
         self.verbatim: dict[int, str] = {}
+
+
+_undecodable: set[tuple[type, type]] = set()  # the (tokenizer type, exception type) pairs token_str has logged
+
+
+def _log_undecodable(tokenizer: TokenizerLike, token_id: int, e: Exception) -> None:
+    """token_str's decode failed: logged with its traceback (a tokenizer bug would otherwise pass unseen), once per
+    tokenizer type and exception type (a slow tokenizer that raises on every id past its vocabulary would flood the
+    log)."""
+    key = (type(tokenizer), type(e))
+    if key in _undecodable:
+        return
+    _undecodable.add(key)
+    log.warning("decoding token id %d alone failed (%s: %s); its decoded_token is None (logged once for %s)",
+                token_id, type(e).__name__, e, type(tokenizer).__name__, exc_info=e)

@@ -74,9 +74,11 @@ class Engine(EngineSetup):
                     max_tokens_is_default: bool = False) -> str:
         """Queue one request and return its id. A prompt is text (tokenized here) or token ids: a sequence of
         ints, a 1-D numpy array or a 1-D integer tensor. params: a SamplingParams or a dict of its fields; its
-        truncate_prompt_tokens cuts the prompt, and max_tokens None becomes what max_model_len leaves after it
-        (max_tokens_for). max_tokens_is_default: params.max_tokens is a default the user never chose (a
-        checkpoint's max_new_tokens), cut to that room rather than refusing a prompt it does not fit."""
+        truncate_prompt_tokens cuts the prompt, max_tokens None becomes what max_model_len leaves after it, and a
+        max_tokens past that is cut to it: the request stops at max_model_len with finish_reason "length", as
+        vLLM's engine stops it (max_tokens_for). A prompt that leaves no room is refused. max_tokens_is_default:
+        params.max_tokens is a default the user never chose (a checkpoint's max_new_tokens); it only words the
+        errors."""
         params = SamplingParams.coerce(params, "params").validate()
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None and prompt is not None and not isinstance(prompt, str):
@@ -111,17 +113,18 @@ class Engine(EngineSetup):
         """The prompt's ids, truncated as params say, and the params with max_tokens made the number this prompt
         gets (max_tokens_for), or a RequestError."""
         ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
-        # A default is checked as None is (the prompt must leave room), then cut to the room by max_tokens_for.
-        ids = check_prompt(ids, None if max_tokens_is_default else params.max_tokens, vocab=self.model.vocab,
-                           limit=self.max_model_len, limit_name=self._limit_name)
+        # Any max_tokens is checked as None is (the prompt must leave room), then cut to the room by max_tokens_for.
+        ids = check_prompt(ids, None, vocab=self.model.vocab, limit=self.max_model_len, limit_name=self._limit_name)
         check_params_for_model(params, self.model.vocab)
         max_tokens = self.max_tokens_for(len(ids), params.max_tokens, is_default=max_tokens_is_default)
         if max_tokens != params.max_tokens:  # the pool always holds one max_model_len sequence (choose_num_blocks)
-            if params.min_tokens > max_tokens:
-                given = "None" if params.max_tokens is None else f"{params.max_tokens} (a default)"
+            if params.min_tokens > max_tokens:  # vLLM would run past max_model_len (min_tokens is checked first)
+                given = "None" if params.max_tokens is None else \
+                    f"{params.max_tokens}{' (a default)' if max_tokens_is_default else ''}"
                 raise RequestError(f"sampling parameter min_tokens = {params.min_tokens} is more than the {max_tokens} "
                                    f"tokens the {self._limit_name} leaves after the prompt (max_tokens = {given}); "
-                                   "allowed: min_tokens <= max_tokens", param="min_tokens")
+                                   f"allowed: min_tokens <= {max_tokens}; lower min_tokens or shorten the prompt",
+                                   param="min_tokens")
             params = dataclasses.replace(params, max_tokens=max_tokens)
         bm = self.block_manager
         total = len(ids) + params.max_tokens
@@ -132,12 +135,14 @@ class Engine(EngineSetup):
                 "(--num-blocks)", param="max_tokens")
         return ids, params
 
-    def max_tokens_for(self, prompt_len: int, max_tokens: int | None, *, is_default: bool = False) -> int:
+    def max_tokens_for(self, prompt_len: int, max_tokens: int | None, *, is_default: bool = False,
+                       cut: bool = True) -> int:
         """How many tokens a request whose prompt has prompt_len tokens (after truncation) generates here:
-        kiln.runtime.prompt_limits.resolve_max_tokens against max_model_len (max_tokens as given; None: the rest of
-        the context; a default, is_default: at most that). add_request applies it; the server asks it first, for
-        its 400s. Reads only fixed settings, so any thread may call it."""
-        return resolve_max_tokens(max_tokens, prompt_len, self.max_model_len, is_default=is_default,
+        kiln.runtime.prompt_limits.resolve_max_tokens against max_model_len (None: the rest of the context; any
+        value: at most that). add_request applies it; the server asks it first with cut=False (a max_tokens the
+        client sent past the context is a RequestError, as vLLM's server refuses it), for its 400s. Reads only fixed
+        settings, so any thread may call it."""
+        return resolve_max_tokens(max_tokens, prompt_len, self.max_model_len, is_default=is_default, cut=cut,
                                   limit_name=self._limit_name)
 
     @property

@@ -1,6 +1,8 @@
 """The two rules that fit a request to the context, as vLLM applies them: how much of the prompt
 SamplingParams.truncate_prompt_tokens keeps (prompt_keep, truncate_prompt), and how many tokens a request may
-generate when its max_tokens is unset or a default the user never chose (resolve_max_tokens). The engine applies both
+generate (resolve_max_tokens): unset, the rest of the context; a default the user never chose, cut to it; a value the
+user gave, cut to it by the engine (vLLM's engine stops a request at max_model_len, finish_reason "length") but
+refused by the server (vLLM's OpenAI server refuses prompt + max_tokens past max_model_len). The engine applies both
 to every request it is given (LLM, `kiln run`, the server); the server also calls them before adding, since it needs
 the truncated prompt (--max-prompt-tokens, echo, usage) and the number (its 400s) first. Plain Python, no torch: the
 CLI uses them before anything loads.
@@ -41,15 +43,18 @@ def truncate_prompt(prompt_token_ids: Sequence[int], truncate_prompt_tokens: int
 
 
 def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int, *, is_default: bool = False,
-                       limit_name: str = "model context") -> int:
+                       cut: bool = False, limit_name: str = "model context") -> int:
     """How many tokens a request whose prompt has prompt_len tokens (after truncation) may generate, as vLLM's
-    get_max_tokens: max_tokens as the user gave it (the caller checks it against the context); None: all that
-    max_model_len leaves after the prompt; a default the user never chose (is_default: a checkpoint's max_new_tokens)
-    is cut to that, so a default never refuses a prompt. With None or a default, a prompt that leaves no room is a
-    RequestError (code context_length_exceeded)."""
-    if max_tokens is not None and not is_default:
-        return max_tokens
+    get_max_tokens: None, all that max_model_len leaves after the prompt; a default the user never chose (is_default:
+    a checkpoint's max_new_tokens), cut to that, so a default never refuses a prompt; a value the user gave, cut to
+    it too with `cut` (vLLM's engine, behind its LLM: the request stops at max_model_len with finish_reason "length"),
+    else checked (vLLM's OpenAI server, and `kiln run`: more than the room is a RequestError naming both numbers).
+    Otherwise a prompt that leaves no room is a RequestError too (both code context_length_exceeded)."""
     room = max_model_len - prompt_len
+    if max_tokens is not None and max_tokens > room and not (is_default or cut):
+        raise RequestError(f"prompt of {prompt_len} tokens + max_tokens {max_tokens} = {prompt_len + max_tokens} "
+                           f"exceeds the {limit_name} of {max_model_len}; shorten the prompt or lower max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
     if room < 1:
         raise RequestError(f"the prompt has {prompt_len} input tokens and this model's maximum context length is "
                            f"{max_model_len} tokens (the {limit_name}), which leaves no room to generate; shorten the "

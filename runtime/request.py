@@ -279,7 +279,8 @@ class RequestOutput:
     @property
     def num_cached_tokens(self) -> int:
         """vLLM's RequestOutput.num_cached_tokens: prompt tokens found in the prefix cache when the request was first
-        scheduled, kept through preemption (metrics'; LLM sums a prompt's n choices)."""
+        scheduled, kept through preemption (metrics'; with n > 1, LLM reports the choice that finished last, as
+        vLLM does)."""
         return self.metrics.num_cached_tokens
 
 

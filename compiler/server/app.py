@@ -177,7 +177,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if req.echo:  # the prompt's text: as sent, or decoded from its token ids
             echo = await asyncio.to_thread(lambda: [_prompt_text(engine, p, ids) for p, ids in zip(given, prompts,
                                                                                                     strict=True)])
-        return await _generate(request, req, prompts, "text_completion", config.default_max_tokens, echo)
+        return await _generate(request, req, prompts, "text_completion", echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -189,7 +189,7 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         keep = truncation(req)
         ids = await asyncio.to_thread(lambda: _tokens(engine, text, max_prompt, "messages",
                                                       add_special=req.add_special_tokens, keep=keep))
-        return await _generate(request, req, [ids], "chat.completion", None)
+        return await _generate(request, req, [ids], "chat.completion")
 
     def truncation(req) -> int | None:
         """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all), by the engine's rule

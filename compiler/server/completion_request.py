@@ -3,6 +3,8 @@ logprobs and best_of."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from kiln.server.errors import APIError
@@ -10,6 +12,11 @@ from kiln.server.request_base import MAX_PROMPTS, _Sampling
 
 
 class CompletionRequest(_Sampling):
+    # vLLM's (and OpenAI's legacy API's) max_tokens: 16 when omitted, checked as if sent; an explicit null is no limit
+    # (the model's default max_tokens cut to the context, else the rest of the context), as vLLM's get_max_tokens
+    _NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
+    max_tokens: int | None = 16
+
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False  # the prompt before the text; with logprobs, its tokens' logprobs before the output's
@@ -44,6 +51,14 @@ class CompletionRequest(_Sampling):
     def requested_max_tokens(self) -> int | None:
         """echo with max_tokens 0 runs the engine for one token (not shown), as vLLM does."""
         return 1 if self.prompt_only else self.max_tokens
+
+    def limit_given(self) -> bool:
+        return "max_tokens" in self.model_fields_set and self.max_tokens is not None
+
+    def unset_limit(self, max_tokens: int) -> tuple[str, str]:
+        if "max_tokens" in self.model_fields_set:  # an explicit null: no limit but the context
+            return "max_tokens", f"the {max_tokens} tokens the context leaves after the prompt (max_tokens null)"
+        return super().unset_limit(max_tokens)
 
     @property
     def prompt_only(self) -> bool:

@@ -23,7 +23,6 @@ class ServerConfig:
     max_body_bytes: int | None = MAX_BODY_BYTES  # None or 0: no limit
     max_prompt_tokens: int | None = None  # None: the engine's max_model_len
     max_waiting: int | None = None  # requests queued (not yet running) before new ones get 503 (None: no limit)
-    default_max_tokens: int = 16  # completions without max_tokens (chat defaults to the rest of the context)
     chat_template: ChatTemplate | None = None
     model_aliases: Sequence[str] = ()
     # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials
@@ -32,7 +31,8 @@ class ServerConfig:
     allowed_headers: Sequence[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
     # The model's recommended sampling (LoadedModel.generation_defaults, vLLM's --generation-config auto), keyed by
-    # SamplingParams field: applied to the request fields a client leaves unset (or sends as null)
+    # SamplingParams field: applied to the request fields a client leaves unset (or sends as null); its max_tokens
+    # to chat without max_tokens and to completions' max_tokens null (omitted, it is 16, as in vLLM)
     generation_defaults: Mapping[str, object] = field(default_factory=dict)
     # vLLM's --trust-request-chat-template: whether a request may bring its own chat template (chat_template)
     trust_request_chat_template: bool = False

@@ -27,8 +27,7 @@ _GONE = object()  # put in a non-streaming request's sink when its client discon
 
 
 async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, served: str, defaults: dict,
-                   request: Request, req, prompts: list[list[int]], kind: str, default_max: int | None,
-                   echo: list[str] | None = None):
+                   request: Request, req, prompts: list[list[int]], kind: str, echo: list[str] | None = None):
     if not loop.alive:
         raise APIError(503, "the engine loop has stopped (see the server log); restart `kiln serve`",
                        code="engine_stopped")
@@ -40,11 +39,11 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
     # The response's id: vLLM's, from X-Request-Id or the request_id field when the client gives one
     given = request.headers.get("x-request-id") or req.request_id
     response_id = f"{prefix}-{given}" if given else base
+    # vLLM's get_max_tokens: none given (chat; completions' explicit null, its omitted field being 16), the model's
+    # default cut to the room left, else the rest of the context; a value given (completions' 16 included) is checked
     asked, is_default = req.requested_max_tokens(), False
-    if asked is None and model_default is not None:  # vLLM's: the model's default, cut to the room left
+    if asked is None and model_default is not None:
         asked, is_default = model_default, True
-    elif asked is None:  # completions' 16 (vLLM's field default) is checked as if sent; chat: the rest of the context
-        asked = default_max
     for p, ids in enumerate(prompts):
         if req.prompt_only and engine.max_model_len - len(ids) < 1:
             # echo with max_tokens 0 samples one token, not shown (as vLLM): the engine would blame a max_tokens 1
@@ -55,8 +54,9 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
                            "one token", param="prompt", code="context_length_exceeded")
         try:
             # The engine's own rule (runtime.prompt_limits), asked here for the number the 400s below name; the
-            # engine gets it as the request's max_tokens.
-            max_tokens = engine.max_tokens_for(len(ids), asked, is_default=is_default)
+            # engine gets it as the request's max_tokens. cut=False: a value the client sent past the context is a
+            # 400, as vLLM's server refuses it (its engine, and so kiln's LLM, would cut it to the context).
+            max_tokens = engine.max_tokens_for(len(ids), asked, is_default=is_default, cut=False)
             req.check_min_tokens(max_tokens, is_default)
             choices = req.sampling_params(max_tokens, defaults).choices()  # validated; n > 1: the seed rule there
         except RequestError as e:
@@ -126,7 +126,9 @@ async def _watch_disconnect(request: Request, sink: asyncio.Queue) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass  # a body chunk after the end (none is expected): keep waiting
     except Exception as e:  # the connection is in no state to take the response: stop generating for it
-        log.warning("reading from the client failed (%s: %s); aborting its request", type(e).__name__, e)
+        # unexpected (a disconnect is a message, not an exception): its traceback says where it came from
+        log.warning("reading from the client failed (%s: %s); aborting its request", type(e).__name__, e,
+                    exc_info=True)
     sink.put_nowait(_GONE)
 
 

@@ -49,21 +49,23 @@ class StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    """A request body. An explicit null means the default, as in OpenAI's API; fields beyond the model's are sorted
-    by kiln.server.fields (_IGNORED: accepted and dropped, _UNSUPPORTED: refused unless they ask for nothing)."""
+    """A request body. An explicit null means the default, as in OpenAI's API (but for the fields in _NULL_KEPT,
+    where null is a value of its own, as vLLM takes it); fields beyond the model's are sorted by kiln.server.fields
+    (_IGNORED: accepted and dropped, _UNSUPPORTED: refused unless they ask for nothing)."""
 
     model_config = _STRICT
     _IGNORED: ClassVar[dict[str, str]] = {}
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+    _NULL_KEPT: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _fields(cls, data: Any, info: ValidationInfo) -> Any:
-        """Nulls are the defaults; metadata is dropped (its names go to the route's sink), an unsupported field
-        that asks for something or an unknown one is a 400 (kiln.server.fields)."""
+        """Nulls are the defaults (but _NULL_KEPT's); metadata is dropped (its names go to the route's sink), an
+        unsupported field that asks for something or an unknown one is a 400 (kiln.server.fields)."""
         if not isinstance(data, dict):
             return data
-        data = {k: v for k, v in data.items() if v is not None}
+        data = {k: v for k, v in data.items() if v is not None or k in cls._NULL_KEPT}
         sink = ignored_sink(info)
         data = sort_fields(data, cls.model_fields, ignored=cls._IGNORED, unsupported=cls._UNSUPPORTED, sink=sink)
         return cls._nested_fields(data, sink)
@@ -202,7 +204,7 @@ class _Sampling(_Body):
         limit_value = 0 if self.prompt_only else max_tokens  # echo's max_tokens 0 generates nothing shown
         if self.min_tokens <= limit_value:
             return
-        if self.requested_max_tokens() is not None:
+        if self.limit_given():
             name = self.param_name("max_tokens")
             limit = f"{name} = {limit_value}"
         elif is_default:
@@ -212,6 +214,10 @@ class _Sampling(_Body):
             name, limit = self.unset_limit(max_tokens)
         raise APIError(400, f"min_tokens = {self.min_tokens} is more than {limit}; allowed: min_tokens <= {name}",
                        param="min_tokens", code="invalid_value")
+
+    def limit_given(self) -> bool:
+        """Whether the client sent the limit on the completion (max_tokens, or chat's max_completion_tokens)."""
+        return self.requested_max_tokens() is not None
 
     def unset_limit(self, max_tokens: int) -> tuple[str, str]:
         """(the field, what the limit was) for a request that set no max_tokens, as min_tokens' 400 names them."""

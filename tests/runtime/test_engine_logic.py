@@ -58,7 +58,8 @@ def test_decode_batches_padded_to_graph_sizes():
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
         ([1, 2], SamplingParams(top_k=-2), "top_k"),  # -1 is vLLM's "off"
         ([1, 2], SamplingParams(stop=("",)), "stop"),
-        ([1] * 60, SamplingParams(max_tokens=10), "max_tokens"),  # 70 > context 64
+        ([1] * 64, SamplingParams(max_tokens=10), "prompt"),  # fills context 64: no room for one token
+        ([1] * 60, SamplingParams(max_tokens=10, min_tokens=5), "min_tokens"),  # 65 > context 64
         ([], SamplingParams(), "prompt"),
         ([1, V], SamplingParams(), "prompt_token_ids"),
     ],

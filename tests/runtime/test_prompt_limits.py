@@ -1,7 +1,8 @@
 """The two context rules in one place (kiln.runtime.prompt_limits): truncate_prompt_tokens (-1: max_model_len; over
-max_model_len refused, as vLLM's LLM and server refuse it) and max_tokens when unset or a default (the rest of the
-context, a default cut to it, as vLLM's get_max_tokens), applied by the engine for every caller: Engine users, LLM
-and `kiln run` (the server's share is in tests/server/test_server_context_rules.py)."""
+max_model_len refused, as vLLM's LLM and server refuse it) and max_tokens (unset: the rest of the context; a default,
+and in the engine any value, cut to it, as vLLM's get_max_tokens and its engine, which stops a request at
+max_model_len), applied by the engine for every caller: Engine users, LLM and `kiln run` (the server's share, which
+refuses a max_tokens the client sent past the context, is in tests/server/test_server_context_rules.py)."""
 
 from __future__ import annotations
 
@@ -71,34 +72,42 @@ def test_the_llm_refuses_a_truncation_past_max_model_len():
 
 
 def test_resolve_max_tokens_is_vllms_get_max_tokens():
-    assert resolve_max_tokens(100, 30, 32) == 100  # given: as it is (check_prompt refuses it against the context)
+    assert resolve_max_tokens(2, 30, 32) == 2  # given and fitting: as it is
+    with pytest.raises(RequestError, match=r"prompt of 30 tokens \+ max_tokens 100 = 130 exceeds the model") as e:
+        resolve_max_tokens(100, 30, 32)  # given past the context: refused (vLLM's server, `kiln run`) ...
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    assert resolve_max_tokens(100, 30, 32, cut=True) == 2  # ... or cut to it (vLLM's engine, behind LLM)
     assert resolve_max_tokens(None, 30, 32) == 2  # unset: the rest of the context
     assert resolve_max_tokens(5, 20, 32, is_default=True) == 5  # a default that fits
     assert resolve_max_tokens(50, 20, 32, is_default=True) == 12  # a default cut to the room
-    for max_tokens, is_default in ((None, False), (5, True)):
+    for max_tokens, is_default, cut in ((None, False, False), (5, True, False), (5, False, True)):
         with pytest.raises(RequestError, match="the prompt has 32 input tokens .* leaves no room to generate") as e:
-            resolve_max_tokens(max_tokens, 32, 32, is_default=is_default)
+            resolve_max_tokens(max_tokens, 32, 32, is_default=is_default, cut=cut)
         assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
 
 
-def test_the_engine_cuts_a_default_max_tokens_and_checks_a_given_one():
+@pytest.mark.parametrize("is_default", [True, False])
+def test_the_engine_cuts_any_max_tokens_to_the_context(is_default):
+    # vLLM's engine takes a max_tokens past max_model_len and stops the request there ("length"), a default or not
     e = engine(context=32)
-    out = run(e, [5] * 28, SamplingParams(max_tokens=100, ignore_eos=True), max_tokens_is_default=True)
+    out = run(e, [5] * 28, SamplingParams(max_tokens=100, ignore_eos=True), max_tokens_is_default=is_default)
     assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
-    out = run(e, [5] * 10, SamplingParams(max_tokens=3, ignore_eos=True), max_tokens_is_default=True)
-    assert len(out.outputs[0].token_ids) == 3  # a default that fits is kept
-    with pytest.raises(RequestError, match="exceeds the model context of 32"):  # the same value, given
-        e.add_request(prompt_token_ids=[5] * 28, params=SamplingParams(max_tokens=100))
-    with pytest.raises(RequestError, match="leaves no room to generate"):  # a default never makes room
-        e.add_request(prompt_token_ids=[5] * 32, params=SamplingParams(max_tokens=100), max_tokens_is_default=True)
-    with pytest.raises(RequestError, match="min_tokens = 6 is more than the 4 tokens") as err:
+    out = run(e, [5] * 10, SamplingParams(max_tokens=3, ignore_eos=True), max_tokens_is_default=is_default)
+    assert len(out.outputs[0].token_ids) == 3  # a value that fits is kept
+    with pytest.raises(RequestError, match="leaves no room to generate"):  # nothing makes room
+        e.add_request(prompt_token_ids=[5] * 32, params=SamplingParams(max_tokens=9), max_tokens_is_default=is_default)
+    # vLLM checks min_tokens before the length: it would run past max_model_len; kiln refuses, saying what fits
+    with pytest.raises(RequestError, match="min_tokens = 6 is more than the 4 tokens the model context leaves") as err:
         e.add_request(prompt_token_ids=[5] * 28, params=SamplingParams(max_tokens=100, min_tokens=6),
-                      max_tokens_is_default=True)
+                      max_tokens_is_default=is_default)
     assert err.value.param == "min_tokens" and not e.has_unfinished()
+    assert ("(a default)" in str(err.value)) == is_default
 
 
 def test_the_engine_names_its_own_max_model_len():
     e = engine(context=64, max_model_len=16)
-    assert e.max_tokens_for(10, None) == 6 and e.max_tokens_for(10, 9, is_default=True) == 6
+    assert e.max_tokens_for(10, None) == 6 and e.max_tokens_for(10, 9, is_default=True) == e.max_tokens_for(10, 9) == 6
+    with pytest.raises(RequestError, match="exceeds the engine's max_model_len of 16"):  # the server's rule
+        e.max_tokens_for(10, 9, cut=False)
     with pytest.raises(RequestError, match=r"maximum context length is 16 tokens \(the engine's max_model_len\)"):
         e.add_request(prompt_token_ids=[5] * 16, params=SamplingParams(max_tokens=None))

@@ -1,7 +1,9 @@
 """The server's share of the context rules (kiln.runtime.prompt_limits, which the engine applies for every caller):
 a model's default max_tokens (generation_config.json's max_new_tokens) is cut to what the context leaves after the
-prompt, as vLLM's get_max_tokens, while a max_tokens the client sends is checked; a prompt that leaves no room, or a
-truncate_prompt_tokens over max_model_len, is a 400 naming the field the client sent (chat: messages)."""
+prompt, as vLLM's get_max_tokens, while a max_tokens the client sends is checked (vLLM's server refuses it, where its
+engine, and so kiln's LLM, would cut it); completions' max_tokens is 16 when omitted, as in vLLM (the model's default
+applies to an explicit null); a prompt that leaves no room, or a truncate_prompt_tokens over max_model_len, is a 400
+naming the field the client sent (chat: messages)."""
 
 from __future__ import annotations
 
@@ -40,11 +42,21 @@ def messages_of(url: str, tokens: int) -> list[dict]:
 
 
 def test_the_models_default_max_tokens_is_cut_to_the_context_left(url):
-    r = post(url, "/v1/completions", {"prompt": [7] * (CTX - 6), **GREEDY})
+    r = post(url, "/v1/completions", {"prompt": [7] * (CTX - 6), "max_tokens": None, **GREEDY})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
     r = post(url, "/v1/chat/completions", {"messages": messages_of(url, CTX - 3), **GREEDY})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+def test_completions_without_max_tokens_take_vllms_16_checked_as_if_sent(url):
+    # vLLM's CompletionRequest.max_tokens defaults to 16, so the model's default never reaches its get_max_tokens
+    r = post(url, "/v1/completions", {"prompt": [7] * 10, **GREEDY})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    r = post(url, "/v1/completions", {"prompt": [7] * (CTX - 6), **GREEDY})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded"), r.text
+    assert f"prompt of {CTX - 6} tokens + max_tokens 16 = {CTX + 10} exceeds the model context" in err["message"]
 
 
 def test_a_max_tokens_the_client_sends_is_checked_not_cut(url):
@@ -58,7 +70,7 @@ def test_a_max_tokens_the_client_sends_is_checked_not_cut(url):
 
 @pytest.mark.parametrize(("path", "param"), [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
 def test_a_prompt_that_fills_the_context_is_refused_under_a_default(url, path, param):
-    body = {"prompt": [7] * CTX} if param == "prompt" else {"messages": messages_of(url, CTX)}
+    body = {"prompt": [7] * CTX, "max_tokens": None} if param == "prompt" else {"messages": messages_of(url, CTX)}
     r = post(url, path, body)
     err = r.json()["error"]
     assert r.status_code == 400 and (err["param"], err["code"]) == (param, "context_length_exceeded"), r.text

@@ -251,11 +251,15 @@ def test_serve_applies_the_models_generation_defaults_to_unset_fields(checkpoint
     assert f"default sampling parameters from {checkpoint / 'generation_config.json'}" in err
     assert "temperature=0.6" in err and "max_tokens=7" in err and "a request's own values win" in err
     with TestClient(built[0].config.app) as c:  # the lifespan starts the engine loop
-        r = c.post("/v1/completions", json={"prompt": [5, 9, 44], "ignore_eos": True})
+        # completions' max_tokens: the model's default for an explicit null; omitted, it is 16, as in vLLM
+        r = c.post("/v1/completions", json={"prompt": [5, 9, 44], "ignore_eos": True, "max_tokens": None})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7, r.text
         p = seen[-1]
         assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty, p.max_tokens) == \
             (0.6, 0.9, 20, 0.05, 1.1, 7)
+        r = c.post("/v1/completions", json={"prompt": [5, 9, 44], "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+        assert (seen[-1].temperature, seen[-1].max_tokens) == (0.6, 16)
         mine = {"temperature": 0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
                 "max_tokens": 3}
         r = c.post("/v1/completions", json={"prompt": [5, 9, 44], "ignore_eos": True, **mine})

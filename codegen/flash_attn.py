@@ -52,6 +52,17 @@ def _head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
     return head_dim
 
 
+@functools.cache
+def _device_tma_blocker(device: torch.device) -> str | None:
+    """Why a device cannot load through TMA descriptors, or None when it can: decided once per device (its
+    capability does not change, and TMA launches would otherwise ask the driver every time)."""
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            return f"{torch.cuda.get_device_name(device)} has no TMA (sm90+ only)"
+        return None
+    return None if env.triton_interpret() else f"q is on {device}"
+
+
 def _tma_blocker(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int, block_d: int) -> str | None:
     """Why these inputs cannot go through TMA descriptors, or None when they can."""
     if head_dim != block_d:
@@ -59,11 +70,7 @@ def _tma_blocker(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: in
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return f"{name}'s rows are not 16-byte aligned (stride {t.stride()}, offset {t.storage_offset()})"
-    if q.is_cuda and torch.cuda.get_device_capability(q.device) < (9, 0):
-        return f"{torch.cuda.get_device_name(q.device)} has no TMA (sm90+ only)"
-    if not q.is_cuda and not env.triton_interpret():
-        return f"q is on {q.device}"
-    return None
+    return _device_tma_blocker(q.device)
 
 
 def _use_tma(tma: bool | None, q, k, v, head_dim: int, block_d: int) -> bool:
@@ -83,6 +90,25 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: TileCo
         return TensorDescriptor(base=t, shape=list(t.shape), strides=[t.stride(0), 1], block_shape=[rows, block_d])
 
     return desc(q, tile.block_m), desc(k, tile.block_n), desc(v, tile.block_n)
+
+
+# Dense batches' sequence offsets by (device, sequences, length): made once, not on every launch. The kernel only
+# reads them, so one tensor serves every call of that shape. None is ever dropped: a captured CUDA graph may read one
+# (each is a few int32s per shape).
+_OFFSETS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _dense_offsets(device: torch.device, count: int, length: int) -> torch.Tensor:
+    """int32 [0, length, ..., count * length] on device: `count` sequences of `length` rows each, packed."""
+    key = (device, count, length)
+    offsets = _OFFSETS.get(key)
+    if offsets is None:
+        offsets = torch.arange(0, (count + 1) * length, length, dtype=torch.int32, device=device)
+        # Kept only when it holds real values: not a FakeTensor (a dry run's), nor one made while a CUDA graph is
+        # captured (its values are written only when the graph replays).
+        if type(offsets) is torch.Tensor and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _OFFSETS[key] = offsets
+    return offsets
 
 
 def flash_attention_varlen(
@@ -182,12 +208,12 @@ def flash_attention(
     if k.shape[:2] != (b, s) or v.shape[:2] != (b, s) or k.shape[0] != b:
         raise CodegenError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, S, Hkv * D] with q's batch B={b}")
     out = check_out(out, q)
-    if b == 0 or t == 0:  # no queries: nothing to compute (and no zero-step arange below)
+    if b == 0 or t == 0:  # no queries: nothing to compute (and no zero-step offsets below)
         return out
     # A dense batch is a packed batch of equal lengths; reshape is a view for contiguous (or row-sliced) inputs.
-    cu_q = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)[: b + 1]
+    cu_q = _dense_offsets(q.device, b, t)
     # Self-attention (kiln's graphs: S == T) reads the same offsets for keys; the kernel only reads them.
-    cu_k = cu_q if s == t else torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)[: b + 1]
+    cu_k = cu_q if s == t else _dense_offsets(q.device, b, s)
     flash_attention_varlen(
         q.reshape(b * t, -1), k.reshape(b * s, -1), v.reshape(b * s, -1), cu_q, cu_k, t, s, num_heads=num_heads,
         num_kv_heads=num_kv_heads, causal=causal, window=window, scale=scale, tile=tile, out=out.view(b * t, -1),

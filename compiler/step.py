@@ -48,6 +48,11 @@ class ModelLimits(Protocol):
     context: int  # the longest sequence the model takes, prompt and output together
 
 
+# The step graph's cache inputs (after StepBatch's tensors, step_input_names): the pool, an int8 pool's scales, and
+# the routed layers' pool. The paged op's own parameters of the same names are kiln.ir.signatures' (PAGED_STEP).
+KV_CACHE, KV_SCALES, ROUTED_KV_CACHE = "kv_cache", "kv_scales", "routed_kv_cache"
+
+
 @dataclass(frozen=True)
 class StepInput:
     """What a StepBatch field is to the step graph: the one description of each input, which the kv_cache pass's
@@ -98,7 +103,7 @@ class StepBatch:
 
     def graph_inputs(self, cache: KVCache) -> dict[str, object]:
         """The step graph's inputs by name, in step_input_names order (the flat ones as [1, N])."""
-        values: dict[str, object] = {"kv_cache": cache.data, "kv_scales": cache.scales, "routed_kv_cache": cache.routed}
+        values: dict[str, object] = {KV_CACHE: cache.data, KV_SCALES: cache.scales, ROUTED_KV_CACHE: cache.routed}
         for name, spec in STEP_INPUTS.items():
             value = getattr(self, name)
             values[name] = value.view(1, -1) if spec.flat else value
@@ -168,7 +173,7 @@ def step_input_names(quantized: bool, routed: bool = False) -> tuple[str, ...]:
     StepBatch is the one source; the kv_cache pass and CompiledStep both use this."""
     tensors = [n for n, s in STEP_INPUTS.items() if s.dtype is not None and (routed or not s.routed)]
     ints = [n for n, s in STEP_INPUTS.items() if s.dtype is None]
-    caches = ("kv_cache", *(("kv_scales",) if quantized else ()), *(("routed_kv_cache",) if routed else ()))
+    caches = (KV_CACHE, *((KV_SCALES,) if quantized else ()), *((ROUTED_KV_CACHE,) if routed else ()))
     return (*tensors, *caches, *ints)
 
 

@@ -69,7 +69,7 @@ from kiln.ir.signatures import ATTENTION, PAGED_ATTENTION, PAGED_STEP
 from kiln.model_config import KV_DTYPES
 from kiln.passes._graph import is_call, rename
 from kiln.passes.base import Pass, PassResult
-from kiln.step import STEP_INPUTS, step_input_names
+from kiln.step import KV_CACHE, KV_SCALES, ROUTED_KV_CACHE, STEP_INPUTS, step_input_names
 
 kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
@@ -171,7 +171,7 @@ def _routed_slots(graph: fx.Graph, owner: dict[fx.Node, fx.Node], routed: list[f
             for node in attns:
                 call = graph.create_node("call_function", kiln_ops.mod_kv_slots.default, (
                     index, count, inputs["query_start_loc"], inputs["routed_lens"], inputs["routed_block_tables"],
-                    inputs["routed_kv_cache"], routed.index(node)), name=f"{node.name}_routed_slots")
+                    inputs[ROUTED_KV_CACHE], routed.index(node)), name=f"{node.name}_routed_slots")
                 out[node] = [graph.create_node("call_function", operator.getitem, (call, i),
                                                name=f"{node.name}_{what}") for i, what in enumerate(_SLOT_OUTPUTS)]
                 slots.append(call)
@@ -199,9 +199,9 @@ def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: t
             for name, spec in STEP_INPUTS.items()
         }  # fmt: skip
         cache = (layers, 2, _NUM_BLOCKS, _BLOCK_SIZE, kv_heads, head_dim)
-        examples["kv_cache"] = torch.empty(cache, dtype=dtype, device=device)
-        examples["kv_scales"] = torch.empty(cache[:-1], dtype=torch.float32, device=device)
-        examples["routed_kv_cache"] = torch.empty((routed, *cache[1:]), dtype=dtype, device=device)
+        examples[KV_CACHE] = torch.empty(cache, dtype=dtype, device=device)
+        examples[KV_SCALES] = torch.empty(cache[:-1], dtype=torch.float32, device=device)
+        examples[ROUTED_KV_CACHE] = torch.empty((routed, *cache[1:]), dtype=dtype, device=device)
         return examples
 
 
@@ -264,7 +264,7 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     routed = [n for n in attn if n in owner]
     examples = _example_inputs(device, kv_heads, head_dim, torch.int8 if quantized else dtype, len(dense), len(routed))
     inputs = _add_inputs(graph, examples, step_input_names(quantized, routed=bool(routed)))
-    kv_scales = inputs["kv_scales"] if quantized else None  # always passed: the op has no default (ops_paged)
+    kv_scales = inputs[KV_SCALES] if quantized else None  # always passed: the op has no default (ops_paged)
     step_args = {p.name: inputs[p.name] for p in PAGED_STEP}
 
     slot_parts = _routed_slots(graph, owner, routed, inputs)
@@ -272,10 +272,11 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     for node in attn:
         if node in owner:  # the routed layer's own step tensors; the batch's host-side bounds bound them too
             parts = dict(zip(_SLOT_OUTPUTS, slot_parts[node], strict=True))
-            layer, cache, args_in = routed.index(node), inputs["routed_kv_cache"], {**step_args, **parts}
+            layer, cache, args_in = routed.index(node), inputs[ROUTED_KV_CACHE], {**step_args, **parts}
             routed_rows.append(parts["routed"])
         else:
-            layer, cache, args_in = dense.index(node), inputs["kv_cache"], step_args
+            layer, cache, args_in = dense.index(node), inputs[KV_CACHE], step_args
+        # the paged op's own parameter names (kiln.ir.signatures.PAGED_CACHE / PAGED_SCALES), not the inputs'
         named = {**_attention_args(node), **args_in, "kv_cache": cache, "layer": layer, "kv_scales": kv_scales}
         with graph.inserting_before(node):
             new = graph.call_function(kiln_ops.paged_attention.default, PAGED_ATTENTION.values(named))

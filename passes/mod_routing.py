@@ -18,7 +18,7 @@ Emits, per routed layer:
 Data-dependent sizes. How many tokens the causal form routes depends on the data, and FakeTensor propagation must
 still give every node a value on torch 2.11 and 2.13. We chose a static padded capacity with a count over
 unbacked symbolic sizes (torch.library.get_ctx().new_dynamic_size()): those need a ShapeEnv in every FakeTensorMode
-kiln makes (the pipeline's propagation, lowering's kernel_requests, Dynamo regions), and every host wrapper that
+kiln makes (the pipeline's propagation, kiln.compile.kernel_requests, Dynamo regions), and every host wrapper that
 branches on a row count (`if rows > 0`, grid sizes, tile choice) would raise on a data-dependent guard. So the
 compact batch has C = mod_rows(capacity, T) rows: exactly the routed count in the training form (the top
 ceil(capacity * T)), and T, the bound, in the causal form, with count[b] saying how many rows of sequence b are
@@ -29,7 +29,7 @@ saves KV memory and attention work (a routed layer's cache and keys are its rout
 at least kv_cache.NARROW_MIN_ROWS rows (prefill-heavy; 256) kiln::mod_narrow reads the routed count to the host
 once per routed layer and the body runs on that count rounded up to kv_cache.NARROW_BUCKET rows; smaller (decode)
 steps keep the padded rows, where the read would cost more than the rows. Shapes: meta["val"] everywhere (every
-FakeTensor propagation, lowering's kernel_requests) says C = T (the bound); at run time the body's tensors have
+FakeTensor propagation, kiln.compile.kernel_requests) says C = T (the bound); at run time the body's tensors have
 C' <= C rows, and every kernel and reference op downstream takes its row count from its inputs.
 Non-causal attention in a routed layer is refused by spec validation, so causality always holds.
 Requires: nothing; it runs first, so gqa_fusion, rope_fusion, norm_fusion, flash_tiling and quantize see the

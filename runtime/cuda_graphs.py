@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK
-from kiln.step import KVCache, StepBatch, StepModel
+from kiln.runtime.input_batch import TENSOR_INPUTS, input_shape
+from kiln.step import STEP_INPUTS, KVCache, StepBatch, StepModel
 
 log = logging.getLogger("kiln.runtime")
 
@@ -75,47 +76,43 @@ class StepGraphs:
     graphs: dict[tuple[int, int], Graph] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        tokens = max(b * q for b, q in self.shapes)
+        # The most tokens (b * q) and sequences of any shape, full-width tables (routed ones: decode graphs only).
+        seqs, width = max(b for b, _ in self.shapes), self.max_blocks_per_seq
+        self.sizes = {"N": tokens, "R": tokens, "S": seqs, "W": width, "L": self.num_routed, "WR": width}
         self.static = self._make_static()
 
+    def _inputs(self) -> list[str]:
+        """The tensor inputs the model takes (the routed ones only for a routed model)."""
+        return [name for name in TENSOR_INPUTS if self.num_routed or not STEP_INPUTS[name].routed]
+
     def _make_static(self) -> StepBatch:
-        """Buffers for the most tokens (b * q) and sequences of any shape, on the model's device."""
+        """Buffers of self.sizes on the model's device, each in its StepInput's dtype and shape, holding padding."""
         dev = self.model.device
-        tokens = max(b * q for b, q in self.shapes)
-        seqs = max(b for b, _ in self.shapes)
-        i64, i32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.int32, device=dev)
-        routed = {}
-        if self.num_routed:  # a routed model's lengths and tables (decode graphs only)
-            shape = (self.num_routed, seqs)
-            routed = dict(routed_lens=torch.zeros(shape, **i32),
-                          routed_block_tables=torch.full((*shape, self.max_blocks_per_seq), NULL_BLOCK, **i32))
-        return StepBatch(
-            tokens=torch.zeros(tokens, **i64), positions=torch.zeros(tokens, **i64),
-            slot_mapping=torch.full((tokens,), NULL_BLOCK * self.block_size, **i64),
-            block_tables=torch.full((seqs, self.max_blocks_per_seq), NULL_BLOCK, **i32),
-            context_lens=torch.ones(seqs, **i32), query_start_loc=torch.arange(seqs + 1, **i32),
-            sample_indices=torch.arange(tokens, **i64), max_query_len=1, max_context_len=self.max_model_len, **routed,
-        )  # fmt: skip
+        tensors = {name: torch.zeros(input_shape(name, self.sizes), dtype=STEP_INPUTS[name].dtype, device=dev)
+                   for name in self._inputs()}  # fmt: skip
+        static = StepBatch(**tensors, max_query_len=1, max_context_len=self.max_model_len)
+        self._reset(static)
+        return static
 
     def views(self, b: int, q: int) -> StepBatch:
-        """Shape (b, q)'s inputs: views of the first b sequences' and b * q tokens' entries of the static buffers."""
-        st, n = self.static, b * q
-        routed = {}
-        if self.num_routed:  # [:, :b] is strided; mod_kv_slots indexes a layer first, so its rows are contiguous
-            routed = dict(routed_lens=st.routed_lens[:, :b], routed_block_tables=st.routed_block_tables[:, :b])
-        return StepBatch(st.tokens[:n], st.positions[:n], st.slot_mapping[:n], st.block_tables[:b],
-                         st.context_lens[:b], st.query_start_loc[: b + 1], st.sample_indices[:n], q,
-                         self.max_model_len, **routed)
+        """Shape (b, q)'s inputs: views of the first b sequences' and b * q tokens' entries of the static buffers
+        (the routed ones [:, :b] are strided; mod_kv_slots indexes a layer first, so its rows are contiguous)."""
+        st, sizes = self.static, {**self.sizes, "N": b * q, "R": b * q, "S": b}
+        tensors = {name: getattr(st, name)[tuple(map(slice, input_shape(name, sizes)))] for name in self._inputs()}
+        return StepBatch(**tensors, max_query_len=q, max_context_len=self.max_model_len)
 
     def _reset(self, batch: StepBatch) -> None:
-        """Padding values in a shape's views (every sequence on the null block, context 1), for its capture."""
+        """Padding values in a shape's views (every sequence on the null block, context 1, every row sampled), for
+        its capture."""
         b, q = batch.num_seqs, batch.max_query_len
         batch.tokens.zero_()
         batch.positions.zero_()
         batch.slot_mapping.fill_(NULL_BLOCK * self.block_size)
         batch.block_tables.fill_(NULL_BLOCK)
         batch.context_lens.fill_(1)
-        batch.query_start_loc.copy_(torch.arange(0, b * q + 1, q, dtype=torch.int32))
-        batch.sample_indices.copy_(torch.arange(b * q))
+        batch.query_start_loc.copy_(torch.arange(0, b * q + 1, q))  # copy_ casts to the input's dtype
+        batch.sample_indices.copy_(torch.arange(batch.sample_indices.shape[0]))
         if batch.routed_lens is not None:
             batch.routed_lens.zero_()
             batch.routed_block_tables.fill_(NULL_BLOCK)
@@ -128,9 +125,9 @@ class StepGraphs:
             with torch.inference_mode():
                 for b, q in sorted(self.shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True):
                     self.graphs[b, q] = self._capture(b, q, pool)
-        except Exception as e:
+        except Exception as e:  # the traceback says where the model synced or allocated (logged, not raised)
             self.graphs.clear()
-            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e, exc_info=True)
 
     def _capture(self, b: int, q: int, pool: object) -> Graph:
         batch = self.views(b, q)
@@ -162,13 +159,14 @@ class StepGraphs:
 
     @staticmethod
     def fill(static: StepBatch, batch: StepBatch) -> None:
-        """Copy a padded batch into a graph's static inputs (the same shape)."""
-        for name in ("tokens", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_indices"):
-            getattr(static, name).copy_(getattr(batch, name), non_blocking=True)
-        # Columns past the batch's widest table keep stale block ids: the kernels never read past a context, and
-        # mod_kv_slots never past the block a sequence's routed length needs (reserved, so in the copied columns).
-        static.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
-        if batch.routed_lens is not None:
-            static.routed_lens.copy_(batch.routed_lens, non_blocking=True)
-            wr = batch.routed_block_tables.shape[2]
-            static.routed_block_tables[:, :, :wr].copy_(batch.routed_block_tables, non_blocking=True)
+        """Copy a padded batch into a graph's static inputs (the same shape but for the tables' widths)."""
+        for name in TENSOR_INPUTS:
+            src = getattr(batch, name)
+            if src is None:  # a dense model's routed inputs
+                continue
+            dst = getattr(static, name)
+            # Columns past the batch's widest table keep stale block ids: the kernels never read past a context, and
+            # mod_kv_slots never past the block a sequence's routed length needs (reserved, so in the copied columns).
+            if dst.shape != src.shape:
+                dst = dst[tuple(map(slice, src.shape))]
+            dst.copy_(src, non_blocking=True)

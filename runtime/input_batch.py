@@ -5,19 +5,43 @@ blocks since its last step (and cleared when the block manager frees it), so a s
 StepBuffers is one flat int64 staging buffer (pinned on CUDA, two of them alternating so the next step can be
 written while the last copy is in flight) holding every input of a step back to back; one asynchronous copy
 moves the used prefix to a device buffer of the same layout, and the StepBatch tensors are views of it. A routed
-(Mixture-of-Depths) model's per-layer routed lengths and block tables ride in the same buffer, after the dense
-block table.
+(Mixture-of-Depths) model's per-layer routed lengths and block tables ride in the same buffer.
+
+Every input's name, dtype and shape come from its StepInput (kiln.step.STEP_INPUTS); input_shape gives its shape for
+the sizes of a step, which the CUDA graphs' static buffers and the warm-up's batches use too.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK
+from kiln.step import STEP_INPUTS
+
+# StepBatch's tensor inputs, in field order (the host-side ints are StepBatch's own).
+TENSOR_INPUTS = tuple(name for name, spec in STEP_INPUTS.items() if spec.dtype is not None)
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of a torch one (the staging buffer's host views are numpy)."""
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def input_shape(name: str, sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """A StepBatch tensor's shape for these sizes of its StepInput's symbols (N, R, S, W, L, WR); a flat input is
+    [N] here, the graph's [1, N] being a view the step model takes."""
+    spec = STEP_INPUTS[name]
+    shape = spec.example(sizes)
+    return shape[1:] if spec.flat else shape
+
+
+_TABLE_DTYPE = numpy_dtype(STEP_INPUTS["block_tables"].dtype)
 
 
 class BlockTableRows:
@@ -25,7 +49,7 @@ class BlockTableRows:
 
     def __init__(self, max_blocks: int, rows: int = 8):
         self.max_blocks = max_blocks
-        self.host = np.full((max(rows, 1), max_blocks), NULL_BLOCK, dtype=np.int32)
+        self.host = np.full((max(rows, 1), max_blocks), NULL_BLOCK, dtype=_TABLE_DTYPE)  # np.take's `out` dtype
         self.row_of: dict[str, int] = {}
         self.written: dict[str, int] = {}  # blocks of the request's table already in its row
         self.free_rows = list(range(self.host.shape[0] - 1, -1, -1))
@@ -68,41 +92,66 @@ def _up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _by_dtype() -> tuple[tuple[torch.dtype, tuple[str, ...]], ...]:
+    """The tensor inputs grouped by dtype, widest first (int64, then int32)."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for name in TENSOR_INPUTS:
+        groups.setdefault(STEP_INPUTS[name].dtype, []).append(name)
+    return tuple(sorted(((dt, tuple(names)) for dt, names in groups.items()), key=lambda g: -g[0].itemsize))
+
+
+_WORD = torch.int64  # the staging buffer's element; each other dtype's group is a view of its words as that dtype
+_ALIGN = 16  # bytes each section starts at a multiple of (see Layout)
+_GROUPS = _by_dtype()
+_NUMPY = {dt: numpy_dtype(dt) for dt, _ in _GROUPS}
+# What Layout reads per group, looked up once: dtype, element size, (name, routed) of each input.
+_PLAN = tuple((dt, dt.itemsize, tuple((n, STEP_INPUTS[n].routed) for n in names)) for dt, names in _GROUPS)
+
+
 @dataclass
 class Layout:
-    """Where each input sits in the staging buffer: int64 sections, then int32 sections in the int32 tail. Every
-    section starts 16 bytes aligned (2 int64 / 4 int32 words): Triton specializes a kernel on its pointers'
-    16-byte alignment, so misaligned views would compile other variants than the warm-up's (aligned) tensors."""
+    """Where each tensor input sits in the staging buffer: its StepInput's dtype and shape for these sizes, grouped
+    by dtype (_GROUPS). Every section starts 16 bytes aligned: Triton specializes a kernel on its pointers' 16-byte
+    alignment, so misaligned views would compile other variants than the warm-up's (aligned) tensors."""
 
-    n: int  # tokens
-    r: int  # sampled rows
-    s: int  # sequences (padding included)
-    w: int  # block-table width
-    nr: int = 0  # routed layers (Mixture-of-Depths): their lengths and block tables follow the dense table
-    wr: int = 0  # routed block-table width
+    n: int  # tokens (N)
+    r: int  # sampled rows (R)
+    s: int  # sequences, padding included (S)
+    w: int  # block-table width (W)
+    nr: int = 0  # routed layers (L, Mixture-of-Depths): none means no routed inputs
+    wr: int = 0  # routed block-table width (WR)
 
     def __post_init__(self) -> None:
-        n, r, s, w, nr, wr = self.n, self.r, self.s, self.w, self.nr, self.wr
-        # int64 sections (start, length) in words, then int32 ones relative to the int32 tail
-        self.i64 = {}
-        at = 0
-        for name, size in (("tokens", n), ("positions", n), ("slot_mapping", n), ("sample_indices", r)):
-            self.i64[name] = (at, size)
-            at = _up(at + size, 2)
-        self.i32_start = at
-        self.i32 = {}
-        at = 0
-        for name, size in (("context_lens", s), ("query_start_loc", s + 1), ("block_tables", s * w),
-                           ("routed_lens", nr * s), ("routed_block_tables", nr * s * wr)):
-            if name.startswith("routed") and not nr:
-                continue
-            self.i32[name] = (at, size)
-            at = _up(at + size, 4)
-        self.i32_words = at
+        sizes = {"N": self.n, "R": self.r, "S": self.s, "W": self.w, "L": self.nr, "WR": self.wr}
+        # Per dtype: its first word and its inputs' (name, start, end, shape; None when 1-D) in its elements from there.
+        self.groups: list[tuple[torch.dtype, int, tuple[tuple[str, int, int, tuple[int, ...] | None], ...]]] = []
+        at = 0  # bytes
+        for dtype, size, names in _PLAN:
+            first, entries = at, []
+            for name, routed in names:
+                if routed and not self.nr:
+                    continue
+                shape = input_shape(name, sizes)
+                a, numel = (at - first) // size, math.prod(shape)
+                entries.append((name, a, a + numel, shape if len(shape) > 1 else None))
+                at = _up(at + numel * size, _ALIGN)
+            if entries:
+                self.groups.append((dtype, first // _WORD.itemsize, tuple(entries)))
+        self.size = at // _WORD.itemsize  # int64 words used
 
     @property
-    def size(self) -> int:  # int64 words used
-        return self.i32_start + self.i32_words // 2
+    def sections(self) -> dict[torch.dtype, dict[str, tuple[int, int]]]:
+        """Each dtype's inputs by name: (start, length) in elements of that dtype from the group's first word."""
+        return {dtype: {name: (a, b - a) for name, a, b, _ in entries} for dtype, _, entries in self.groups}
+
+    # The int64 and int32 groups by name (tests/passes/test_kv_cache_inputs.py reads them).
+    @property
+    def i64(self) -> dict[str, tuple[int, int]]:
+        return self.sections.get(torch.int64, {})
+
+    @property
+    def i32(self) -> dict[str, tuple[int, int]]:
+        return self.sections.get(torch.int32, {})
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,8 +176,8 @@ class StepBuffers:
             if ev is not None:
                 ev.synchronize()
         self.capacity = capacity
-        self.host = [torch.zeros(capacity, dtype=torch.int64, pin_memory=self.cuda) for _ in range(self.slots)]
-        self.dev = torch.zeros(capacity, dtype=torch.int64, device=self.device) if self.cuda else None
+        self.host = [torch.zeros(capacity, dtype=_WORD, pin_memory=self.cuda) for _ in range(self.slots)]
+        self.dev = torch.zeros(capacity, dtype=_WORD, device=self.device) if self.cuda else None
 
     def stage(self, lay: Layout) -> dict[str, np.ndarray]:
         """Numpy views of the next staging buffer for `lay`, once the copy that last read it has finished."""
@@ -152,16 +201,15 @@ class StepBuffers:
 
 
 def _views(buf, lay: Layout) -> dict:
-    """The named slices of a flat int64 buffer (numpy array or tensor) for `lay`."""
-    i32 = buf[lay.i32_start : lay.size]
-    i32 = i32.view(np.int32) if isinstance(buf, np.ndarray) else i32.view(torch.int32)
-    views = {name: buf[a : a + m] for name, (a, m) in lay.i64.items()}
-    views |= {name: i32[a : a + m] for name, (a, m) in lay.i32.items()}
-    s, w, nr, wr = lay.s, lay.w, lay.nr, lay.wr
-    views["block_tables"] = views["block_tables"].reshape(s, w)
-    if nr:
-        views["routed_lens"] = views["routed_lens"].reshape(nr, s)
-        views["routed_block_tables"] = views["routed_block_tables"].reshape(nr, s, wr)
+    """The named inputs in a flat int64 buffer (numpy array or tensor) for `lay`, each in its dtype and shape."""
+    host = isinstance(buf, np.ndarray)
+    views = {}
+    for dtype, first, entries in lay.groups:
+        part = buf[first:] if first else buf  # the first group starts the buffer: no slice to make
+        if dtype != _WORD:
+            part = part.view(_NUMPY[dtype] if host else dtype)
+        for name, a, b, shape in entries:
+            views[name] = part[a:b] if shape is None else part[a:b].reshape(shape)
     return views
 
 

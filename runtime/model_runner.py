@@ -234,13 +234,8 @@ class ModelRunner(RunnerSetup):
             v["routed_block_tables"][:, num_seqs:] = NULL_BLOCK
 
     def _upload(self, lay: Layout, max_query_len: int, max_context_len: int) -> StepBatch:
-        t = self.buffers.upload(lay)
-        return StepBatch(
-            tokens=t["tokens"], positions=t["positions"], slot_mapping=t["slot_mapping"],
-            block_tables=t["block_tables"], context_lens=t["context_lens"], query_start_loc=t["query_start_loc"],
-            sample_indices=t["sample_indices"], max_query_len=max_query_len, max_context_len=max_context_len,
-            routed_lens=t.get("routed_lens"), routed_block_tables=t.get("routed_block_tables"),
-        )  # fmt: skip
+        """The staged inputs on the device, by name (a dense model's layout has no routed ones: they stay None)."""
+        return StepBatch(**self.buffers.upload(lay), max_query_len=max_query_len, max_context_len=max_context_len)
     # ---- execution ----------------------------------------------------------------------------------------
 
     def execute(self, sched: Schedule, tokens: torch.Tensor | None = None,

@@ -14,7 +14,8 @@ import sys
 import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK
-from kiln.step import KVCache, StepBatch, StepModel
+from kiln.runtime.input_batch import input_shape
+from kiln.step import STEP_INPUTS, KVCache, StepBatch, StepModel
 
 
 def warmup_shapes(max_model_len: int, verify_len: int = 0) -> list[tuple[int, int, int]]:
@@ -41,19 +42,20 @@ def warmup(model: StepModel, kv_cache: KVCache, shapes: list[tuple[int, int, int
 
 
 def null_batch(dev: torch.device, bs: int, num_routed: int, num_seqs: int, q_len: int, ctx: int) -> StepBatch:
-    """num_seqs sequences of q_len new tokens at the end of a ctx-token context, every block the null block."""
+    """num_seqs sequences of q_len new tokens at the end of a ctx-token context, every block the null block; each
+    input in its StepInput's dtype and shape."""
     n = num_seqs * q_len
+    sizes = {"N": n, "R": num_seqs, "S": num_seqs, "W": -(-ctx // bs), "L": num_routed, "WR": -(-q_len // bs)}
+
+    def full(name: str, value: int) -> torch.Tensor:
+        return torch.full(input_shape(name, sizes), value, device=dev)
+
     positions = torch.arange(ctx - q_len, ctx, device=dev).repeat(num_seqs)
-    qsl = torch.arange(0, n + 1, q_len, dtype=torch.int32, device=dev)
-    routed = {}
+    qsl = torch.arange(0, n + 1, q_len, device=dev)
+    values = dict(tokens=full("tokens", 0), positions=positions, slot_mapping=NULL_BLOCK * bs + positions % bs,
+                  block_tables=full("block_tables", NULL_BLOCK), context_lens=full("context_lens", ctx),
+                  query_start_loc=qsl, sample_indices=qsl[1:] - 1)  # fmt: skip
     if num_routed:  # every routed layer starts empty and writes (at most q_len entries) to its null block
-        routed = dict(routed_lens=torch.zeros(num_routed, num_seqs, dtype=torch.int32, device=dev),
-                      routed_block_tables=torch.full((num_routed, num_seqs, -(-q_len // bs)), NULL_BLOCK,
-                                                     dtype=torch.int32, device=dev))
-    return StepBatch(
-        tokens=torch.zeros(n, dtype=torch.int64, device=dev), positions=positions,
-        slot_mapping=NULL_BLOCK * bs + positions % bs,
-        block_tables=torch.full((num_seqs, -(-ctx // bs)), NULL_BLOCK, dtype=torch.int32, device=dev),
-        context_lens=torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev), query_start_loc=qsl,
-        sample_indices=(qsl[1:] - 1).long(), max_query_len=q_len, max_context_len=ctx, **routed,
-    )  # fmt: skip
+        values |= dict(routed_lens=full("routed_lens", 0), routed_block_tables=full("routed_block_tables", NULL_BLOCK))
+    tensors = {name: t.to(STEP_INPUTS[name].dtype) for name, t in values.items()}
+    return StepBatch(**tensors, max_query_len=q_len, max_context_len=ctx)

@@ -14,11 +14,12 @@ from kiln.model_config import INT4_GROUPS, AttentionCall
 from kiln.quant.sizing import SchemeView, fitting_group, quantized_bytes, quantized_weights, resolve_group
 from kiln.spec.ast import Call, Setting
 from kiln.spec.formatter import format_spec
+from kiln.spec.limits import format_bytes, format_count, param_count
 from kiln.spec.loader import LoadedSpec, bundled_spec, bundled_specs, load_spec, read_spec_file
 from kiln.spec.parser import parse_spec
 from kiln.spec.speculation import NOT_FOR_MOD
 from kiln.spec.speculation import describe as describe_speculation
-from kiln.spec.validate import DTYPE_BYTES, describe_route, format_bytes, format_count, param_count
+from kiln.spec.validate import DTYPE_BYTES, describe_route
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -21,7 +21,8 @@ from torch import fx
 from kiln import env
 from kiln.codegen.cache import default_cache
 from kiln.codegen.render import render
-from kiln.compile.lowering import KernelRequest, kernel_requests, lower
+from kiln.compile.kernel_requests import KernelRequest, kernel_requests
+from kiln.compile.lowering import lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.errors import KilnError
 from kiln.ir.text import format_graph

@@ -4,24 +4,20 @@ One table maps each op to a small function with the op's own signature that call
 lowered graph's nodes call those functions, so it is still a readable fx graph (`format_graph` prints them
 as e.g. `k_add_rms_norm(...)`). Dense GEMMs (kiln::linear) and embedding gathers stay on torch (cuBLAS on
 GPU). Tile configs come from the flash_attention node's arguments (set by flash_tiling); a plain
-kiln::attention (flash_tiling disabled) gets codegen's default tile at run time.
-
-`kernel_requests` finds which kernels a lowered graph needs without running any: it interprets the graph
-on FakeTensors inside codegen's `recording` dry run, so the wrappers compute their launch parameters (the
-constexprs that pick a kernel instance) exactly as they will at run time, and launch nothing.
+kiln::attention (flash_tiling disabled) gets codegen's default tile at run time. Which kernels a lowered graph
+needs is found by kiln.compile.kernel_requests.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 
 import kiln.ir.ops_level2  # noqa: F401  (registers the Level-2 ops)
 import kiln.ir.ops_mod  # noqa: F401  (registers the Mixture-of-Depths ops)
@@ -31,7 +27,7 @@ import kiln.ir.ops_quant  # noqa: F401  (registers the quantized linears and emb
 import kiln.ir.ops_spec  # noqa: F401  (registers kiln::spec_verify)
 from kiln import env
 from kiln.codegen import act, flash_attn, mod, norm, paged, quant, rope, spec_verify, tiles
-from kiln.codegen._host import BoundKernels, recording
+from kiln.codegen._host import BoundKernels
 from kiln.errors import CodegenError
 from kiln.ir.ops_mod import mod_rows
 from kiln.ir.ops_mod_step import check_compact, narrow_compact, narrow_rows
@@ -251,74 +247,3 @@ def lower(gm: fx.GraphModule) -> fx.GraphModule:
         node.target = BoundKernels(fn, checked=checked)
     gm.recompile()
     return gm
-
-
-# ---- which kernels a graph needs ---------------------------------------------------------------------------
-
-
-@dataclass
-class KernelRequest:
-    """One kernel instance (as codegen's cache keys it) and the graph nodes that launch it."""
-
-    template: str
-    name: str
-    params: dict[str, Any]
-    nodes: list[str] = field(default_factory=list)  # "%node: op(inputs) -> outputs" lines for headers
-
-
-def _describe(node: fx.Node, args: tuple, result: Any) -> str:
-    def fmt(v: Any) -> str:
-        if isinstance(v, torch.Tensor):
-            return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
-        if isinstance(v, (tuple, list)):
-            return "(" + ", ".join(fmt(x) for x in v) + ")"
-        return repr(v)
-
-    return f"%{node.name}: {node.meta.get('kiln_op', node.target)}({', '.join(fmt(a) for a in args)}) -> {fmt(result)}"
-
-
-class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, mode: FakeTensorMode, device: torch.device):
-        super().__init__(gm)
-        self.mode, self.device = mode, device
-        self.requests: dict[Any, KernelRequest] = {}
-        self.seen: list[KernelRequest] = []  # requests made by the node being run
-
-    def fetch_attr(self, target: str):
-        t = super().fetch_attr(target)
-        with self.mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
-
-    def run_node(self, n: fx.Node):
-        self.seen = []
-        result = super().run_node(n)
-        for req in self.seen:
-            line = _describe(n, tuple(self.map_nodes_to_values(n.args, n)), result)
-            if line not in req.nodes:
-                req.nodes.append(line)
-        return result
-
-    def record(self, template: str, name: str, args: Any, **params: Any) -> None:
-        key = (template, name, repr(sorted(params.items())))  # params are plain dicts of ints/bools/strs
-        req = self.requests.setdefault(key, KernelRequest(template, name, params))
-        self.seen.append(req)
-
-
-def kernel_requests(gm: fx.GraphModule) -> list[KernelRequest]:
-    """The distinct kernels a lowered graph launches for its example input shapes (placeholders' meta['val'])."""
-    ref = next(iter(gm.parameters()), None)
-    # Record on the target device when it is a GPU (wrappers may ask it for its capability), else on meta.
-    device = ref.device if ref is not None and ref.device.type == "cuda" else torch.device("meta")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        inputs = [
-            torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype, device=device)
-            if isinstance(n.meta["val"], torch.Tensor)
-            else n.meta["val"]  # host-side scalars pass through (the step graph's max_query_len, ...)
-            for n in gm.graph.nodes
-            if n.op == "placeholder"
-        ]
-    rec = _Recorder(gm, mode, device)
-    with recording(rec.record), mode:
-        rec.run(*inputs)
-    return list(rec.requests.values())

@@ -26,7 +26,8 @@ from kiln.compile.pipeline import known_passes
 from kiln.errors import WeightError
 from kiln.hf.to_spec import config_to_spec
 from kiln.ir.attrs import set_tensor
-from kiln.ir.frontend import INV_FREQ, build_graph, propagate_fake, rope_inv_freq
+from kiln.ir.frontend import build_graph, propagate_fake, rope_inv_freq
+from kiln.ir.graph_builder import INV_FREQ
 from kiln.model_config import ModelConfig
 from kiln.passes.quantize import rewrite
 from kiln.quant.formats import LAYOUT_VERSION, QuantizedWeight, QuantScheme, as_scheme, repack_int4_v1

@@ -38,12 +38,13 @@ from kiln.codegen import spec_verify as spec_verify_kernel
 from kiln.codegen._host import BoundKernels, recording
 from kiln.codegen.cache import default_cache
 from kiln.compile.driver import resolve_use_kernels
-from kiln.compile.lowering import k_spec_verify, kernel_requests, lower
+from kiln.compile.kernel_requests import kernel_requests
+from kiln.compile.lowering import k_spec_verify, lower
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.errors import KilnError, PassError
 from kiln.ir.registry import bind_references
 from kiln.model_config import CompileConfig, ModelConfig
-from kiln.step import KVCache, StepBatch, Verifier, VerifyBatch
+from kiln.step import KV_CACHE, ROUTED_KV_CACHE, KVCache, StepBatch, Verifier, VerifyBatch
 from kiln.step import allocate_kv_cache as _allocate
 
 
@@ -190,10 +191,10 @@ def compile_step(
     kv_spec = extra.get("kv_cache") or {}
     passes = build_pipeline(compile_cfg, step=True, kv_dtype=kv_cache_dtype or kv_spec.get("dtype", "auto"))
     gm = run_pipeline(gm, passes, dump_dir=dump_dir)
-    cache = gm.graph.find_nodes(op="placeholder", target="kv_cache")
+    cache = gm.graph.find_nodes(op="placeholder", target=KV_CACHE)
     if not cache:
         raise PassError(f"model {cfg.name!r} has no attention, so there is no KV cache to page")
-    routed_cache = gm.graph.find_nodes(op="placeholder", target="routed_kv_cache")
+    routed_cache = gm.graph.find_nodes(op="placeholder", target=ROUTED_KV_CACHE)
     if (cfg.route is not None) != bool(routed_cache):  # e.g. mod_routing disabled: never serve it as dense
         raise PassError(
             f"model {cfg.name!r}: the step graph {'has' if routed_cache else 'has no'} routed KV cache but the model "

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from kiln.dynamo.backend import OPTIONS, Compiled, GraphReport, _listeners, kiln_backend, parse_options
+from kiln.dynamo.backend import OPTIONS, _listeners, kiln_backend, parse_options
+from kiln.dynamo.graph_report import Compiled, GraphReport
 from kiln.dynamo.timing import BASELINES, Timing, format_timings, time_graph
 from kiln.errors import KilnError
 

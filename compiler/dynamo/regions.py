@@ -3,7 +3,7 @@
 After normalization the graph mixes kiln ops and torch calls. The kiln ops are grouped into maximal regions
 (torch.fx's CapabilityBasedPartitioner, which keeps the contracted graph acyclic); each region becomes a
 Level-1 kiln graph (the same IR the spec frontend builds), goes through `build_pipeline` / `run_pipeline` and
-`lower` like a spec file, and is called from the outer graph through one opaque custom op,
+`lower` like a spec file (kiln.dynamo.region_build), and is called from the outer graph through one opaque custom op,
 `kiln_dynamo::region(inputs, id)`. Being a custom op with a fake kernel (the region's Level-1 graph run on fake
 tensors) is what lets the outer graph go to inductor unchanged while kiln regions stay kiln's.
 
@@ -28,19 +28,15 @@ from pathlib import Path
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.library import custom_op
 
-from kiln.compile.driver import compile_model
-from kiln.compile.pipeline import propagate
-from kiln.dynamo.fx_query import is_kiln, val
+from kiln.dynamo.fx_query import is_kiln
 from kiln.dynamo.mutation import writes
+from kiln.dynamo.region_build import build_region, is_weight, rebuild_region, weight_name
 from kiln.errors import KilnError
-from kiln.ir.registry import bind_references
-from kiln.passes._graph import set_param
 
 _PREFIX = "kiln_region_"
 _REGIONS: dict[int, Region] = {}
@@ -173,99 +169,6 @@ class _KilnOps(OperatorSupportBase):
         return is_kiln(node)
 
 
-def _hint(d: object) -> int:
-    if isinstance(d, int):
-        return d
-    node = d.node
-    return int(node.hint) if node.hint is not None else int(node.shape_env.size_hint(node.expr))
-
-
-def _weight_name(placeholder: str) -> str:
-    """L_self_modules_model_modules_norm_parameters_weight_ -> model.norm.weight (readable dumps and fused names)."""
-    name = placeholder.removeprefix("L_self_").removeprefix("l_self_").rstrip("_")
-    for part in ("_modules_", "_parameters_", "_buffers_"):
-        name = name.replace(part, ".")
-    return name.removeprefix("modules_").replace("modules_", "")
-
-
-def _is_weight(node: object, example: object) -> bool:
-    if not (isinstance(node, fx.Node) and node.op == "placeholder") or not isinstance(example, torch.Tensor):
-        return False
-    if isinstance(example, FakeTensor):
-        return False
-    # An inference tensor (made under torch.inference_mode, as serving code often loads weights) has no version
-    # counter to tell an in-place change by: it stays a live input, read afresh on every call.
-    if example.is_inference():
-        return False
-    return isinstance(example, torch.nn.Parameter) or "_buffers_" in node.name
-
-
-def _fast_graph(ref: fx.GraphModule, frozen: dict[int, tuple[torch.Tensor, int]], names: dict[int, str]):
-    """A copy of ref with frozen inputs as parameters and example values the passes can read."""
-    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
-    env: dict[fx.Node, fx.Node] = {}
-    placeholders = [n for n in ref.graph.nodes if n.op == "placeholder"]
-    mode = FakeTensorMode()
-    for i, n in enumerate(placeholders):
-        if i in frozen:
-            set_param(gm, names[i], frozen[i][0])
-            env[n] = gm.graph.get_attr(names[i])
-        else:
-            env[n] = gm.graph.placeholder(n.name)
-            v = val(n)
-            with mode:  # concrete hint shapes: passes read head dims; kernels stay shape-generic over B and T
-                env[n].meta["val"] = torch.empty([_hint(d) for d in v.shape], dtype=v.dtype, device=v.device)
-    for n in ref.graph.nodes:
-        if n.op == "output":
-            gm.graph.output(fx.node.map_arg(n.args[0], env.__getitem__))
-        elif n.op != "placeholder":
-            env[n] = gm.graph.node_copy(n, env.__getitem__)
-            env[n].meta.pop("val", None)  # Dynamo's symbolic values; refilled from the concrete inputs below
-    gm.recompile()
-    # Passes read meta["val"] on every node and the pipeline only refreshes it after a pass that changed the
-    # graph: a region no pass touches (q projection, rope, attention) must arrive with it already filled.
-    return propagate(gm)
-
-
-def _flat_weights(gm: fx.GraphModule) -> fx.GraphModule:
-    """gm with every weight read as one plain attribute: a dotted get_attr (model.layers.0.mlp.weight) costs one
-    nn.Module.__getattr__ per dot on every call, a plain instance attribute none (213 lookups per decode step of
-    a 4-layer model before)."""
-    for i, n in enumerate(gm.graph.find_nodes(op="get_attr")):
-        if "." in n.target:
-            flat = f"_w{i}_{n.target.replace('.', '_')}"
-            object.__setattr__(gm, flat, operator.attrgetter(n.target)(gm))  # bypasses Module's registration
-            n.target = flat
-    gm.recompile()
-    return gm
-
-
-def _direct_reference(gm: fx.GraphModule) -> fx.GraphModule:
-    """gm (not lowered: use_kernels off) calling each kiln op's reference function directly: the same torch code
-    without torch.library's per-call wrappers (about 30 us per op, more than the op itself at small sizes)."""
-    return bind_references(gm)
-
-
-def _build(
-    ref: fx.GraphModule,
-    frozen: dict,
-    names: dict,
-    use_kernels: bool | None,
-    dump_dir: Path | None,
-    overrides: dict[str, bool] | None,
-) -> tuple[Callable, list[str], list[str]]:
-    gm = _fast_graph(ref, frozen, names)
-    compiled = compile_model(gm, None, use_kernels=use_kernels, dump_dir=dump_dir, overrides=overrides)
-    kernels = [f"{k.template}:{k.params.get('op', k.name)}" for k in compiled.kernels]
-    gm = compiled.gm if compiled.use_kernels else _direct_reference(compiled.gm)
-    return _flat_weights(gm).forward, compiled.passes, kernels  # forward: no nn.Module __call__ per region call
-
-
-def _rebuild(ref: fx.GraphModule, frozen: dict, *, names: dict, use_kernels: bool | None,
-             overrides: dict[str, bool] | None) -> Callable:
-    return _build(ref, frozen, names, use_kernels, None, overrides)[0]
-
-
 def _split_at_writes(graph: fx.Graph, parts: list[list[fx.Node]], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
     """The partitions (nodes in graph order) cut at every in-place op that lies between their nodes.
 
@@ -325,15 +228,16 @@ def extract_regions(
         frozen, names = {}, {}
         for i, a in enumerate(node.args):
             example = example_inputs[placeholders[a]] if a in placeholders else None
-            if _is_weight(a, example):
-                frozen[i], names[i] = (example, example._version), _weight_name(a.name)
+            if is_weight(a, example):
+                frozen[i], names[i] = (example, example._version), weight_name(a.name)
         rid = next(_ids)
         kiln_nodes = [n for n in ref.graph.nodes if is_kiln(n)]
         region = Region(rid, ref, frozen, ops=[str(n.target).split(".")[1] for n in kiln_nodes])
         region.nodes, region.inputs = [n.name for n in kiln_nodes], [a.name for a in node.args]
         sub_dump = Path(dump_dir) / f"region_{len(regions)}" if dump_dir is not None else None
-        region.fast, region.passes, region.kernels = _build(ref, frozen, names, use_kernels, sub_dump, overrides)
-        region.rebuild = functools.partial(_rebuild, ref, names=names, use_kernels=use_kernels, overrides=overrides)
+        region.fast, region.passes, region.kernels = build_region(ref, frozen, names, use_kernels, sub_dump, overrides)
+        region.rebuild = functools.partial(rebuild_region, ref, names=names, use_kernels=use_kernels,
+                                           overrides=overrides)
         _REGIONS[rid] = region
         regions.append(region)
         with gm.graph.inserting_before(node):

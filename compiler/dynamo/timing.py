@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from kiln.dynamo.backend import Compiled, GraphReport
 from kiln.dynamo.fx_query import val
+from kiln.dynamo.graph_report import Compiled, GraphReport
 from kiln.dynamo.regions import _REGIONS, CALLS, Region, new_region_id
 
 BASELINES = ("eager", "inductor")

@@ -30,7 +30,7 @@ positions are not touched here: the compact rows keep their original positions (
   C >= min_rows, C' = count rounded up to a multiple of `bucket`, at most C (never 0: a layer that routed
   nothing keeps one bucket of padding rows); below min_rows, C' = C (nothing changes). Reading the count is a
   device -> host sync, worth it only on steps with many rows (kv_cache.NARROW_MIN_ROWS says why 256). What is
-  true of shapes where: FakeTensor propagation (meta["val"], lowering's kernel_requests) gives every output C =
+  true of shapes where: FakeTensor propagation (meta["val"], kiln.compile.kernel_requests) gives every output C =
   N rows, the static bound, as the padded path has; at run time they have C' <= C rows, and everything
   downstream (the body, its paged attention, mod_scatter) takes its row count from its inputs. Rows [count, C')
   are the padding rows of the padded path (zeros, position 0, index 0, slot -1; past query_start_loc[S], so

@@ -4,43 +4,25 @@ the `# ...` comments are collected into SpecFile.comments for the formatter.
 Syntax errors become a SpecError whose one Diagnostic says, in plain words, what was found and what was
 expected there (never lark's token names), with a hint. A leading UTF-8 byte order mark is skipped; an invisible
 or non-ASCII character is named by its code point. Expressions nested deeper than MAX_NESTING are refused with
-a position before anything recursive (the tree transformer, validation, the formatter) walks them, so no input
-reaches Python's recursion limit.
+a position before anything recursive (the tree transformer in kiln.spec.tree_to_ast, validation, the formatter)
+walks them, so no input reaches Python's recursion limit.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import unicodedata
 from contextvars import ContextVar
 from copy import copy
 from functools import lru_cache
 from importlib.resources import files
 
-from lark import Lark, Token, Transformer, Tree, v_args
+from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken, VisitError
 
 from kiln.errors import Diagnostic, SpecError
-from kiln.spec.ast import (
-    Assign,
-    BinOp,
-    Bool,
-    Call,
-    Comment,
-    CompileBlock,
-    Expr,
-    Keyword,
-    LayerBlock,
-    ModelBlock,
-    Name,
-    Num,
-    Setting,
-    Span,
-    SpecFile,
-    Str,
-)
+from kiln.spec.ast import Comment, Expr, SpecFile
+from kiln.spec.tree_to_ast import CallError, ToAst
 
 # Regex terminals in plain words; string terminals are shown as themselves in backticks.
 _WORDS = {"NAME": "a name", "INT": "a number", "FLOAT": "a number", "STRING": "a string", "$END": "end of file"}
@@ -73,39 +55,6 @@ def _lark(start: str = "start") -> Lark:
                 lexer_callbacks={"COMMENT": _on_comment}, start=start)
 
 
-class _CallError(Exception):
-    """A call's arguments are well-formed tokens in a bad order; raised inside the transformer."""
-
-    def __init__(self, span: Span, message: str, hint: str):
-        super().__init__(message)
-        self.span, self.message, self.hint = span, message, hint
-
-
-def _span(meta) -> Span:
-    return Span(meta.line, meta.column, meta.end_line, meta.end_column)
-
-
-def _tok_span(tok: Token) -> Span:
-    return Span(tok.line, tok.column, tok.end_line, tok.end_column)
-
-
-def _number(text: str) -> int | float:
-    return int(text) if text.replace("_", "").isdigit() else float(text)
-
-
-def _checked_number(tok: Token, meta) -> int | float:
-    try:
-        value = _number(str(tok))
-    except ValueError:  # an integer longer than Python's int-from-string limit (4300 digits)
-        raise _CallError(_span(meta), f"number with {len(tok)} digits is too long",
-                         "no spec value needs more than a few digits; check for a pasted run of digits") from None
-    # 1e999 reads as inf, which no setting accepts and the formatter cannot write back.
-    if isinstance(value, float) and not math.isfinite(value):
-        raise _CallError(_span(meta), f"number {tok} is beyond the floating-point range (it reads as infinity)",
-                         "numbers must be finite: write a value below 1.7e308, e.g. eps = 1e-5")
-    return value
-
-
 def _too_deep(tree: Tree) -> Tree | None:
     """The first node nested deeper than MAX_NESTING expression levels, found without recursion."""
     stack = [(tree, 0)]
@@ -117,76 +66,6 @@ def _too_deep(tree: Tree) -> Tree | None:
             if isinstance(child, Tree):
                 stack.append((child, depth + (child.data in ("binop", "call"))))
     return None
-
-
-@v_args(meta=True)
-class _ToAst(Transformer):
-    def start(self, meta, children):
-        return children[0], (children[1] if len(children) > 1 else None)
-
-    def value(self, meta, children):
-        return children[0]
-
-    def model_block(self, meta, children):
-        name = self.string(meta, [children[0]]).value
-        return ModelBlock(name, tuple(children[1:]), _span(meta))
-
-    def layer_block(self, meta, children):
-        return LayerBlock(tuple(Assign(s.key, s.value, s.span) for s in children), _span(meta))
-
-    def compile_block(self, meta, children):
-        return CompileBlock(tuple(children), _span(meta))
-
-    def setting(self, meta, children):
-        return Setting(str(children[0]), children[1], _span(meta))
-
-    def kwarg(self, meta, children):
-        return Keyword(str(children[0]), children[1], _span(meta))
-
-    def call(self, meta, children):
-        args: list[Expr] = []
-        kwargs: list[Keyword] = []
-        for child in children[1:]:
-            if isinstance(child, Keyword):
-                kwargs.append(child)
-            elif kwargs:
-                raise _CallError(child.span, f"positional argument after keyword arguments in {children[0]}()",
-                                 "put the input first, then `key = value` arguments")
-            else:
-                args.append(child)
-        return Call(str(children[0]), tuple(args), tuple(kwargs), _span(meta))
-
-    def binop(self, meta, children):
-        left, op, right = children
-        return BinOp(str(op), left, right, _span(meta))
-
-    def int(self, meta, children):
-        return Num(_checked_number(children[0], meta), _span(meta))
-
-    float = int
-
-    def neg_int(self, meta, children):
-        return Num(-_checked_number(children[1], meta), _span(meta))
-
-    neg_float = neg_int
-
-    def string(self, meta, children):
-        tok = children[0]
-        try:
-            value = json.loads(str(tok), strict=False)
-        except json.JSONDecodeError as e:
-            raise _CallError(_tok_span(tok), f"bad escape in string {tok}",
-                             "strings use JSON escapes: \\\" \\\\ \\n \\t \\uXXXX") from e
-        return Str(value, _tok_span(tok))
-
-    def true(self, meta, children):
-        return Bool(True, _span(meta))
-
-    def false(self, meta, children):
-        return Bool(False, _span(meta))
-
-    def name(self, meta, children):
-        return Name(str(children[0]), _span(meta))
 
 
 def parse_spec(text: str, path: str = "<spec>") -> SpecFile:
@@ -229,10 +108,10 @@ def _parse(text: str, path: str, start: str):
                                     "split it up: no spec needs this many calls or operators inside one another",
                                     source_line(text, line))])
     try:
-        return _ToAst().transform(tree)
+        return ToAst().transform(tree)
     except VisitError as e:
         err = e.orig_exc
-        if not isinstance(err, _CallError):
+        if not isinstance(err, CallError):
             raise
         line, col = err.span.line, err.span.column
         raise SpecError([Diagnostic(path, line, col, err.message, err.hint, source_line(text, line))]) from None

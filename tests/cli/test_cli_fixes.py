@@ -12,8 +12,8 @@ from kiln.cli.commands import main
 from kiln.quant.formats import parse_scheme
 from kiln.quant.sizing import quantized_bytes
 from kiln.runtime import throughput
+from kiln.spec.limits import format_bytes
 from kiln.spec.loader import load_spec
-from kiln.spec.validate import format_bytes
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 

@@ -221,8 +221,8 @@ def test_check_goes_on_after_a_file_it_cannot_read(tmp_path, capsys):
 
 def test_check_reports_parameters_and_weight_bytes(capsys):
     from kiln.model_config import param_shapes
+    from kiln.spec.limits import param_count
     from kiln.spec.loader import bundled_specs, load_spec
-    from kiln.spec.validate import param_count
 
     for name in bundled_specs():
         model = load_spec(name).model

@@ -120,7 +120,7 @@ def test_attention_reference_turns_flash_tiling_off_and_a_fixed_tile_pins_it():
 
 
 def test_compile_step_takes_the_kv_cache_key_and_the_fixed_tile():
-    from kiln.compile.lowering import kernel_requests
+    from kiln.compile.kernel_requests import kernel_requests
 
     cfg, comp = _spec("kv_cache = paged(block = 8, dtype = int8)",
                       "attention = flash(block_m = 16, block_n = 16, warps = 2, stages = 1)")

@@ -7,9 +7,9 @@ import pytest
 from kiln.cli.commands import main
 from kiln.model_config import ModConfig, param_shapes
 from kiln.spec.formatter import format_spec
+from kiln.spec.limits import param_count
 from kiln.spec.loader import load_spec, parse_and_resolve
 from kiln.spec.parser import parse_spec
-from kiln.spec.validate import param_count
 from tests.support.spec_errors import BASE, diagnostics, only
 
 ROUTE_LINE = "  norm = rms(eps = 1e-5)\n"

@@ -1,0 +1,97 @@
+"""Flash attention decides per device or per shape, once, what does not change between launches: whether the
+device can load through TMA descriptors (its capability) and a dense batch's sequence offsets (an int32 arange),
+with results unchanged."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kiln.codegen.flash_attn as fa
+from kiln.codegen.tiles import TileConfig
+from kiln.ir import ops
+
+TILE = TileConfig(16, 16, 4, 1)
+
+
+def _aranges(monkeypatch) -> list[tuple]:
+    """The torch.arange calls made from kiln.codegen.flash_attn from now on (the interpreter's own not counted)."""
+    made, real = [], torch.arange
+
+    def arange(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__") == fa.__name__:
+            made.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "arange", arange)
+    return made
+
+
+def _qkv(b: int, t: int, s: int, heads: int = 2, d: int = 16) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(b * 100 + t * 10 + s)
+    return tuple(torch.randn(b, n, heads * d, generator=g) for n in (t, s, s))
+
+
+def test_a_dense_batchs_offsets_are_made_once_per_shape_and_give_the_same_result(monkeypatch):
+    monkeypatch.setattr(fa, "_OFFSETS", {})
+    made = _aranges(monkeypatch)
+    q, k, v = _qkv(3, 5, 5)
+    first = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE)
+    assert made == [(0, 20, 5)]  # self-attention: one offsets tensor for queries and keys
+    second = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE)
+    assert made == [(0, 20, 5)] and torch.equal(first, second)  # the second call made none
+    # What the wrapper computed before the cache: offsets built on the call, the same kernel.
+    cu = torch.tensor([0, 5, 10, 15], dtype=torch.int32)
+    old = fa.flash_attention_varlen(q.reshape(15, -1), k.reshape(15, -1), v.reshape(15, -1), cu, cu, 5, 5, 2, 2,
+                                    True, 0, 0.25, TILE).view_as(q)  # fmt: skip
+    assert torch.equal(first, old)
+    torch.testing.assert_close(first, ops.attention(q, k, v, 2, 2, True, 0, 0.25), rtol=1e-4, atol=1e-5)
+
+    q, k, v = _qkv(3, 5, 9)  # a cached prefix (S > T): the queries' offsets are the ones above
+    got = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE)
+    assert made == [(0, 20, 5), (0, 36, 9)]
+    fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE)
+    assert len(made) == 2
+    torch.testing.assert_close(got, ops.attention(q, k, v, 2, 2, True, 0, 0.25), rtol=1e-4, atol=1e-5)
+    assert set(fa._OFFSETS) == {(torch.device("cpu"), 3, 5), (torch.device("cpu"), 3, 9)}
+
+
+def test_offsets_made_for_a_dry_run_are_not_kept(monkeypatch):
+    """A FakeTensor (lowering's dry run, shape propagation) has no values a later launch could read."""
+    monkeypatch.setattr(fa, "_OFFSETS", {})
+    with FakeTensorMode():
+        fake = fa._dense_offsets(torch.device("cpu"), 2, 4)
+    assert type(fake) is not torch.Tensor and fa._OFFSETS == {}
+    real = fa._dense_offsets(torch.device("cpu"), 2, 4)
+    assert real.tolist() == [0, 4, 8] and fa._dense_offsets(torch.device("cpu"), 2, 4) is real
+
+
+def test_the_tma_capability_is_asked_once_per_device(monkeypatch):
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    fa._device_tma_blocker.cache_clear()
+    try:
+        for _ in range(3):
+            assert fa._device_tma_blocker(torch.device("cuda", 0)) == "NVIDIA A100 has no TMA (sm90+ only)"
+        assert asked == [torch.device("cuda", 0)]
+        fa._device_tma_blocker(torch.device("cuda", 1))
+        assert asked == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    finally:
+        fa._device_tma_blocker.cache_clear()  # the pretend A100 must not answer for a real device later
+
+
+def test_tma_on_the_interpreter_is_decided_once_and_matches_pointer_loads():
+    """tma=True under TRITON_INTERPRET: allowed for the CPU device, decided on the first launch only; the result is
+    the pointer-load kernel's."""
+    fa._device_tma_blocker.cache_clear()
+    q, k, v = _qkv(2, 7, 7)
+    plain = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE, tma=False)
+    first = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE, tma=True)
+    second = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE, tma=True)
+    info = fa._device_tma_blocker.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    torch.testing.assert_close(first, plain, rtol=1e-5, atol=1e-6)
+    assert torch.equal(first, second)

@@ -18,6 +18,32 @@ from kiln.step import StepModel, kv_bytes_per_block, kv_bytes_per_layer_block, n
 CPU_KV_BYTES = 1 << 30  # the CPU default pool stops growing at 1 GiB (but always holds one full-context sequence)
 
 
+class PoolTooSmallError(KilnError):
+    """choose_num_blocks' refusal: the pool cannot hold one sequence of the longest allowed length. Its message gives
+    the fix as LLM's arguments; an entry point that spells them otherwise (the CLI's flags) rewords it (advised)."""
+
+    def __init__(self, facts: str, *, need: int, usable_tokens: int, from_memory: bool, advice: str | None = None):
+        self.facts, self.need, self.usable_tokens, self.from_memory = facts, need, usable_tokens, from_memory
+        if advice is None:
+            names = "gpu_memory_utilization" if from_memory else "num_blocks"
+            advice = self._grow("num_blocks", "gpu_memory_utilization") + ", or lower max_model_len " \
+                f"(LLM({names}=..., max_model_len=...))"
+        super().__init__(f"{facts}; {advice}")
+
+    def _grow(self, num_blocks: str, gpu_memory_utilization: str) -> str:
+        # only the setting the pool was sized from: with num_blocks given, gpu_memory_utilization changes nothing
+        if self.from_memory:
+            return f"raise {gpu_memory_utilization} (or free GPU memory)"
+        return f"raise {num_blocks} to at least {self.need}"
+
+    def advised(self, num_blocks: str, gpu_memory_utilization: str, shorten: str | None) -> PoolTooSmallError:
+        """This error with its fix in an entry point's words: its names of the two pool settings, and how it makes
+        the longest sequence shorter (None: it cannot)."""
+        advice = self._grow(num_blocks, gpu_memory_utilization) + (f", or {shorten}" if shorten else "")
+        return PoolTooSmallError(self.facts, need=self.need, usable_tokens=self.usable_tokens,
+                                 from_memory=self.from_memory, advice=advice)
+
+
 def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_blocks: int | None = None,
                       gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64,
                       extra_bytes_per_block: int = 0) -> int:
@@ -49,14 +75,11 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
         cap = max(CPU_KV_BYTES // per_block, per_seq)
         n, source = min(max_num_seqs * per_seq, cap) + 1, "the CPU default"
     if n < need:
-        raise KilnError(
+        raise PoolTooSmallError(
             f"the KV cache pool would have {n} blocks of {block_size} tokens ({n * per_block / 2**20:.1f} MiB, "
             f"from {source}), but one sequence of the longest allowed length ({context} tokens) needs {per_seq} "
-            f"blocks plus the reserved null block = {need} ({need * per_block / 2**20:.1f} MiB); "
-            f"raise num_blocks (--num-blocks) to at least {need}, or gpu_memory_utilization "
-            "(--gpu-memory-utilization), or lower max_model_len (`kiln serve --max-model-len`, "
-            "`LLM(max_model_len=...)`)"
-        )
+            f"blocks plus the reserved null block = {need} ({need * per_block / 2**20:.1f} MiB)",
+            need=need, usable_tokens=max(n - 1, 0) * block_size, from_memory=num_blocks is None)
     return n
 
 

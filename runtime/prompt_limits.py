@@ -49,14 +49,14 @@ def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: i
     a checkpoint's max_new_tokens), cut to that, so a default never refuses a prompt; a value the user gave, cut to
     it too with `cut` (vLLM's engine, behind its LLM: the request stops at max_model_len with finish_reason "length"),
     else checked (vLLM's OpenAI server, and `kiln run`: more than the room is a RequestError naming both numbers).
-    Otherwise a prompt that leaves no room is a RequestError too (both code context_length_exceeded)."""
+    A prompt that leaves no room is a RequestError whatever max_tokens is (both code context_length_exceeded)."""
     room = max_model_len - prompt_len
-    if max_tokens is not None and max_tokens > room and not (is_default or cut):
-        raise RequestError(f"prompt of {prompt_len} tokens + max_tokens {max_tokens} = {prompt_len + max_tokens} "
-                           f"exceeds the {limit_name} of {max_model_len}; shorten the prompt or lower max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
-    if room < 1:
+    if room < 1:  # first: lowering max_tokens cannot help then
         raise RequestError(f"the prompt has {prompt_len} input tokens and this model's maximum context length is "
                            f"{max_model_len} tokens (the {limit_name}), which leaves no room to generate; shorten the "
                            "prompt", param="prompt", code="context_length_exceeded")
+    if max_tokens is not None and max_tokens > room and not (is_default or cut):
+        raise RequestError(f"prompt of {prompt_len} tokens + max_tokens {max_tokens} = {prompt_len + max_tokens} "
+                           f"exceeds the {limit_name} of {max_model_len}; shorten the prompt or lower max_tokens "
+                           f"to at most {room}", param="max_tokens", code="context_length_exceeded")
     return room if max_tokens is None else min(max_tokens, room)

@@ -331,11 +331,8 @@ def check_prompt(prompt_token_ids: Sequence[int], max_tokens: int | None, *, voc
     if bad:
         raise RequestError(f"prompt_token_ids {bad[:8]} out of range for a vocabulary of {vocab}; allowed: "
                            f"0 <= id < {vocab} (was the prompt encoded with this model's tokenizer?)", param="prompt")
-    total = len(ids) + resolve_max_tokens(max_tokens, len(ids), limit, limit_name=limit_name)  # None: the room left
-    if total > limit:
-        raise RequestError(f"prompt of {len(ids)} tokens + max_tokens {max_tokens} = {total} exceeds the {limit_name} "
-                           f"of {limit}; shorten the prompt or lower max_tokens", param="max_tokens",
-                           code="context_length_exceeded")
+    # a prompt that leaves no room, or prompt + max_tokens over the limit: refused there, saying which
+    resolve_max_tokens(max_tokens, len(ids), limit, limit_name=limit_name)
     return ids
 
 

@@ -122,16 +122,17 @@ class SamplingParams:
         """Raise RequestError naming the first bad parameter, its value and the allowed range; return self.
         across=False checks each value alone and leaves min_tokens <= max_tokens out (the server words that rule
         in its request's fields: max_completion_tokens, or the limit a default gave)."""
-        # _finite rejects NaN and inf, which would slip through the range comparisons.
+        # _finite rejects NaN and inf, which would slip through the range comparisons (inf is >= 0: a range open
+        # above says "finite").
         checks = (
             (
                 "temperature",
                 self.temperature,
                 _finite(self.temperature) and self.temperature >= 0,
-                "temperature >= 0 (0 means greedy)",
+                "a finite temperature >= 0 (0 means greedy)",
             ),
             ("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0,
-             "an integer top_k >= 0 (0 or -1 means off)"),
+             "an integer top_k >= -1 (0 or -1 means off)"),  # __post_init__ made -1 a 0
             ("top_p", self.top_p, _finite(self.top_p) and 0 < self.top_p <= 1, "0 < top_p <= 1 (1 means off)"),
             ("min_p", self.min_p, _finite(self.min_p) and 0 <= self.min_p <= 1,
              "0 <= min_p <= 1 (0 means off; 1 keeps only the most likely tokens)"),
@@ -139,7 +140,7 @@ class SamplingParams:
                 "repetition_penalty",
                 self.repetition_penalty,
                 _finite(self.repetition_penalty) and self.repetition_penalty > 0,
-                "repetition_penalty > 0 (1 means off)",
+                "a finite repetition_penalty > 0 (1 means off)",
             ),
             (
                 "max_tokens",

@@ -61,6 +61,7 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     (engine_flags)."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.engine import Engine
+    from kiln.runtime.kv_pool import PoolTooSmallError
     from kiln.speculation import build_drafter
 
     step = step_model(args, m) if step is None else step
@@ -69,10 +70,14 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
         kw["drafter"] = build_drafter(plan, step)
     if getattr(args, "enable_prefix_caching", None) is not None:  # else the engine's default (on)
         kw.setdefault("enable_prefix_caching", args.enable_prefix_caching)
-    return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
-                  gpu_memory_utilization=args.gpu_memory_utilization,
-                  overlap_outputs=getattr(args, "overlap_outputs", None),
-                  async_scheduling=getattr(args, "async_scheduling", None), **kw)
+    try:
+        return Engine(step, m.tokenizer, m.model, num_blocks=args.num_blocks, block_size=args.block_size,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      overlap_outputs=getattr(args, "overlap_outputs", None),
+                      async_scheduling=getattr(args, "async_scheduling", None), **kw)
+    except PoolTooSmallError as e:  # its fix in flags; --max-model-len only where the command has it (serve)
+        shorten = "lower --max-model-len" if hasattr(args, "max_model_len") else None
+        raise e.advised("--num-blocks", "--gpu-memory-utilization", shorten) from None
 
 
 def dtype_flag(p: argparse.ArgumentParser) -> None:

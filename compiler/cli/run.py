@@ -86,7 +86,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         params.max_tokens, len(prompt_ids), m.model.context, is_default="max_tokens" in defaults))
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
-    engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
+    from kiln.runtime.kv_pool import PoolTooSmallError  # lazy: torch, which `kiln --help` never needs
+
+    try:
+        engine = serving_engine(args, m, max_num_seqs=1, max_model_len=total if total <= m.model.context else None)
+    except PoolTooSmallError as e:  # the longest sequence here is this prompt + --max-tokens, not a --max-model-len
+        room, usable = e.usable_tokens - len(prompt_ids), e.usable_tokens
+        shorten = (f"lower --max-tokens to at most {room} (the pool holds {usable} tokens, the prompt "
+                   f"{len(prompt_ids)})" if room >= 1 else
+                   f"shorten the prompt (its {len(prompt_ids)} tokens fill the pool's {usable})" if usable >= 2 else
+                   None)  # a pool without room for one prompt token and one generated: only raising it helps
+        raise e.advised("--num-blocks", "--gpu-memory-utilization", shorten) from None
     quant = m.quantize_label()
     say(f"loaded {m.model.name} from {m.source} on {m.device} ({m.compile.dtype}{', ' + quant if quant else ''}"
         f"{m.weights_label()}) in {time.perf_counter() - t0:.2f}s")

@@ -1,5 +1,5 @@
-"""A spec given beside a checkpoint: does it compute what the checkpoint's config says (beyond the tensor shapes,
-which the weight loader checks)?"""
+"""A spec given beside a checkpoint: does it compute what the checkpoint's config says, sizes included (the weight
+loader checks the tensors against the spec, so a wrong size would read as a fault of the checkpoint)?"""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 from kiln.errors import KilnError
 from kiln.model_config import AttentionCall, MlpCall, ModelConfig, RopeConfig
 
-# How the projections split into heads: other splits have the same tensor shapes (4 heads of 16 = 8 of 8). vocab,
-# dim, layers and ffn show in the shapes, which the weight loader checks naming the tensor and both shapes.
-_HEAD_FIELDS = ("heads", "kv_heads", "head_dim")
+# The sizes the tensors' shapes follow, then how the projections split into heads (4 heads of 16 have the shapes of 8
+# of 8). The weight loader would refuse a wrong size too, but naming only tensors, as if the checkpoint were at fault.
+_SIZE_FIELDS = ("vocab", "dim", "layers", "heads", "kv_heads", "head_dim")
 
 
 def _close(a: float, b: float) -> bool:
@@ -47,12 +47,16 @@ def _site_words(cfg: ModelConfig, context: int) -> dict[str, object]:
 
 
 def _words(cfg: ModelConfig, context: int) -> dict[str, object]:
-    """What a model computes, by field, as a checkpoint's config.json fixes it, beyond its tensors' shapes. Not
-    compared: the name, the shapes (above), the context (a spec may serve a shorter one, or extrapolate rope),
+    """What a model computes, by field, as a checkpoint's config.json fixes it. Not compared: the name, the context
+    (a spec may serve a shorter one, or extrapolate rope) unless positions are learned (one table row per position),
     and `route` (Mixture-of-Depths routers are a spec's addition, their weights stored beside the checkpoint's)."""
-    out: dict[str, object] = {k: getattr(cfg, k) for k in _HEAD_FIELDS}
-    out |= {"norm": cfg.norm.kind, "norm eps": cfg.norm.eps, "positions": cfg.positions,
-            "tie_embeddings": cfg.tie_embeddings, "final_norm": cfg.final_norm}
+    out: dict[str, object] = {k: getattr(cfg, k) for k in _SIZE_FIELDS}
+    if any(isinstance(e, MlpCall) for e in cfg.sites()):
+        out["ffn"] = cfg.ffn
+    out |= {"norm": cfg.norm.kind, "norm eps": cfg.norm.eps, "positions": cfg.positions}
+    if cfg.positions == "learned":
+        out["context"] = cfg.context  # the rows of the position table
+    out |= {"tie_embeddings": cfg.tie_embeddings, "final_norm": cfg.final_norm}
     return out | _rope_words(cfg.rope if cfg.positions == "rope" else None) | _site_words(cfg, context)
 
 
@@ -69,7 +73,8 @@ def check_spec_matches(spec: ModelConfig, checkpoint: ModelConfig, spec_source: 
     have, want = _words(spec, spec.context), _words(checkpoint, spec.context)
     diffs, differ = [], []
     for key in dict.fromkeys([*want, *have]):
-        if any(key.startswith(k + " ") for k in differ):  # rope theta when one side has no rope at all, ...
+        # rope theta when one side has no rope at all, the position table's rows when one has none, ...
+        if any(key.startswith(k + " ") for k in differ) or (key == "context" and "positions" in differ):
             continue
         a, b = have.get(key, "none"), want.get(key, "none")
         same = _close(a, b) if isinstance(a, float) and isinstance(b, float) else a == b

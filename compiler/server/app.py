@@ -170,9 +170,17 @@ def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
         req.check()
         given = req.prompts()
         keep = truncation(req)  # cut here too: --max-prompt-tokens, echo and usage see the prompt the engine runs
+
+        def tokens_of(i: int, prompt) -> list[int]:
+            try:
+                return _tokens(engine, prompt, max_prompt, add_special=req.add_special_tokens, keep=keep)
+            except APIError as e:  # in a batch, name the prompt, as LLM.generate does
+                if len(given) == 1:
+                    raise
+                raise APIError(e.status, f"prompt {i}: {e.message}", param=e.param, code=e.code) from None
+
         # Off the event loop: a long prompt's tokenization would stall every stream being served.
-        prompts = await asyncio.to_thread(lambda: [_tokens(engine, p, max_prompt, add_special=req.add_special_tokens,
-                                                           keep=keep) for p in given])
+        prompts = await asyncio.to_thread(lambda: [tokens_of(i, p) for i, p in enumerate(given)])
         echo = None
         if req.echo:  # the prompt's text: as sent, or decoded from its token ids
             echo = await asyncio.to_thread(lambda: [_prompt_text(engine, p, ids) for p, ids in zip(given, prompts,

@@ -17,12 +17,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, RequestError
 from kiln.runtime.engine import Engine, EngineStats
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
@@ -39,6 +39,7 @@ class _Add:
     jobs: list[Job]
     future: asyncio.Future
     sink: asyncio.Queue
+    label: Callable[[int], str] | None = None  # names job k in a RequestError ("prompt 1" of a batch)
 
 
 @dataclass
@@ -103,15 +104,16 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add(self, jobs: Sequence[Job], sink: asyncio.Queue) -> None:
+    async def add(self, jobs: Sequence[Job], sink: asyncio.Queue, label: Callable[[int], str] | None = None) -> None:
         """Queue the engine requests of one HTTP request (its prompts x n choices) as one command: the thread adds
         them all between two steps, so every choice starts in the same step (vLLM adds all n at once too), or none
-        of them: the engine's RequestError for one (a bad prompt) withdraws the others and is raised here."""
+        of them: the engine's RequestError for one (a bad prompt) withdraws the others and is raised here, led by
+        label(k) for the k-th job when a label is given."""
         if self._closed is not None:
             raise self._closed.again()
         fut = asyncio.get_running_loop().create_future()
         self._posted += len(jobs)
-        self._commands.put(_Add(list(jobs), fut, sink))
+        self._commands.put(_Add(list(jobs), fut, sink, label))
         await fut
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -181,12 +183,14 @@ class EngineLoop:
     def _add(self, cmd: _Add) -> Exception | None:
         """Add every job of `cmd`, or none: a bad request is refused alone, the other HTTP requests go on."""
         added: list[str] = []
-        for rid, prompt, params in cmd.jobs:
+        for k, (rid, prompt, params) in enumerate(cmd.jobs):
             try:
                 self.engine.add_request(prompt, params, rid)
             except Exception as e:
                 for other in added:
                     self.engine.abort(other, notify=False)
+                if isinstance(e, RequestError) and cmd.label is not None:
+                    return RequestError(f"{cmd.label(k)}: {e}", param=e.param, code=e.code)
                 return e
             added.append(rid)
         for rid in added:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
+from kiln.runtime.request import check_params_for_model
 from kiln.server.config import ServerConfig
 from kiln.server.engine_loop import EngineLoop
 from kiln.server.protocol import APIError, request_error
@@ -44,11 +45,14 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
     asked, is_default = req.requested_max_tokens(), False
     if asked is None and model_default is not None:
         asked, is_default = model_default, True
+    # A batch's errors about one prompt name it, as LLM.generate's do ("prompt 1: ..."); job k is prompt k // n
+    label = (lambda k: f"prompt {k // req.n}") if len(prompts) > 1 else None
+    lead = (lambda p: f"prompt {p}: ") if label else (lambda p: "")
     for p, ids in enumerate(prompts):
         if req.prompt_only and engine.max_model_len - len(ids) < 1:
             # echo with max_tokens 0 samples one token, not shown (as vLLM): the engine would blame a max_tokens 1
             # the client never sent
-            raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, and "
+            raise APIError(400, f"{lead(p)}this model's maximum context length is {engine.max_model_len} tokens, and "
                            f"your prompt has {len(ids)}: echo with max_tokens 0 still computes one token "
                            "after the prompt, so the prompt must leave room for it; shorten the prompt by "
                            "one token", param="prompt", code="context_length_exceeded")
@@ -57,8 +61,15 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
             # engine gets it as the request's max_tokens. cut=False: a value the client sent past the context is a
             # 400, as vLLM's server refuses it (its engine, and so kiln's LLM, would cut it to the context).
             max_tokens = engine.max_tokens_for(len(ids), asked, is_default=is_default, cut=False)
+        except RequestError as e:
+            raise request_error(RequestError(lead(p) + str(e), param=e.param, code=e.code),
+                                req.param_name(e.param)) from None
+        try:
             req.check_min_tokens(max_tokens, is_default)
             choices = req.sampling_params(max_tokens, defaults).choices()  # validated; n > 1: the seed rule there
+            # the engine's checks of the ids in the params (stop_token_ids, logit_bias...), which are the request's,
+            # not a prompt's: here, so that only a prompt's own fault reaches loop.add's label
+            check_params_for_model(choices[0], engine.model.vocab)
         except RequestError as e:
             raise request_error(e, req.param_name(e.param)) from None
         for i, params in enumerate(choices):
@@ -76,7 +87,7 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
     sink: asyncio.Queue = asyncio.Queue()
     rids = [j[0] for j in jobs]
     try:
-        await loop.add(jobs, sink)  # all at once: every choice starts in the same engine step
+        await loop.add(jobs, sink, label)  # all at once: every choice starts in the same engine step
     except RequestError as e:  # none of them was added
         raise request_error(e, req.param_name(e.param)) from None
     except BaseException:

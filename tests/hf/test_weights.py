@@ -169,8 +169,8 @@ def test_a_missing_head_and_a_wrong_shape_say_what_to_fix(ckpt, tmp_path):
     def wide_up(t):
         t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(65, 32)
 
-    with pytest.raises(WeightError, match="(?s)has shape \\[65, 32\\].*hint: config.json does not describe these "
-                                          "tensors.*intermediate_size"):
+    with pytest.raises(WeightError, match="(?s)has shape \\[65, 32\\].*hint: the model's sizes differ from these "
+                                          "tensors'.*intermediate_size.*use the config.json saved with these weights"):
         load(ckpt, "llama", rewrite(ckpt, "llama", _mkdir(tmp_path / "b"), wide_up))
 
 

@@ -201,7 +201,7 @@ def test_random_routers_start_near_the_dense_model():
 def _save_hf(tmp_path, cfg, weights, drop=()):
     from safetensors.torch import save_file
 
-    from kiln.hf.weights import weight_plan
+    from kiln.hf.weight_plan import weight_plan
 
     tensors = {src.hf: weights[src.targets[0]].contiguous() for src in weight_plan(cfg, "llama")
                if src.targets[0] not in drop}

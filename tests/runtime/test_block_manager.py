@@ -135,7 +135,7 @@ def test_pool_sizing_defaults_and_refuses_a_pool_without_room_for_one_context():
     with pytest.raises(KilnError) as err:
         choose_num_blocks(model, 128, block_size=16, num_blocks=8)
     msg = str(err.value)
-    assert "8 blocks" in msg and "needs 8 blocks" in msg and "= 9" in msg and "--num-blocks" in msg
+    assert "8 blocks" in msg and "needs 8 blocks" in msg and "= 9" in msg and "raise num_blocks to at least 9" in msg
     with pytest.raises(KilnError, match="gpu_memory_utilization"):
         choose_num_blocks(model, 128, block_size=16, gpu_memory_utilization=1.5)
 

@@ -16,8 +16,8 @@ from kiln.runtime.sampling_params import SamplingParams
     [
         ("temperature", -0.5, "temperature >= 0"),
         ("temperature", float("nan"), "temperature >= 0"),
-        ("top_k", -2, "top_k >= 0"),
-        ("top_k", 2.5, "top_k >= 0"),
+        ("top_k", -2, "top_k >= -1"),
+        ("top_k", 2.5, "top_k >= -1"),
         ("top_p", 0.0, "0 < top_p <= 1"),
         ("top_p", 1.5, "0 < top_p <= 1"),
         ("min_p", 1.1, "0 <= min_p <= 1"),

@@ -42,7 +42,7 @@ CASES = [
      AUTH, 400, "min_tokens = 1 is more than max_tokens = 0", "min_tokens"),
     ("max_tokens a word", "/v1/completions", {**OK, "max_tokens": "ten"}, AUTH, 400, "valid integer", "max_tokens"),
     ("negative temperature", "/v1/completions", {**OK, "temperature": -1}, AUTH, 400,
-     "temperature = -1.0 is out of range; allowed: temperature >= 0", "temperature"),
+     "temperature = -1.0 is out of range; allowed: a finite temperature >= 0", "temperature"),
     ("top_p zero", "/v1/completions", {**OK, "top_p": 0}, AUTH, 400, "top_p = 0.0 is out of range; allowed: 0 < top_p",
      "top_p"),
     ("top_k under -1", "/v1/completions", {**OK, "top_k": -2}, AUTH, 400, "top_k = -2 is out of range", "top_k"),

@@ -11,7 +11,7 @@ import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.scheduler import Schedule
+from kiln.runtime.schedule import Schedule
 
 # StepBatch's tensor fields as the old prepare built them (the ints max_query_len / max_context_len stay ints).
 DTYPES = {"tokens": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64, "block_tables": torch.int32,

@@ -42,12 +42,13 @@ Each engine gets an explicit pool: the workload's blocks plus a step of slack, t
 dense one, because a routed layer reserves its worst case (every new token of a step routed) before each step.
 Prefix caching is off unless --prefix-caching: random prompts never hit, and without it the KV bytes held count
 the live requests' blocks only (a cached entry would hold routed blocks of finished requests).
-The routed body's per-row work: prefill steps (N >= kv_cache.NARROW_MIN_ROWS rows) run it on the routed rows
+The routed body's per-row work: prefill steps (N >= kv_cache_routed.NARROW_MIN_ROWS rows) run it on the routed rows
 only, decode steps on all N rows (the padded path; passes/mod_routing.py says why); --narrow-min-rows moves the
 line (--smoke lowers it so that its prefill steps narrow too); both knobs are in the JSON. --padded-prefill
 compiles a third model, the routed one with narrowing off, and adds its prefill (`routed_padded`): what the
 narrowing buys, in the same run. The JSON is rewritten after every workload, so a run cut short keeps its rows.
-Writes bench/results/mod_speed-<spec>-<device>-<date>.json (metadata: bench_meta.py).
+Writes bench/results/mod_speed-<spec>-<device>-<date>.json (metadata: bench_meta.py). The twins are mod_twins.py's,
+a workload's run on one model mod_workloads.py's.
 """
 
 from __future__ import annotations
@@ -56,21 +57,17 @@ import argparse
 import dataclasses
 import gc
 import sys
-import time
 from pathlib import Path
 
 import torch
 from bench_meta import result_path, run_metadata, write_json
 from ceilings import copy_bandwidth
-from mod_twins import NEVER, CountRouted, build_twins, compile_side, say
+from mod_twins import NEVER, build_twins, compile_side, say
+from mod_workloads import Workload, measure
 
 from kiln.build import resolve_device
 from kiln.compile.step import CompiledStep
-from kiln.model_config import ModelConfig
-from kiln.passes import kv_cache as kv_cache_pass
-from kiln.runtime.engine import Engine
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.step import kv_bytes_per_layer_block
+from kiln.passes import kv_cache_routed
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"prefill": 1.4, "decode_64": 1.2}  # issue 13: routed over dense tokens/s
@@ -89,104 +86,6 @@ def batch_prompt(text: str) -> tuple[int, int]:
     if b < 1 or p < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: batch and prompt length must be >= 1")
     return b, p
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def kv_bytes_per_token(step: CompiledStep, fractions: dict[str, float]) -> float:
-    """Bytes of K/V one token leaves in the cache: every dense layer's, plus each routed layer's times its measured
-    routed fraction."""
-    layer = kv_bytes_per_layer_block(step, 1)
-    return layer * (step.num_layers + sum(fractions.values()))
-
-
-@dataclasses.dataclass
-class Workload:
-    prompts: int
-    prompt_len: int
-    new_tokens: int
-    temperature: float
-    max_batched: int
-    prefix_caching: bool = False
-    cuda_graphs: bool | None = None  # None: the engine's default (on for a CUDA model, routed or dense)
-    async_scheduling: bool | None = None  # None: the engine's default (on for a CUDA model, routed or dense)
-
-
-def _engine(step, cfg: ModelConfig, w: Workload, block_size: int) -> Engine:
-    per_seq = -(-(w.prompt_len + w.new_tokens) // block_size)
-    blocks = w.prompts * per_seq + -(-w.max_batched // block_size) + 2
-    routed = blocks if getattr(step, "num_routed_layers", 0) else None
-    return Engine(step, None, cfg, num_blocks=blocks, max_num_seqs=max(w.prompts, 1),
-                  max_num_batched_tokens=w.max_batched, max_model_len=w.prompt_len + w.new_tokens,
-                  routed_num_blocks=routed, enable_prefix_caching=w.prefix_caching, use_cuda_graphs=w.cuda_graphs,
-                  async_scheduling=w.async_scheduling)
-
-
-def _prompts(gen: torch.Generator, vocab: int, n: int, length: int) -> list[list[int]]:
-    return torch.randint(0, vocab, (n, length), generator=gen).tolist()
-
-
-def _run(engine: Engine, prompts: list[list[int]], w: Workload, on_all_started=None) -> tuple[float, dict]:
-    """Run the requests to completion: (wall seconds, {"t0", "tokens_at_t0", "tokens"}) where t0 is when every
-    request had its first token (on_all_started runs just before t0 is taken)."""
-    params = SamplingParams(temperature=w.temperature, max_tokens=w.new_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    for p in prompts:
-        engine.add_request(prompt_token_ids=p, params=params)
-    got: dict[str, int] = {}
-    mark: dict = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id] = len(out.outputs[0].token_ids)
-        if not mark and len(got) == len(prompts) and all(got.values()):
-            if on_all_started is not None:
-                mark["at_start"] = on_all_started()
-            mark["t0"], mark["tokens_at_t0"] = time.perf_counter(), sum(got.values())
-    _sync(engine.model.device)
-    end = time.perf_counter()
-    return end - start, {**mark, "end": end, "tokens": sum(got.values())}
-
-
-def kv_in_use(engine: Engine) -> int:
-    """Bytes of K/V blocks the engine's live requests hold now (dense pool + every routed pool)."""
-    st, step = engine.stats, engine.model
-    layer = kv_bytes_per_layer_block(step, engine.block_manager.block_size)
-    return (st.num_blocks - st.num_free_blocks) * layer * step.num_layers + sum(st.routed_blocks_in_use) * layer
-
-
-def measure(step: CountRouted, cfg: ModelConfig, w: Workload, seed: int, block_size: int,
-            routed_layers: list[int]) -> dict:
-    """One workload on a fresh engine: a warm-up run of the same shapes, then the timed run; the prompts depend on
-    the seed alone, so every model of a workload gets the same ones."""
-    engine = _engine(step, cfg, w, block_size)
-    step.watch(engine.block_manager)
-    gen = torch.Generator().manual_seed(seed)
-    # Warm-up (kernel compiles, graph captures) on the timed run's step shapes: one full prefill step and a bit
-    # more, or the whole decode batch for a few tokens.
-    warm = dataclasses.replace(w, prompts=min(w.prompts, w.max_batched // w.prompt_len + 1),
-                               new_tokens=min(w.new_tokens, 4))
-    _run(engine, _prompts(gen, cfg.vocab, warm.prompts, w.prompt_len), warm)
-    step.reset()
-    before = engine.stats
-    held = {}
-    secs, mark = _run(engine, _prompts(gen, cfg.vocab, w.prompts, w.prompt_len), w,
-                      on_all_started=lambda: held.setdefault("kv", kv_in_use(engine)))
-    st = engine.stats
-    row = {"wall_s": round(secs, 4), "steps": st.num_steps - before.num_steps,
-           "preemptions": st.num_preemptions - before.num_preemptions,
-           "kv_pool_bytes_allocated": engine.kv_bytes, "routed_fraction": step.fractions(routed_layers),
-           "async_scheduling": engine.async_scheduling}
-    if w.new_tokens == 1:
-        row["tok_s"] = round(w.prompts * w.prompt_len / secs, 2)
-    else:
-        row["decode_s"] = round(mark["end"] - mark["t0"], 4)
-        row["tok_s"] = round((mark["tokens"] - mark["tokens_at_t0"]) / (mark["end"] - mark["t0"]), 2)
-        row["kv_bytes_at_decode_start"] = held["kv"]
-    row["kv_bytes_per_token"] = round(kv_bytes_per_token(step, row["routed_fraction"]), 1)
-    return row
 
 
 def _free() -> None:
@@ -217,11 +116,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--copy-mib", type=int, default=1024, help="buffer size of the copy-bandwidth measurement")
-    ap.add_argument("--narrow-min-rows", type=int, default=kv_cache_pass.NARROW_MIN_ROWS,
+    ap.add_argument("--narrow-min-rows", type=int, default=kv_cache_routed.NARROW_MIN_ROWS,
                     help="steps of at least this many rows run the routed bodies on their routed rows only "
-                         "(kv_cache.NARROW_MIN_ROWS; a huge value keeps every step padded, for comparison)")
-    ap.add_argument("--narrow-bucket", type=int, default=kv_cache_pass.NARROW_BUCKET,
-                    help="the narrowed rows are rounded up to a multiple of this (kv_cache.NARROW_BUCKET)")
+                         "(kv_cache_routed.NARROW_MIN_ROWS; a huge value keeps every step padded, for comparison)")
+    ap.add_argument("--narrow-bucket", type=int, default=kv_cache_routed.NARROW_BUCKET,
+                    help="the narrowed rows are rounded up to a multiple of this (kv_cache_routed.NARROW_BUCKET)")
     ap.add_argument("--padded-prefill", action="store_true",
                     help="also the routed prefill with narrowing off (a third model): what narrowing buys")
     ap.add_argument("--eager", action="store_true",

@@ -16,7 +16,7 @@ from torch import fx
 from kiln.compile.step import CompiledStep, compile_step
 from kiln.ir.frontend import TORCH_DTYPES, build_graph, random_weights, router_start
 from kiln.model_config import ModConfig, ModelConfig
-from kiln.passes import kv_cache as kv_cache_pass
+from kiln.passes import kv_cache_routed
 from kiln.spec.loader import load_spec
 
 NEVER = 1 << 62  # a NARROW_MIN_ROWS no step reaches: the padded path everywhere
@@ -114,14 +114,14 @@ class CountRouted:
 
 @contextlib.contextmanager
 def narrow_knobs(min_rows: int, bucket: int) -> Iterator[None]:
-    """kv_cache.NARROW_MIN_ROWS / NARROW_BUCKET for the compile_step calls inside (the pass reads them), restored
-    after for whoever compiles next in this process."""
-    saved = (kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET)
-    kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = min_rows, bucket
+    """kv_cache_routed.NARROW_MIN_ROWS / NARROW_BUCKET for the compile_step calls inside (the pass reads them),
+    restored after for whoever compiles next in this process."""
+    saved = (kv_cache_routed.NARROW_MIN_ROWS, kv_cache_routed.NARROW_BUCKET)
+    kv_cache_routed.NARROW_MIN_ROWS, kv_cache_routed.NARROW_BUCKET = min_rows, bucket
     try:
         yield
     finally:
-        kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET = saved
+        kv_cache_routed.NARROW_MIN_ROWS, kv_cache_routed.NARROW_BUCKET = saved
 
 
 def build_twins(spec: str, capacity: float, every: int, dtype: str, device: torch.device, seed: int,

@@ -27,7 +27,7 @@ from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from kiln.runtime.schedule import Schedule, ScheduledSeq
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 16

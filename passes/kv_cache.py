@@ -39,7 +39,7 @@ without passing a kiln::mod_scatter) caches only its layer's routed tokens, in a
   kiln::mod_narrow(count, [index, xs, xpos, slot_mapping...], NARROW_MIN_ROWS, NARROW_BUCKET), whose outputs the
   body, its paged_attention writes and the mod_scatter read instead: on a step of N >= NARROW_MIN_ROWS rows the
   body runs on the routed count rounded up to NARROW_BUCKET rows, not N (ops_mod_step says what is true of
-  shapes where: meta["val"] keeps the bound C = N).
+  shapes where: meta["val"] keeps the bound C = N). These nodes and both knobs are passes/kv_cache_routed.py's.
 Dense layers keep the kv_cache tensor, their layer index counting dense attentions only. Rotary positions are
 the original ones (the body's rope reads xpos), and a sliding window counts routed keys, as in the reference.
 The host side (worst-case reservations, c per routed layer, routed prefix caching) is runtime/routed_blocks.py;
@@ -53,15 +53,12 @@ refused, as is an int8 cache for a routed model.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kiln.ir.ops_level2  # noqa: F401  (registers kiln::flash_attention, which this pass rewrites)
 import kiln.ir.ops_mod  # noqa: F401  (registers kiln::mod_route and kiln::mod_gather, which this pass matches)
-import kiln.ir.ops_mod_step  # noqa: F401  (registers kiln::mod_kv_slots and kiln::mod_narrow)
 import kiln.ir.ops_paged  # noqa: F401  (registers kiln::paged_attention)
 import kiln.ir.ops_quant  # noqa: F401  (registers kiln::linear_w8 / linear_w4, a quantized lm_head)
 from kiln.errors import PassError
@@ -69,25 +66,14 @@ from kiln.ir.signatures import ATTENTION, PAGED_ATTENTION, PAGED_STEP
 from kiln.model_config import KV_DTYPES
 from kiln.passes._graph import is_call, rename
 from kiln.passes.base import Pass, PassResult
+from kiln.passes.kv_cache_routed import SLOT_OUTPUTS, routed_attention, routed_slots
 from kiln.step import KV_CACHE, KV_SCALES, ROUTED_KV_CACHE, STEP_INPUTS, step_input_names
 
 kiln_ops = torch.ops.kiln
 _ATTENTION = (kiln_ops.attention.default, kiln_ops.flash_attention.default)
 _NORMS = (kiln_ops.rms_norm.default, kiln_ops.layer_norm.default)
-_ROUTING = (kiln_ops.mod_route.default, kiln_ops.mod_gather.default)
 # The lm_head, quantized or not (`quantize = int4(lm_head = true)` runs before this pass); each takes x first.
 _LM_HEADS = (kiln_ops.linear.default, kiln_ops.linear_w8.default, kiln_ops.linear_w4.default)
-# kiln::mod_kv_slots' outputs in order: a routed layer's own values of the paged op's step tensors (by name), then
-# which flat rows it routed.
-_SLOT_OUTPUTS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc", "routed")
-# A routed layer's body runs on its routed rows (kiln::mod_narrow) on steps of at least NARROW_MIN_ROWS flat rows,
-# at the price of one device -> host read of the routed count per routed layer. 256 is about where a GEMM turns
-# compute-bound on a GPU (an H100's bf16 FLOP/s over its bandwidth is ~300 rows): below it the linears take about
-# as long as reading their weights, whatever the rows, while the read stalls the launch queue. Decode steps stay
-# on the padded path. NARROW_BUCKET rounds the rows up (a multiple of the GEMM tiles; shapes that vary less).
-# Tests lower both to force the narrowed path on small steps.
-NARROW_MIN_ROWS = 256
-NARROW_BUCKET = 64
 # Example sizes for the inputs' meta["val"] (shapes only; the graph is shape-generic), by kiln.step.StepInput's
 # symbols; the host-side bounds take them as values (compile_step loads the kernels for this prefill and a decode).
 _NUM_BLOCKS, _BLOCK_SIZE = 8, 16
@@ -115,77 +101,6 @@ def _cache_geometry(attn: list[fx.Node]) -> tuple[int, int, torch.dtype]:
             "one paged cache needs one geometry"
         )
     return found.pop()
-
-
-def _routed_attention(graph: fx.Graph, attn: list[fx.Node]) -> dict[fx.Node, fx.Node]:
-    """Each attention of a routed layer's compact body -> its routing node (mod_route / mod_gather)."""
-    owner: dict[fx.Node, fx.Node] = {}
-    attn_set = set(attn)
-    for routing in graph.nodes:
-        if not (is_call(routing, _ROUTING[0]) or is_call(routing, _ROUTING[1])):
-            continue
-        xs_at = 3 if is_call(routing, _ROUTING[0]) else 2
-        todo = [u for u in routing.users if u.target is operator.getitem and u.args[1] == xs_at]
-        seen: set[fx.Node] = set()
-        while todo:  # the body: what the compact rows reach before the scatter back into the residual stream
-            n = todo.pop()
-            if n in seen or is_call(n, kiln_ops.mod_scatter.default):
-                continue
-            seen.add(n)
-            if n in attn_set:
-                owner[n] = routing
-            todo += list(n.users)
-    return owner
-
-
-def _routing_outputs(graph: fx.Graph, routing: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """(index, count) of a routing node, adding their getitems when the graph dropped them."""
-    base = 1 if is_call(routing, _ROUTING[0]) else 0
-    found = {u.args[1]: u for u in routing.users if u.target is operator.getitem}
-    out = []
-    for i in (base, base + 1):
-        if i not in found:
-            with graph.inserting_after(routing):
-                found[i] = graph.call_function(operator.getitem, (routing, i))
-        out.append(found[i])
-    return out[0], out[1]
-
-
-def _routed_slots(graph: fx.Graph, owner: dict[fx.Node, fx.Node], routed: list[fx.Node],
-                  inputs: dict[str, fx.Node]) -> dict[fx.Node, list[fx.Node]]:
-    """Per routed attention, its mod_kv_slots outputs (_SLOT_OUTPUTS, slot_mapping narrowed). Each routing node
-    gets, right after its getitems, its attentions' mod_kv_slots and one kiln::mod_narrow, whose outputs then
-    replace index, xs, xpos and the slot mappings everywhere but in those two."""
-    out: dict[fx.Node, list[fx.Node]] = {}
-    routings = set(owner.values())
-    for routing in [n for n in graph.nodes if n in routings]:
-        index, count = _routing_outputs(graph, routing)
-        items = {u.args[1]: u for u in routing.users if u.target is operator.getitem}
-        base = 3 if is_call(routing, _ROUTING[0]) else 2  # xs, then xpos (absent when the body reads no position)
-        compact = [index] + [items[i] for i in (base, base + 1) if i in items]
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        attns = [n for n in routed if owner[n] is routing]
-        prefix = routing.name.removesuffix("_mod_route").removesuffix("_mod_gather")
-        with graph.inserting_before(max(items.values(), key=order.__getitem__).next):
-            slots = []
-            for node in attns:
-                call = graph.create_node("call_function", kiln_ops.mod_kv_slots.default, (
-                    index, count, inputs["query_start_loc"], inputs["routed_lens"], inputs["routed_block_tables"],
-                    inputs[ROUTED_KV_CACHE], routed.index(node)), name=f"{node.name}_routed_slots")
-                out[node] = [graph.create_node("call_function", operator.getitem, (call, i),
-                                               name=f"{node.name}_{what}") for i, what in enumerate(_SLOT_OUTPUTS)]
-                slots.append(call)
-            compact += [out[node][0] for node in attns]
-            narrow = graph.create_node("call_function", kiln_ops.mod_narrow.default,
-                                       (count, compact, NARROW_MIN_ROWS, NARROW_BUCKET), name=f"{prefix}_mod_narrow")
-            cut = [graph.create_node("call_function", operator.getitem, (narrow, i), name=f"{old.name}_narrow")
-                   for i, old in enumerate(compact)]
-        keep = {narrow, *slots}
-        for old, new in zip(compact, cut, strict=True):
-            old.replace_all_uses_with(new, delete_user_cb=lambda u, keep=keep: u not in keep)
-        for j, node in enumerate(attns):
-            out[node][0] = cut[len(compact) - len(attns) + j]
-    return out
 
 
 def _example_inputs(device: torch.device, kv_heads: int, head_dim: int, dtype: torch.dtype, layers: int,
@@ -256,7 +171,7 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     weight = next(iter(gm.parameters()), None)  # the weights' device wins: gm.to(device) leaves input metas behind
     device = weight.device if weight is not None else placeholders[0].meta["val"].device
     quantized = kv_dtype == "int8"
-    owner = _routed_attention(graph, attn)
+    owner = routed_attention(graph, attn)
     if owner and quantized:
         raise PassError("an int8 KV cache is not built for a Mixture-of-Depths model's routed KV cache yet; use "
                         "kv_cache = paged(dtype = auto) (or --kv-cache-dtype auto) for a routed model")
@@ -267,11 +182,11 @@ def run(gm: fx.GraphModule, kv_dtype: str = "auto") -> PassResult:
     kv_scales = inputs[KV_SCALES] if quantized else None  # always passed: the op has no default (ops_paged)
     step_args = {p.name: inputs[p.name] for p in PAGED_STEP}
 
-    slot_parts = _routed_slots(graph, owner, routed, inputs)
+    slot_parts = routed_slots(graph, owner, routed, inputs)
     routed_rows = []
     for node in attn:
         if node in owner:  # the routed layer's own step tensors; the batch's host-side bounds bound them too
-            parts = dict(zip(_SLOT_OUTPUTS, slot_parts[node], strict=True))
+            parts = dict(zip(SLOT_OUTPUTS, slot_parts[node], strict=True))
             layer, cache, args_in = routed.index(node), inputs[ROUTED_KV_CACHE], {**step_args, **parts}
             routed_rows.append(parts["routed"])
         else:

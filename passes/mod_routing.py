@@ -26,8 +26,8 @@ real. Padding rows come after the real ones, so causal attention never shows the
 ignores them. The training form thus saves the FLOPs of the unrouted tokens here; in this graph the causal form's
 kernels do the padded work. The step graph (passes/kv_cache.py) cuts it back at run time: there the causal form
 saves KV memory and attention work (a routed layer's cache and keys are its routed tokens only), and on a step of
-at least kv_cache.NARROW_MIN_ROWS rows (prefill-heavy; 256) kiln::mod_narrow reads the routed count to the host
-once per routed layer and the body runs on that count rounded up to kv_cache.NARROW_BUCKET rows; smaller (decode)
+at least kv_cache_routed.NARROW_MIN_ROWS rows (prefill-heavy; 256) kiln::mod_narrow reads the routed count to the host
+once per routed layer and the body runs on that count rounded up to kv_cache_routed.NARROW_BUCKET rows; smaller (decode)
 steps keep the padded rows, where the read would cost more than the rows. Shapes: meta["val"] everywhere (every
 FakeTensor propagation, kiln.compile.kernel_requests) says C = T (the bound); at run time the body's tensors have
 C' <= C rows, and every kernel and reference op downstream takes its row count from its inputs.

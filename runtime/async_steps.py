@@ -39,7 +39,8 @@ from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.plain_rows import launch_plain, take_plain
 from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampler import to_device
-from kiln.runtime.scheduler import Schedule, ScheduledSeq, Scheduler
+from kiln.runtime.schedule import Schedule, ScheduledSeq
+from kiln.runtime.scheduler import Scheduler
 
 
 @dataclass

@@ -4,7 +4,7 @@ Two step shapes are captured, each for a list of batch sizes b (1, 2, 4, ... see
 
 - decode (b, 1): b sequences of one new token each (ModelRunner pads a pure-decode batch to the next size);
 - verification (b, q), q = k + 1 for speculation k: b sequences of exactly q new tokens each (a speculative decode
-  [last token, d_1..d_n] padded at the front of its chunk, see input_batch.write_verify_batch), every row sampled.
+  [last token, d_1..d_n] padded at the front of its chunk, see decode_batches.write_verify_batch), every row sampled.
   Only up to the batch where speculation turns itself off (Scheduler.spec_max_batch), and never for a routed model
   (speculation is refused there).
 

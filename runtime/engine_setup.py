@@ -1,8 +1,9 @@
-"""How an Engine is put together (runtime/engine.py's Engine is an EngineSetup): the constructor's arguments checked
-(engine_args.py), the KV pool sized (kv_pool.py) and its block manager made (make_block_manager: a BlockManager, or a
-RoutedBlockManager for a Mixture-of-Depths model, whose pools pool_bytes weighs against caching every token), the
-scheduler, the model runner, a drafter bound to them, the output side and the step in flight; and the two switches
-of when a step's output work is done, overlap_outputs and async_scheduling, whose setters keep them consistent.
+"""How an Engine is put together (runtime/engine.py's Engine is an EngineSetup, through engine_requests.py's
+EngineRequests): the constructor's arguments checked (engine_args.py), the KV pool sized (kv_pool.py) and its block
+manager made (make_block_manager: a BlockManager, or a RoutedBlockManager for a Mixture-of-Depths model, whose pools
+pool_bytes weighs against caching every token), the scheduler, the model runner, a drafter bound to them, the output
+side and the step in flight; and the two switches of when a step's output work is done, overlap_outputs and
+async_scheduling, whose setters keep them consistent.
 """
 
 from __future__ import annotations

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK
-from kiln.runtime.input_batch import DecodeInputs, Layout, gather_decodes, layout, write_verify_batch
+from kiln.runtime.decode_batches import DecodeInputs, gather_decodes, write_verify_batch
+from kiln.runtime.input_batch import Layout, layout
 from kiln.runtime.prompt_logprobs import PromptRows
 from kiln.runtime.routed_state import RoutedState
 from kiln.runtime.runner_setup import RunnerSetup
 from kiln.runtime.sampler import to_device
-from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from kiln.runtime.schedule import Schedule, ScheduledSeq
 from kiln.step import StepBatch
 
 
@@ -206,7 +207,7 @@ class ModelRunner(RunnerSetup):
             v["sample_indices"][:] = np.arange(n)
         return self._upload(lay, 1, int(st.max()) + 1), padded
     def _prepare_verify(self, seqs: list[ScheduledSeq], padded: int) -> StepBatch:
-        """prepare() for a verification batch padded to (padded, k + 1): see input_batch.write_verify_batch."""
+        """prepare() for a verification batch padded to (padded, k + 1): see decode_batches.write_verify_batch."""
         q, bs = self.verify_len, self.block_size
         tables, rows, width = self._tables(seqs)
         for s, t in zip(seqs, tables, strict=True):

@@ -22,7 +22,8 @@ from kiln.runtime.detokenizer import Detokenizer, TokenTextCache
 from kiln.runtime.logprob import PositionLogprobs
 from kiln.runtime.request import DONE, Request, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams, check_stop
-from kiln.runtime.scheduler import ScheduledSeq, Scheduler
+from kiln.runtime.schedule import ScheduledSeq
+from kiln.runtime.scheduler import Scheduler
 
 log = logging.getLogger("kiln.runtime")
 

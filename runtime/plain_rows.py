@@ -13,7 +13,7 @@ import torch
 from kiln.runtime.batch_sampler import BatchSample, LaunchedSample, failure_text, launch_batch
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.sampler import TokenHistory, to_device
-from kiln.runtime.scheduler import ScheduledSeq
+from kiln.runtime.schedule import ScheduledSeq
 
 
 class _BatchLost(Exception):

@@ -28,7 +28,7 @@ from kiln.runtime.batch_sampler import NONFINITE_LOGITS, failure_text, queue_hos
 from kiln.runtime.logprob import position_logprobs
 from kiln.runtime.outputs import Made, OutputMaker
 from kiln.runtime.sampler import to_device
-from kiln.runtime.scheduler import ScheduledSeq
+from kiln.runtime.schedule import ScheduledSeq
 
 BLOCK_ELEMENTS = 1 << 24  # logits per block of rows taken to fp32 at once (64 MiB); at least one row
 

@@ -8,7 +8,7 @@ Two kinds of step are padded to a captured shape and, on CUDA, replayed from gra
   sequences that write to and read from the null block (block 0);
 - verification batches (speculation k > 0, every sequence a decode chunk of 1 + n tokens, n <= k drafts, at least
   one n > 0): padded to (b, k + 1), every sequence a chunk of exactly k + 1 rows (its real tokens last, padding
-  tokens on the null block before them; input_batch.write_verify_batch says why), then padding sequences, b from
+  tokens on the null block before them; decode_batches.write_verify_batch says why), then padding sequences, b from
   the captured sizes up to the batch where speculation turns itself off (spec_max_batch); all rows are sampled
   and the real ones come first, so the host reads only those.
 
@@ -28,7 +28,7 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.cuda_graphs import Graph, GraphStats, StepGraphs, graph_batch_sizes
 from kiln.runtime.input_batch import BlockTableRows, StepBuffers
 from kiln.runtime.routed_blocks import RoutedBlockManager
-from kiln.runtime.scheduler import Schedule
+from kiln.runtime.schedule import Schedule
 from kiln.step import KVCache, StepModel, allocate_kv_cache, num_routed_layers
 
 

@@ -16,7 +16,7 @@ from kiln.errors import KilnError
 from kiln.runtime.batch_sampler import NONFINITE_LOGITS, failure_text
 from kiln.runtime.engine_stats import SpecCounters
 from kiln.runtime.outputs import Made, OutputMaker
-from kiln.runtime.scheduler import ScheduledSeq
+from kiln.runtime.schedule import ScheduledSeq
 from kiln.runtime.speculative import Draft, ModelDrafter, NgramDrafter, SpecRow, verify_rows
 from kiln.step import Verifier
 

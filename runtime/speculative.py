@@ -26,7 +26,7 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
 from kiln.runtime.sampler import processed_probs
-from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from kiln.runtime.schedule import Schedule, ScheduledSeq
 from kiln.step import KVCache, StepModel, Verifier, VerifyBatch, kv_bytes_per_block
 
 # Speculate only while at most this many decodes run. Measured by bench/speculative.py on the development CPU, on an

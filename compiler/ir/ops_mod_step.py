@@ -29,7 +29,7 @@ positions are not touched here: the compact rows keep their original positions (
   xpos [1, C], xs [1, C, D] (compact rows on dim 1) and each of its attentions' slot_mapping [C] (dim 0). When
   C >= min_rows, C' = count rounded up to a multiple of `bucket`, at most C (never 0: a layer that routed
   nothing keeps one bucket of padding rows); below min_rows, C' = C (nothing changes). Reading the count is a
-  device -> host sync, worth it only on steps with many rows (kv_cache.NARROW_MIN_ROWS says why 256). What is
+  device -> host sync, worth it only on steps with many rows (kv_cache_routed.NARROW_MIN_ROWS says why 256). What is
   true of shapes where: FakeTensor propagation (meta["val"], kiln.compile.kernel_requests) gives every output C =
   N rows, the static bound, as the padded path has; at run time they have C' <= C rows, and everything
   downstream (the body, its paged attention, mod_scatter) takes its row count from its inputs. Rows [count, C')

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def bench(monkeypatch):
     mod = load_script("mod_speed.py", monkeypatch)
     yield mod
-    sys.modules.pop("mod_twins", None)
+    for sibling in ("mod_twins", "mod_workloads"):
+        sys.modules.pop(sibling, None)
 
 
 def _masks(gm: fx.GraphModule, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -62,12 +63,12 @@ def test_calibration_routes_the_capacity_share_in_every_layer(bench):
 
 def test_mod_speed_smoke_writes_every_workload(bench, tmp_path):
     result = bench.main(["--smoke", "--save-smoke", "--out-dir", str(tmp_path)])
-    import kiln.passes.kv_cache as kv_cache_pass
+    import kiln.passes.kv_cache_routed as kv_cache_routed
 
     assert result["smoke"] and result["capacity"] == 0.125 and result["routed_layers"] == [1]
     # --smoke narrows the routed body on its prefill steps (the GPU run's path), and leaves the knob as it was
     assert (result["narrow_min_rows"], result["narrow_bucket"]) == (16, 8)
-    assert (kv_cache_pass.NARROW_MIN_ROWS, kv_cache_pass.NARROW_BUCKET) == (256, 64)
+    assert (kv_cache_routed.NARROW_MIN_ROWS, kv_cache_routed.NARROW_BUCKET) == (256, 64)
     assert list(result["thresholds"]) == ["layers.1.router.threshold"]
     assert [r["workload"] for r in result["rows"]] == ["prefill", "decode_1", "decode_3", "decode_3_p20"]
     assert [r["prompt_len"] for r in result["rows"][2:]] == [12, 20] and "target" not in result["rows"][-1]

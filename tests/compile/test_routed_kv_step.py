@@ -163,13 +163,13 @@ def test_the_narrowed_body_equals_the_padded_one_on_fewer_rows(spec, use_kernels
     """NARROW_MIN_ROWS lowered to 1 (and buckets of 2 rows): every step narrows each routed layer's body to its
     routed count rounded up to 2; the routing equals the padded path's, the logits and both pools equal them up to
     fp32 rounding, and the routed layers' linears ran on those rows, the dense layers' on all of them."""
-    import kiln.passes.kv_cache as kv_cache_pass
+    import kiln.passes.kv_cache_routed as kv_cache_routed
 
     loaded = load_model(spec, device="cpu", seed=4)
     padded = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu",
                           use_kernels=use_kernels)
-    monkeypatch.setattr(kv_cache_pass, "NARROW_MIN_ROWS", 1)
-    monkeypatch.setattr(kv_cache_pass, "NARROW_BUCKET", 2)
+    monkeypatch.setattr(kv_cache_routed, "NARROW_MIN_ROWS", 1)
+    monkeypatch.setattr(kv_cache_routed, "NARROW_BUCKET", 2)
     narrowed = compile_step(copy.deepcopy(loaded.gm), loaded.model, loaded.compile, device="cpu",
                             use_kernels=use_kernels)
     for step, knobs in ((padded, (256, 64)), (narrowed, (1, 2))):

@@ -213,10 +213,10 @@ def test_the_input_tokens_come_from_the_device_not_the_host(monkeypatch):
     """A step launched ahead gathers no input tokens on the host (they are not there yet): its staged tokens are
     whatever the last step left there, and the outputs still follow the oracle only because the device copy
     puts the sampled ids in."""
-    from kiln.runtime import input_batch
+    from kiln.runtime import decode_batches
 
     seen = []
-    real = input_batch.gather_decodes
+    real = decode_batches.gather_decodes
 
     def spy(*args, **kw):
         dec = real(*args, **kw)
@@ -296,7 +296,7 @@ def test_the_next_step_takes_its_tokens_in_its_own_order():
     its decodes) may not follow: the tokens in flight are gathered by the indices it gives, drops and order."""
     from kiln.runtime.async_steps import AsyncSteps, InFlight
     from kiln.runtime.batch_sampler import LaunchedSample
-    from kiln.runtime.scheduler import Schedule, ScheduledSeq
+    from kiln.runtime.schedule import Schedule, ScheduledSeq
 
     seen = []
 

@@ -21,7 +21,7 @@ from kiln.runtime.request import Request
 from kiln.runtime.routed_blocks import RoutedBlockManager
 from kiln.runtime.routed_state import FlagCopy
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from kiln.runtime.schedule import Schedule, ScheduledSeq
 from tests.support.prepare_snapshot import ROUTED, snapshot
 
 

@@ -6,7 +6,8 @@ from kiln.runtime.block_manager import BlockManager
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.request import Request, RequestStatus
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Schedule, Scheduler
+from kiln.runtime.schedule import Schedule
+from kiln.runtime.scheduler import Scheduler
 
 
 def req(rid: str, prompt_len: int, order: int, max_tokens: int = 8) -> Request:

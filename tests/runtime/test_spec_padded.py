@@ -35,7 +35,7 @@ from kiln.runtime.cuda_graphs import graph_batch_sizes
 from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Schedule
+from kiln.runtime.schedule import Schedule
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch
 from tests.support.speculative import other_draft, run_requests, self_draft, spec_models

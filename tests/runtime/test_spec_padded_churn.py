@@ -23,7 +23,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Schedule, ScheduledSeq
+from kiln.runtime.schedule import Schedule, ScheduledSeq
 from kiln.runtime.speculative import DEFAULT_SPECULATION_MAX_BATCH, ModelDrafter, NgramDrafter
 from kiln.step import KVCache, StepBatch
 from tests.support.engine_machines import SpeculativeMachine, V

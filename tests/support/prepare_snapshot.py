@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import kiln.runtime.model_runner as runner_mod
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.scheduler import Schedule
+from kiln.runtime.schedule import Schedule
 
 DENSE = ("tokens", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "sample_indices")
 ROUTED = (*DENSE, "routed_lens", "routed_block_tables")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from kiln.runtime.request import check_params_for_model, check_prompt
+from kiln.runtime.request_checks import check_params_for_model, check_prompt
 from kiln.runtime.sampler import TokenHistory, make_generator, sample
 from kiln.runtime.sampling_params import SamplingParams
 

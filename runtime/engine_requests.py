@@ -14,7 +14,8 @@ from kiln.errors import RequestError
 from kiln.runtime.detokenizer import Detokenizer
 from kiln.runtime.engine_setup import EngineSetup
 from kiln.runtime.prompt_limits import resolve_max_tokens, truncate_prompt
-from kiln.runtime.request import Request, check_params_for_model, check_prompt
+from kiln.runtime.request import Request
+from kiln.runtime.request_checks import check_params_for_model, check_prompt
 from kiln.runtime.sampler import make_generator
 from kiln.runtime.sampling_params import SamplingParams
 

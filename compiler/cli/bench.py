@@ -10,7 +10,6 @@ import json
 from kiln.cli.common import (
     FULL_PRECISION_WEIGHTS_HELP,
     batch_limit_flags,
-    check_input_file,
     device_flag,
     dtype_flag,
     engine_flags,
@@ -23,6 +22,7 @@ from kiln.cli.common import (
     step_model,
     weights_flag,
 )
+from kiln.cli.paths import check_input_file
 from kiln.cli.perplexity_parser import add_perplexity_parser
 from kiln.cli.serve import add_bench_serve_parser
 from kiln.errors import KilnError, UsageError

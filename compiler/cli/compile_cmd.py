@@ -7,7 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from kiln.cli.common import QUANTIZE_HELP, check_output_dir, dtype_flag, quantize_flag, staged_dir, weights_flag
+from kiln.cli.common import QUANTIZE_HELP, dtype_flag, quantize_flag, weights_flag
+from kiln.cli.paths import check_output_dir, staged_dir
 from kiln.errors import KilnError, UsageError
 from kiln.gguf.config import open_gguf
 from kiln.gguf.files import bundled_weights, is_gguf

@@ -10,14 +10,13 @@ from pathlib import Path
 
 from kiln.cli.common import (
     QUANTIZE_HELP,
-    check_output_dir,
     device_flag,
     dtype_flag,
     model_paths_resolved,
     quantize_flag,
-    staged_dir,
     weights_flag,
 )
+from kiln.cli.paths import check_output_dir, staged_dir
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 from kiln.gguf.files import bundled_weights, is_gguf

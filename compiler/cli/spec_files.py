@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kiln.cli.common import EXIT_USER_ERROR, check_output_file, write_file_atomic
+from kiln.cli.common import EXIT_USER_ERROR
+from kiln.cli.paths import check_output_file, write_file_atomic
 from kiln.errors import Diagnostic, KilnError, SpecError, UsageError
 from kiln.hf.config import import_spec
 from kiln.model_config import INT4_GROUPS, AttentionCall

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.cli.common import check_input_file
+from kiln.cli.paths import check_input_file
 from kiln.errors import UsageError
 
 

@@ -6,7 +6,8 @@ import argparse
 import math
 import time
 
-from kiln.cli.common import at_least, check_output_file, device_flag, model_paths_resolved, seed_flag, weights_flag
+from kiln.cli.common import at_least, device_flag, model_paths_resolved, seed_flag, weights_flag
+from kiln.cli.paths import check_output_file
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 from kiln.train.flops import flops_per_token

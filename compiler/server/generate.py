@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.errors import RequestError
 from kiln.runtime.engine import Engine
-from kiln.runtime.request import check_params_for_model
+from kiln.runtime.request_checks import check_params_for_model
 from kiln.server.config import ServerConfig
 from kiln.server.engine_loop import EngineLoop
 from kiln.server.protocol import APIError, request_error

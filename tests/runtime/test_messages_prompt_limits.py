@@ -7,7 +7,7 @@ import pytest
 
 from kiln.errors import RequestError
 from kiln.runtime.prompt_limits import resolve_max_tokens
-from kiln.runtime.request import check_prompt
+from kiln.runtime.request_checks import check_prompt
 
 
 @pytest.mark.parametrize("prompt_len", [256, 403])

@@ -203,7 +203,7 @@ def test_a_huge_file_given_as_a_spec_is_refused_unread(tmp_path, capsys):
 
 
 def test_path_and_flag_errors_are_usage_errors(tmp_path):
-    from kiln.cli.common import check_output_file
+    from kiln.cli.paths import check_output_file
     from kiln.errors import KilnError, UsageError
     from kiln.spec.loader import load_spec
 

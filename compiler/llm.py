@@ -118,9 +118,12 @@ class LLM(LLMRequests):
         torch.manual_seed(seed)
 
     def get_tokenizer(self):
-        """The model's tokenizer (kiln.tokenizer.Tokenizer: encode, decode, eos_token_ids, chat_template), as
-        vLLM's LLM.get_tokenizer()."""
-        return self.tokenizer
+        """The model's tokenizer as transformers' PreTrainedTokenizerFast, what vLLM's LLM.get_tokenizer() returns,
+        over a copy of llm.tokenizer's `tokenizers` backend (llm.tokenizer is the engine's, with kiln's defaults);
+        built on the first call, the same object on every call after. A KilnError without transformers (`pip
+        install transformers`) or for a model with no tokenizer.json (kiln's byte-level fallback)."""
+        # Not annotated: transformers is optional, and kiln.llm may not import kiln.tokenizer (docs/ARCHITECTURE.md).
+        return self.tokenizer.transformers_tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams generate and chat use when given none: the checkpoint's generation_config.json

@@ -2,6 +2,9 @@
 
 The fallback lets a spec with random weights (or a checkpoint without tokenizer.json) still take text in
 and give text out: UTF-8 bytes are the ids 0-255.
+
+LLM.get_tokenizer() is transformers' tokenizer over the same backend (TokenizerBase.transformers_tokenizer), as
+vLLM's; the runtime, the server and the CLI use kiln's own, with kiln's defaults (decode skips special tokens).
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ import logging
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kiln.chat_template import ChatTemplate, ChatTemplateError, load_chat_template, special_token_texts
 from kiln.errors import KilnError
 from kiln.step import TokenizerLike
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger("kiln.tokenizer")
 _noted = False  # the fallback warning is given once per process
@@ -29,7 +35,40 @@ class Tokenizer(TokenizerLike, Protocol):
     vocab_size: int
 
 
-class HFTokenizer:
+class TokenizerBase:
+    """What LLM.get_tokenizer() needs of kiln's tokenizers, and the transformers tokenizer made of it."""
+
+    backend_tokenizer: Any = None  # the `tokenizers.Tokenizer` (transformers' name); the byte-level one has none
+    checkpoint_dir: Path | None = None  # where transformers reads tokenizer_config.json and the rest, if anywhere
+
+    def transformers_kwargs(self) -> dict[str, Any]:
+        """PreTrainedTokenizerFast's arguments that transformers does not read from checkpoint_dir itself."""
+        return {}
+
+    @cached_property
+    def transformers_tokenizer(self) -> PreTrainedTokenizerFast:
+        """transformers' tokenizer over this one's backend (copied: kiln's stays as it is), its settings (special
+        tokens, chat template, model_max_length, ...) read by transformers from checkpoint_dir as AutoTokenizer
+        reads them, or given: what vLLM's LLM.get_tokenizer() returns. Made on first use; a KilnError without a
+        backend (the byte-level fallback: nothing for transformers to wrap) or without transformers."""
+        if self.backend_tokenizer is None:
+            raise KilnError("LLM.get_tokenizer(): this model has no tokenizer.json, so kiln encodes text as UTF-8 "
+                            "bytes (ids 0-255) and there is no transformers tokenizer to return; use llm.tokenizer "
+                            "(encode, decode), or give the checkpoint its tokenizer.json")
+        try:
+            # lazy: transformers is optional (kiln[hf]) and slow to import; only get_tokenizer() needs it
+            from transformers import PreTrainedTokenizerFast
+        except ImportError:
+            raise KilnError("LLM.get_tokenizer() returns transformers' tokenizer, as vLLM's does, and transformers "
+                            "is not installed: `pip install transformers` (or kiln[hf]); kiln's own tokenizer, "
+                            "which needs none, is llm.tokenizer") from None
+        kwargs = {"tokenizer_object": self.backend_tokenizer, **self.transformers_kwargs()}
+        if self.checkpoint_dir is None:
+            return PreTrainedTokenizerFast(**kwargs)
+        return PreTrainedTokenizerFast.from_pretrained(str(self.checkpoint_dir), local_files_only=True, **kwargs)
+
+
+class HFTokenizer(TokenizerBase):
     """A tokenizer.json loaded with the `tokenizers` library, and the checkpoint's chat template (None without
     one). encode adds the special tokens the file's post-processor adds (Llama's BOS; none for GPT-2 or Qwen2), as
     transformers' `tokenizer(text)` and vLLM do, except a leading one the text already starts with (a chat
@@ -44,7 +83,7 @@ class HFTokenizer:
             raise KilnError(f"{path}: cannot load tokenizer ({e})") from None
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._dir = Path(path).parent
+        self._dir = self.checkpoint_dir = Path(path).parent
         self._prefix, self._suffix = _added_around(self._tok)
 
     @cached_property
@@ -79,6 +118,20 @@ class HFTokenizer:
     @cached_property
     def eos_token(self) -> str:
         return special_token_texts(self._dir)[1]
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        return self._tok
+
+    def transformers_kwargs(self) -> dict[str, Any]:
+        """Nothing when the checkpoint has tokenizer_config.json or special_tokens_map.json (transformers reads
+        them); without either (a bare tokenizer.json beside save_pretrained's files), BOS, EOS and padding named by
+        the ids in generation_config.json, else config.json, as kiln reads its EOS ids (transformers names none)."""
+        if any((self._dir / name).is_file() for name in ("tokenizer_config.json", "special_tokens_map.json")):
+            return {}
+        ids = {"bos_token": config_token_ids(self._dir, "bos_token_id"), "eos_token": self.eos_token_ids,
+               "pad_token": config_token_ids(self._dir, "pad_token_id")}
+        return {name: text for name, found in ids.items() if found and (text := self._tok.id_to_token(found[0]))}
 
     def token_strings(self) -> list[str | None]:
         """Every id's token string, in id order (None for an id the vocabulary skips)."""
@@ -159,7 +212,7 @@ def token_table(tok) -> list[str | None]:
     return table
 
 
-class ByteTokenizer:
+class ByteTokenizer(TokenizerBase):
     """UTF-8 bytes as ids 0-255; ids >= 256 (the rest of a bigger vocab) decode to nothing.
 
     A model with fewer than 256 ids can still run from --prompt-ids; only text that needs a byte id the
@@ -208,25 +261,27 @@ def read_json_object(path: Path, fix: str = "fix or delete the file") -> dict:
     return data
 
 
-def _eos_value(path: Path):
-    return read_json_object(path).get("eos_token_id")
-
-
-def eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
-    """eos_token_id from generation_config.json, else config.json (an int or a list); () when neither says."""
+def config_token_ids(hf_dir: str | Path, key: str) -> tuple[int, ...]:
+    """`key` (eos_token_id, bos_token_id, pad_token_id) from generation_config.json, else config.json (an int or a
+    list); () when neither says."""
     for name in ("generation_config.json", "config.json"):
         path = Path(hf_dir) / name
         if not path.is_file():
             continue
-        value = _eos_value(path)
+        value = read_json_object(path).get(key)
         if value is None:
             continue
         ids = value if isinstance(value, list) else [value]
         if any(type(v) is not int or v < 0 for v in ids):
-            raise KilnError(f"{path}: eos_token_id must be a token id (a whole number >= 0) or a list of them, "
+            raise KilnError(f"{path}: {key} must be a token id (a whole number >= 0) or a list of them, "
                             f"got {value!r}; fix the value in the file")
         return tuple(ids)
     return ()
+
+
+def eos_ids(hf_dir: str | Path) -> tuple[int, ...]:
+    """eos_token_id from generation_config.json, else config.json (an int or a list); () when neither says."""
+    return config_token_ids(hf_dir, "eos_token_id")
 
 
 def load_tokenizer(hf_dir: str | Path | None, *, vocab: int) -> Tokenizer:

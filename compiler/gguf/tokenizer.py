@@ -21,7 +21,7 @@ from typing import Any
 from kiln.chat_template import ChatTemplate
 from kiln.gguf.config import GGUFError, field
 from kiln.gguf.spm import spm_tokenizer
-from kiln.tokenizer import byte_alphabet, token_bytes, token_table, with_specials
+from kiln.tokenizer import TokenizerBase, byte_alphabet, token_bytes, token_table, with_specials
 
 CONTROL, USER_DEFINED = 3, 4
 # tokenizer.ggml.model -> what kiln rebuilds it as (others, like bert or rwkv, are refused by name).
@@ -35,13 +35,15 @@ SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAM
           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(TokenizerBase):
     """A GGUF's tokenizer: encode adding BOS / EOS as the file says (tokenizer.ggml.add_bos_token / add_eos_token,
-    as llama.cpp and transformers do), decode skipping special tokens (or keeping them), and the chat template."""
+    as llama.cpp and transformers do), decode skipping special tokens (or keeping them), and the chat template.
+    unk_token / pad_token: the file's unknown and padding tokens (transformers' named special tokens)."""
 
     def __init__(self, tok: Any, eos_token_ids: tuple[int, ...], bos_token: str | None, eos_token: str | None,
                  chat_template: str | None, path: str, *, kind: str = "gpt2", bos_id: int | None = None,
-                 add_bos: bool = False, add_eos: bool = False):
+                 add_bos: bool = False, add_eos: bool = False, unk_token: str | None = None,
+                 pad_token: str | None = None):
         self._tok = tok
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -52,6 +54,7 @@ class GGUFTokenizer:
         self.bos_id = bos_id
         self.add_bos = add_bos and bos_id is not None
         self.add_eos = add_eos and bool(eos_token_ids)
+        self.unk_token, self.pad_token = unk_token, pad_token
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of `text`; special=True adds the file's BOS / EOS, except a BOS the text already starts with
@@ -61,6 +64,19 @@ class GGUFTokenizer:
             return ids
         bos, eos = [self.bos_id] if self.add_bos else [], [self.eos_token_ids[0]] if self.add_eos else []
         return with_specials(ids, bos, eos)
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        return self._tok
+
+    def transformers_kwargs(self) -> dict[str, Any]:
+        """What transformers' GGUF loader reads from the file besides the vocabulary: the BOS, EOS, unknown and
+        padding tokens, whether encoding adds BOS / EOS (transformers then writes the post-processor), the chat
+        template."""
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
+                 "pad_token": self.pad_token}
+        return {**{name: text for name, text in named.items() if text}, "add_bos_token": self.add_bos,
+                "add_eos_token": self.add_eos, "chat_template": self._chat_source}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ids; control tokens (and sentencepiece's unknown / BOS / EOS / padding pieces) add none unless
@@ -111,6 +127,7 @@ class GGUFTokenizer:
         out = Path(out_dir)
         tok.save(str(out / "tokenizer.json"))
         config = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        config.update({k: v for k, v in (("unk_token", self.unk_token), ("pad_token", self.pad_token)) if v})
         if self._chat_source:
             config["chat_template"] = self._chat_source
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -159,12 +176,14 @@ def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:
     bos_id, bos = token("bos_token_id")
     eos_id, eos = token("eos_token_id")
     eot_id, _ = token("eot_token_id")
+    _, unk = token("unknown_token_id")
+    _, pad = token("padding_token_id")
     eos_ids = tuple(dict.fromkeys(i for i in (eos_id, eot_id) if i is not None))
     # A sentencepiece file that does not say gets BOS, as llama.cpp and transformers give it.
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(field(reader, "tokenizer.ggml.add_eos_token", False))
     return GGUFTokenizer(tok, eos_ids, bos, eos, field(reader, "tokenizer.chat_template"), str(path), kind=kind,
-                         bos_id=bos_id, add_bos=add_bos, add_eos=add_eos)
+                         bos_id=bos_id, add_bos=add_bos, add_eos=add_eos, unk_token=unk, pad_token=pad)
 
 
 def _byte_level(reader: Any, tokens: list[str], path: str | os.PathLike) -> tuple[Any, set[str]]:

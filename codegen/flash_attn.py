@@ -53,13 +53,18 @@ def _head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
 
 
 @functools.cache
-def _device_tma_blocker(device: torch.device) -> str | None:
-    """Why a device cannot load through TMA descriptors, or None when it can: decided once per device (its
+def _cuda_tma_blocker(device: torch.device) -> str | None:
+    """Why a CUDA device cannot load through TMA descriptors, or None when it can: asked once per device (its
     capability does not change, and TMA launches would otherwise ask the driver every time)."""
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return f"{torch.cuda.get_device_name(device)} has no TMA (sm90+ only)"
+    return None
+
+
+def _device_tma_blocker(device: torch.device) -> str | None:
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device) < (9, 0):
-            return f"{torch.cuda.get_device_name(device)} has no TMA (sm90+ only)"
-        return None
+        return _cuda_tma_blocker(device)
+    # off a GPU only the interpreter runs descriptors; a setting, not the device's: read on each call
     return None if env.triton_interpret() else f"q is on {device}"
 
 
@@ -104,9 +109,10 @@ def _dense_offsets(device: torch.device, count: int, length: int) -> torch.Tenso
     offsets = _OFFSETS.get(key)
     if offsets is None:
         offsets = torch.arange(0, (count + 1) * length, length, dtype=torch.int32, device=device)
-        # Kept only when it holds real values: not a FakeTensor (a dry run's), nor one made while a CUDA graph is
-        # captured (its values are written only when the graph replays).
-        if type(offsets) is torch.Tensor and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # Kept only when it holds real values: not a FakeTensor (a dry run's) or a meta tensor, nor one made while a
+        # CUDA graph is captured (its values are written only when the graph replays).
+        if type(offsets) is torch.Tensor and device.type != "meta" and not (
+                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _OFFSETS[key] = offsets
     return offsets
 

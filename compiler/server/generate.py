@@ -65,7 +65,7 @@ async def generate(loop: EngineLoop, engine: Engine, config: ServerConfig, serve
             raise request_error(RequestError(lead(p) + str(e), param=e.param, code=e.code),
                                 req.param_name(e.param)) from None
         try:
-            req.check_min_tokens(max_tokens, is_default)
+            req.check_min_tokens(max_tokens, is_default, lead(p))
             choices = req.sampling_params(max_tokens, defaults).choices()  # validated; n > 1: the seed rule there
             # the engine's checks of the ids in the params (stop_token_ids, logit_bias...), which are the request's,
             # not a prompt's: here, so that only a prompt's own fault reaches loop.add's label

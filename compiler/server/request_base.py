@@ -196,9 +196,10 @@ class _Sampling(_Body):
             raise request_error(e, self.param_name(e.param)) from None
         self.check_min_tokens(self.requested_max_tokens())
 
-    def check_min_tokens(self, max_tokens: int | None, is_default: bool = False) -> None:
+    def check_min_tokens(self, max_tokens: int | None, is_default: bool = False, lead: str = "") -> None:
         """SamplingParams' min_tokens <= max_tokens, worded in this request's fields (the limit as the client set
-        it, or what a default came to: is_default, the model's); a 400. max_tokens None: not known yet."""
+        it, or what a default came to: is_default, the model's); a 400. max_tokens None: not known yet. lead names
+        the prompt of a batch, when the limit is what that prompt leaves of the context (none given, or a default)."""
         if max_tokens is None:
             return
         limit_value = 0 if self.prompt_only else max_tokens  # echo's max_tokens 0 generates nothing shown
@@ -212,7 +213,8 @@ class _Sampling(_Body):
             limit = f"the {max_tokens} tokens of the model's default max_tokens that fit the context (no {name} given)"
         else:
             name, limit = self.unset_limit(max_tokens)
-        raise APIError(400, f"min_tokens = {self.min_tokens} is more than {limit}; allowed: min_tokens <= {name}",
+        lead = "" if self.limit_given() else lead  # a limit the client gave is the same for every prompt
+        raise APIError(400, f"{lead}min_tokens = {self.min_tokens} is more than {limit}; allowed: min_tokens <= {name}",
                        param="min_tokens", code="invalid_value")
 
     def limit_given(self) -> bool:

@@ -72,7 +72,7 @@ def test_the_tma_capability_is_asked_once_per_device(monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
-    fa._device_tma_blocker.cache_clear()
+    fa._cuda_tma_blocker.cache_clear()
     try:
         for _ in range(3):
             assert fa._device_tma_blocker(torch.device("cuda", 0)) == "NVIDIA A100 has no TMA (sm90+ only)"
@@ -80,18 +80,16 @@ def test_the_tma_capability_is_asked_once_per_device(monkeypatch):
         fa._device_tma_blocker(torch.device("cuda", 1))
         assert asked == [torch.device("cuda", 0), torch.device("cuda", 1)]
     finally:
-        fa._device_tma_blocker.cache_clear()  # the pretend A100 must not answer for a real device later
+        fa._cuda_tma_blocker.cache_clear()  # the pretend A100 must not answer for a real device later
 
 
-def test_tma_on_the_interpreter_is_decided_once_and_matches_pointer_loads():
-    """tma=True under TRITON_INTERPRET: allowed for the CPU device, decided on the first launch only; the result is
-    the pointer-load kernel's."""
-    fa._device_tma_blocker.cache_clear()
+def test_tma_on_the_interpreter_matches_pointer_loads_and_follows_the_setting(monkeypatch):
+    """tma=True under TRITON_INTERPRET: allowed for the CPU device, and the result is the pointer-load kernel's. The
+    interpreter is a setting, not the device's: read on each call, so turning it off refuses TMA on the CPU."""
     q, k, v = _qkv(2, 7, 7)
     plain = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE, tma=False)
     first = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE, tma=True)
-    second = fa.flash_attention(q, k, v, 2, 2, True, 0, 0.25, TILE, tma=True)
-    info = fa._device_tma_blocker.cache_info()
-    assert (info.misses, info.hits) == (1, 1)
     torch.testing.assert_close(first, plain, rtol=1e-5, atol=1e-6)
-    assert torch.equal(first, second)
+    assert fa._device_tma_blocker(torch.device("cpu")) is None
+    monkeypatch.setattr(fa.env, "triton_interpret", lambda: False)
+    assert fa._device_tma_blocker(torch.device("cpu")) == "q is on cpu"

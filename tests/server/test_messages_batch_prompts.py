@@ -56,3 +56,13 @@ def test_an_infinite_temperature_is_refused_as_not_finite(url):
     err = _error(url, '{"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2, "temperature": 1e309}')
     assert "temperature = inf is out of range; allowed: a finite temperature >= 0" in err["message"], err
     assert err["param"] == "temperature"
+
+
+def test_a_min_tokens_over_what_a_prompt_leaves_names_that_prompt(url):
+    # max_tokens null: each prompt's limit is the room it leaves, so the error is about one prompt
+    err = _error(url, {"prompt": [[1, 2], [7] * 250], "max_tokens": None, "min_tokens": 10})
+    assert err["message"].startswith("prompt 1: min_tokens = 10 is more than the 6 tokens"), err
+    assert err["param"] == "min_tokens"
+    # a limit the client gave is the same for every prompt: no index
+    err = _error(url, {"prompt": [[1, 2], [3, 4]], "max_tokens": 3, "min_tokens": 5})
+    assert err["message"].startswith("min_tokens = 5 is more than max_tokens = 3"), err

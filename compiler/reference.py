@@ -66,7 +66,9 @@ def generate(
     params.ignore_eos. With params.seed set the result is reproducible. Penalties, logit_bias and min_tokens apply
     as in the engine (sampler.apply_penalties); stop strings are the engine's alone (this path has no text).
     Tokens only: logprobs and prompt_logprobs are not computed here (the engine's are checked against
-    transformers' log_softmax in tests/runtime).
+    transformers' log_softmax in tests/runtime). A max_tokens past the context is refused here (as the server and
+    `kiln run` refuse it), where the engine behind LLM cuts it to the context: an oracle asked for more tokens than
+    fit would otherwise compare a different request.
     """
     _check_request(prompt_ids, params, context, vocab_size(gm))
     max_tokens = context - len(prompt_ids) if params.max_tokens is None else params.max_tokens

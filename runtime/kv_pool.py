@@ -76,7 +76,8 @@ def choose_num_blocks(model: StepModel, context: int, *, block_size: int, num_bl
         n, source = min(max_num_seqs * per_seq, cap) + 1, "the CPU default"
     if n < need:
         raise PoolTooSmallError(
-            f"the KV cache pool would have {n} blocks of {block_size} tokens ({n * per_block / 2**20:.1f} MiB, "
+            f"the KV cache pool would have {n} block{'s' * (n != 1)} of {block_size} tokens "
+            f"({n * per_block / 2**20:.1f} MiB, "
             f"from {source}), but one sequence of the longest allowed length ({context} tokens) needs {per_seq} "
             f"blocks plus the reserved null block = {need} ({need * per_block / 2**20:.1f} MiB)",
             need=need, usable_tokens=max(n - 1, 0) * block_size, from_memory=num_blocks is None)

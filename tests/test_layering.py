@@ -302,9 +302,9 @@ def _test_imports(path: Path) -> list[str]:
 
 
 def test_tests_share_helpers_through_tests_support_only():
-    """A helper another test file needs lives in tests.support: importing a test module runs its module-level code,
-    and a hypothesis TestCase or fixture it defines can be collected or shadowed twice."""
-    test_files = sorted((ROOT / "tests").rglob("test_*.py"))
+    """A helper another test file (or a conftest.py) needs lives in tests.support: importing a test module runs its
+    module-level code, and a hypothesis TestCase or fixture it defines can be collected or shadowed twice."""
+    test_files = sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "tests").rglob("conftest.py")])
     wrong = {rel_path(p): m for p in test_files for m in _test_imports(p)
              if not (m == "tests.support" or m.startswith("tests.support."))}  # fmt: skip
     assert not wrong, wrong

@@ -144,15 +144,6 @@ class Layout:
         """Each dtype's inputs by name: (start, length) in elements of that dtype from the group's first word."""
         return {dtype: {name: (a, b - a) for name, a, b, _ in entries} for dtype, _, entries in self.groups}
 
-    # The int64 and int32 groups by name (tests/passes/test_kv_cache_inputs.py reads them).
-    @property
-    def i64(self) -> dict[str, tuple[int, int]]:
-        return self.sections.get(torch.int64, {})
-
-    @property
-    def i32(self) -> dict[str, tuple[int, int]]:
-        return self.sections.get(torch.int32, {})
-
 
 @functools.lru_cache(maxsize=256)
 def layout(n: int, r: int, s: int, w: int, nr: int = 0, wr: int = 0) -> Layout:

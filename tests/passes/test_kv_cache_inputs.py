@@ -44,7 +44,8 @@ def test_the_paged_ops_step_arguments_are_step_batch_fields_of_the_same_kind():
 def test_the_runtimes_staging_layout_holds_every_tensor_field_in_its_dtype():
     lay = Layout(n=3, r=2, s=2, w=4, nr=2, wr=3)
     want = {dt: {n for n, s in STEP_INPUTS.items() if s.dtype == dt} for dt in (torch.int64, torch.int32)}
-    assert set(lay.i64) == want[torch.int64] and set(lay.i32) == want[torch.int32]
+    assert {dt: set(names) for dt, names in lay.sections.items()} == {torch.int64: want[torch.int64],
+                                                                       torch.int32: want[torch.int32]}
     assert {n for n, s in STEP_INPUTS.items() if s.dtype is not None} == want[torch.int64] | want[torch.int32]
 
 

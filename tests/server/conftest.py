@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.served_llm import serve_llm
+
 
 @pytest.fixture(scope="module")
 def llm():
@@ -16,10 +18,5 @@ def llm():
 
 @pytest.fixture(scope="module")
 def url(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+    with serve_llm(llm) as u:
         yield u

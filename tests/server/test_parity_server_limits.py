@@ -11,6 +11,8 @@ import logging
 
 import pytest
 
+from tests.support.served_llm import serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 CTX = 256  # tiny-llama's context
@@ -20,16 +22,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def servers(llm):
     """Two servers on the model: without a generation default, and with one of 20 tokens."""
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    plain = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
-    with_default = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
-    with serve_in_thread(plain, ServerConfig(model_name="tiny-llama")) as a:
-        config = ServerConfig(model_name="tiny-llama", generation_defaults={"max_tokens": 20})
-        with serve_in_thread(with_default, config) as b:
-            yield a, b
+    with serve_llm(llm) as a, serve_llm(llm, generation_defaults={"max_tokens": 20}) as b:
+        yield a, b
 
 
 def completion_tokens(url: str, body: dict) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.served_llm import serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 CTX = 256  # tiny-llama's context
@@ -17,13 +19,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def url(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
     # a default far past the context: every prompt would be refused if the default were checked as if sent
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", generation_defaults={"max_tokens": 100000})) as u:
+    with serve_llm(llm, generation_defaults={"max_tokens": 100000}) as u:
         yield u
 
 

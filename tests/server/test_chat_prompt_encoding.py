@@ -11,6 +11,7 @@ import pytest
 
 from kiln.runtime.sampling_params import SamplingParams
 from tests.support.hf_models import save_hf_model
+from tests.support.served_llm import llm_engine, serve_llm
 from tests.support.word_tokenizer import BOS, write_word_tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -39,9 +40,6 @@ def llm(checkpoint):
 def test_llm_chat_kiln_run_and_the_server_encode_the_chat_prompt_as_transformers(checkpoint, llm, capsys):
     transformers = pytest.importorskip("transformers")
     from kiln.cli import main
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"), bos_token="<s>")
     want = hf.apply_chat_template(MSGS, chat_template=TEMPLATE, tokenize=True, add_generation_prompt=True)
@@ -54,8 +52,7 @@ def test_llm_chat_kiln_run_and_the_server_encode_the_chat_prompt_as_transformers
     (out,) = llm.chat(MSGS, params, use_tqdm=False)
     assert out.prompt_token_ids == want and out.prompt == prompt
 
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny")) as url:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32), model_name="tiny") as url:
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "temperature": 0,
                                                             "ignore_eos": True, "return_token_ids": True}, timeout=60)
     assert r.status_code == 200, r.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kiln.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
+from tests.support.served_llm import serve_llm
 
 httpx = pytest.importorskip("httpx")
 
@@ -68,13 +69,7 @@ def test_a_template_that_drops_the_final_message_cannot_continue_it():
 
 @pytest.fixture(scope="module")
 def llama3_url(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
-    cfg = ServerConfig(model_name="tiny-llama", chat_template=ChatTemplate(LLAMA3, bos_token=BOS))
-    with serve_in_thread(eng, cfg) as u:
+    with serve_llm(llm, chat_template=ChatTemplate(LLAMA3, bos_token=BOS)) as u:
         yield u
 
 
@@ -128,13 +123,8 @@ def test_vllms_refusals_are_400s_naming_the_field(url, body, param, words):
 
 
 def test_a_template_that_drops_the_final_message_is_a_400(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
     tpl = ChatTemplate("{% for m in messages[:-1] %}{{ m.content }}{% endfor %}", origin="drops.jinja")
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", chat_template=tpl)) as u:
+    with serve_llm(llm, chat_template=tpl) as u:
         r = _chat(u, {"messages": _convo("Once"), "continue_final_message": True, "add_generation_prompt": False})
     err = r.json()["error"]
     assert r.status_code == 400 and (err["param"], err["code"]) == ("messages", "invalid_value"), r.text

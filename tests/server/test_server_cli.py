@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.support.served_llm import serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 
@@ -57,14 +59,10 @@ def test_serve_refuses_a_bad_port():
     assert res.returncode == 2 and "--port 70000" in res.stderr
 
 
-def test_bench_serve_reports_latencies_and_writes_json(tmp_path, capsys):
-    from kiln import LLM
+def test_bench_serve_reports_latencies_and_writes_json(llm, tmp_path, capsys):
     from kiln.cli import main
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
-    llm = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-    with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama")) as url:
+    with serve_llm(llm, engine=llm.engine) as url:
         # the URL as `kiln serve` prints it, /v1 and all
         rc = main(["bench", "serve", "--base-url", f"{url}/v1/", "--num-requests", "8", "--input-len", "4:12",
                    "--output-len", "4:8", "--request-rate", "50", "--out-dir", str(tmp_path), "--json"])

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.support.served_llm import llm_engine, serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 MAX_LEN = 256  # tiny-llama's context
@@ -19,10 +21,7 @@ MAX_LEN = 256  # tiny-llama's context
 
 @pytest.fixture(scope="module")
 def url(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama")) as u:
+    with serve_llm(llm, engine=llm.engine) as u:
         yield u
 
 
@@ -41,17 +40,9 @@ def _metric(url: str, name: str) -> float:
 def test_a_non_streaming_client_that_disconnects_is_aborted(llm, api_key):
     """A raw socket sends a long non-streaming completion and goes away: the request must be aborted (counted,
     its KV blocks freed) long before it could have finished."""
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    class Slow(Engine):  # >= 20 ms a step: 230 tokens take >= 4.6 s, so finishing is not mistaken for an abort
-        def step(self):
-            time.sleep(0.02)
-            return super().step()
-
-    eng = Slow(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", api_key=api_key)) as u:
+    # >= 20 ms a step: 230 tokens take >= 4.6 s, so finishing is not mistaken for an abort
+    eng = llm_engine(llm, step_s=0.02)
+    with serve_llm(llm, engine=eng, api_key=api_key) as u:
         host, port = u.removeprefix("http://").split(":")
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 230, "ignore_eos": True}).encode()
         auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
@@ -223,13 +214,12 @@ def test_a_request_can_opt_out_of_speculation(llm):
     """`speculate: false` (kiln's extension, SamplingParams.speculate) keeps one request out of speculative
     decoding on a server that speculates: no draft tokens proposed for it, the same tokens either way."""
     from kiln import LLM
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
-    eng = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False, speculation="ngram(n = 2, k = 3)").engine
+    spec = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False, speculation="ngram(n = 2, k = 3)")
+    eng = spec.engine
     body = {"prompt": [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+    with serve_llm(spec, engine=eng) as u:
         off = _post(u, "/v1/completions", {**body, "speculate": False})
         assert off.status_code == 200, off.text
         assert eng.stats.spec_proposed == 0

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from tests.support.served_llm import llm_engine, serve_llm
 from tests.support.word_tokenizer import BOS, write_word_tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -30,12 +31,7 @@ def word_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def words(llm, word_tokenizer):
     """A server whose model reads words (the word tokenizer), behind an API key."""
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, word_tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", api_key="k")) as u:
+    with serve_llm(llm, engine=llm_engine(llm, tokenizer=word_tokenizer, num_blocks=32), api_key="k") as u:
         yield u
 
 
@@ -117,14 +113,12 @@ def test_version_and_ping(words):
 
 def test_ping_is_503_while_draining(llm):
     """As /health: from the moment the drain is asked for, a load balancer sees 503."""
-    from kiln.runtime.engine import Engine
     from kiln.server import ServerConfig
     from kiln.server.app import build_app
     from kiln.server.drain import DrainingServer
 
-    app = build_app(
-        Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32), ServerConfig(model_name="tiny-llama")
-    )
+    # by hand, not serve_llm: the app is asked in process while its DrainingServer, never started, is draining
+    app = build_app(llm_engine(llm, num_blocks=32), ServerConfig(model_name="tiny-llama"))
     server = DrainingServer(app, 1.0)
     server.should_exit = True
     from starlette.testclient import TestClient
@@ -178,18 +172,8 @@ def test_cors_preflight_and_headers(words):
 
 
 def test_cors_origins_methods_and_credentials_as_configured(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    cfg = ServerConfig(
-        model_name="tiny-llama",
-        allowed_origins=["https://ok.example"],
-        allowed_methods=["POST"],
-        allowed_headers=["content-type"],
-        allow_credentials=True,
-    )
-    with serve_in_thread(Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32), cfg) as u:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32), allowed_origins=["https://ok.example"],
+                   allowed_methods=["POST"], allowed_headers=["content-type"], allow_credentials=True) as u:
         ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
         ok = httpx.options(f"{u}/v1/completions", headers={"Origin": "https://ok.example", **ask}, timeout=30)
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ok.example"
@@ -206,12 +190,8 @@ def test_cors_origins_methods_and_credentials_as_configured(llm):
 
 def test_several_served_names(llm):
     """vLLM's --served-model-name a b: a is reported, both are listed and accepted; an alias is accepted only."""
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    cfg = ServerConfig(model_name=["org/model-a", "b"], model_aliases=["tiny-llama"])
-    with serve_in_thread(Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32), cfg) as u:
+    eng = llm_engine(llm, num_blocks=32)
+    with serve_llm(llm, engine=eng, model_name=["org/model-a", "b"], model_aliases=["tiny-llama"]) as u:
         assert [c["id"] for c in httpx.get(f"{u}/v1/models", timeout=30).json()["data"]] == ["org/model-a", "b"]
         for name in ("org/model-a", "b", "tiny-llama", "", None):
             r = _post(u, "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 1})
@@ -235,12 +215,7 @@ def test_a_long_prompt_as_token_ids_fits_the_default_body_cap(url):
 
 
 def test_the_413_names_the_limit_and_the_flag(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", max_body_bytes=2 << 20)) as u:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32), max_body_bytes=2 << 20) as u:
         r = _post(u, "/v1/completions", {"prompt": [1] * 1_200_000, "max_tokens": 1})
         err = r.json()["error"]
         assert r.status_code == 413 and err["code"] == "request_too_large"
@@ -260,12 +235,7 @@ def test_prompts_in_one_request_are_bounded_as_in_vllm(url):
 
 
 def test_a_bounded_queue_says_why_a_request_bigger_than_it_is_refused(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", max_waiting=4)) as u:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32), max_waiting=4) as u:
         r = _post(u, "/v1/completions", {"prompt": "Hi", "n": 5, "max_tokens": 1})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "n"

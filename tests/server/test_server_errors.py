@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.support.served_llm import llm_engine, serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 KEY = "sk-table"
@@ -121,19 +123,10 @@ CASES = [
 ]
 
 
-def engine(llm, **kw):
-    from kiln.runtime.engine import Engine
-
-    return Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=128, **kw)
-
-
 @pytest.fixture(scope="module")
 def server(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    cfg = ServerConfig(model_name="tiny-llama", api_key=KEY, max_body_bytes=4096, max_prompt_tokens=64)
-    with serve_in_thread(engine(llm), cfg) as url:
+    eng = llm_engine(llm, num_blocks=128)
+    with serve_llm(llm, engine=eng, api_key=KEY, max_body_bytes=4096, max_prompt_tokens=64) as url:
         yield url
 
 
@@ -220,18 +213,10 @@ def test_health_and_metrics_need_no_key(server):
 
 
 def test_a_full_queue_answers_503_with_retry_after(llm):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    class Slow(Engine):  # 200 tokens then take >= 4 s: A cannot finish (and B start) before C is refused
-        def step(self):
-            time.sleep(0.02)
-            return super().step()
-
     long = {"model": "tiny-llama", "prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    slow = Slow(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=128, max_num_seqs=1)
-    with serve_in_thread(slow, ServerConfig(model_name="tiny-llama", max_waiting=1)) as url:
+    # 200 tokens then take >= 4 s: A cannot finish (and B start) before C is refused
+    slow = llm_engine(llm, num_blocks=128, max_num_seqs=1, step_s=0.02)
+    with serve_llm(llm, engine=slow, max_waiting=1) as url:
         with httpx.Client(base_url=url, timeout=60) as c:
             with c.stream("POST", "/v1/completions", json=long) as a:
                 next(a.iter_lines())  # A runs
@@ -250,8 +235,6 @@ def test_a_full_queue_answers_503_with_retry_after(llm):
 
 def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(llm):
     from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
     class FailOnce(Engine):
         armed = True
@@ -262,8 +245,8 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_goes_on(l
                 raise RuntimeError("simulated device fault")
             return super().step()
 
-    eng = FailOnce(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=128)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as url:
+    eng = llm_engine(llm, FailOnce, num_blocks=128)
+    with serve_llm(llm, engine=eng) as url:
         r = httpx.post(f"{url}/v1/completions", json=OK, timeout=60)
         assert r.status_code == 500 and "simulated device fault" in r.json()["error"]["message"]
         assert r.json()["error"]["code"] == "engine_failure"

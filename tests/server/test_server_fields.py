@@ -10,6 +10,8 @@ import logging
 
 import pytest
 
+from tests.support.served_llm import llm_engine, serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 MSGS = [{"role": "user", "content": "Hi"}]
@@ -66,18 +68,13 @@ def test_metadata_and_fields_that_ask_for_nothing_change_nothing(url, path, base
 
 
 def test_each_ignored_field_is_logged_once_per_server(llm, caplog):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
     caplog.set_level(logging.INFO, logger="kiln.server")
     msgs = [
         {"role": "user", "content": "Hi", "id": "m-1", "refusal": None},
         {"role": "assistant", "content": "Hello", "refusal": "no", "annotations": []},
         MSGS[0],
     ]
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32)) as u:
         for _ in range(3):
             assert (
                 _post(
@@ -201,12 +198,8 @@ def test_any_non_empty_role_reaches_the_template(llm):
     """As vLLM: the role is the template's business. Kiln's default template writes it; one that refuses roles it
     does not know says so through raise_exception, a 400."""
     from kiln.chat_template import ChatTemplate
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32)) as u:
         msgs = [{"role": "narrator", "content": "x"}, {"role": "ipython", "content": "y"}]
         tok = _post(u, "/tokenize", {"messages": msgs}).json()["tokens"]
         text = _post(u, "/detokenize", {"tokens": tok}).json()["prompt"]
@@ -216,8 +209,7 @@ def test_any_non_empty_role_reaches_the_template(llm):
         "{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}"
         "{{ raise_exception('unknown role ' + m.role) }}{% endif %}{{ m.content }}{% endfor %}"
     )
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", chat_template=strict)) as u:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32), chat_template=strict) as u:
         r = _post(u, "/v1/chat/completions", {**CHAT, "messages": [{"role": "narrator", "content": "x"}]})
         assert r.status_code == 400 and "unknown role narrator" in r.json()["error"]["message"]
         bad = _post(u, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]})
@@ -227,15 +219,11 @@ def test_any_non_empty_role_reaches_the_template(llm):
 def test_an_assistants_reasoning_reaches_the_template_under_both_names(llm):
     """vLLM renames reasoning_content to reasoning and gives the template both (Qwen3's reads reasoning_content)."""
     from kiln.chat_template import ChatTemplate
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
     tpl = ChatTemplate(
         "{% for m in messages %}{{ m.role }}:{{ m.content }}[{{ m.reasoning_content }}|{{ m.reasoning }}]\n{% endfor %}"
     )
-    eng = Engine(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=32)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama", chat_template=tpl)) as u:
+    with serve_llm(llm, engine=llm_engine(llm, num_blocks=32), chat_template=tpl) as u:
         msgs = [
             {"role": "user", "content": "q", "reasoning_content": "hidden"},
             {"role": "assistant", "content": "a", "reasoning_content": "because"},

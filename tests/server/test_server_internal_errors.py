@@ -41,6 +41,7 @@ class FailingStep(Engine):
 def _client(engine: Engine):
     from starlette.testclient import TestClient
 
+    # by hand, not serve_llm: an app over a fake engine (no LLM), asked in process
     return TestClient(build_app(engine, ServerConfig(model_name="fake")))
 
 

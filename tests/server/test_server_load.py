@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from tests.support.served_llm import serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 N = 64
@@ -19,8 +21,6 @@ SHORT, LONG = 6, 16  # max_tokens of the plain run, and of the run with disconne
 @pytest.fixture(scope="module")
 def served():
     from kiln import LLM, SamplingParams
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
     llm = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False, max_num_seqs=N)
     # The references, from the offline API, before the server's loop takes the engine over (greedy: the
@@ -28,7 +28,7 @@ def served():
     long = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(
         temperature=0, max_tokens=LONG, ignore_eos=True))]
     ref = {LONG: long, SHORT: [t[:SHORT] for t in long]}
-    with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama")) as url:
+    with serve_llm(llm, engine=llm.engine) as url:
         yield url, ref, llm.engine
 
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.served_llm import serve_llm
+
 openai = pytest.importorskip("openai")
 
 
 @pytest.fixture(scope="module")
 def server(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama", api_key="sk-test")) as url:
+    with serve_llm(llm, engine=llm.engine, api_key="sk-test") as url:
         yield url
 
 

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.served_llm import serve_llm
+
 openai = pytest.importorskip("openai")
 
 
-def test_completions_and_streams_are_the_same_with_overlap():
-    from kiln import LLM
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    llm = LLM("tiny-llama", device="cpu", seed=0, use_kernels=False)
-
+def test_completions_and_streams_are_the_same_with_overlap(llm):
     def run(overlap: bool) -> list:
         llm.engine.overlap_outputs = overlap
-        with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama")) as url:
+        with serve_llm(llm, engine=llm.engine) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60, max_retries=0)
             kw = dict(model="tiny-llama", temperature=0, extra_body={"return_token_ids": True})
             whole = client.completions.create(prompt="Hi", max_tokens=24, **kw).choices[0]

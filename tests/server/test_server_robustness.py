@@ -19,20 +19,18 @@ from kiln.runtime.request import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.server.protocol import APIError
 from kiln.server.streaming import Choices, sse_stream
+from tests.support.served_llm import serve_llm
 
 httpx = pytest.importorskip("httpx")
 
 
 @pytest.fixture(scope="module")
 def url(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
     llm.tokenizer.chat_template = ChatTemplate(
         "{% for m in messages %}[{{ m.role }}{% if m.tool_call_id %}:{{ m.tool_call_id }}{% endif %}]"
         "{{ m.content }}{% endfor %}>", origin="the test's")
     try:
-        with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama")) as u:
+        with serve_llm(llm, engine=llm.engine) as u:
             yield u
     finally:
         del llm.tokenizer.chat_template
@@ -167,10 +165,7 @@ def test_a_port_in_use_fails_before_loading_with_the_fix():
 
 
 def test_bench_serve_against_a_keyed_server_asks_for_the_key(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    with serve_in_thread(llm.engine, ServerConfig(model_name="tiny-llama", api_key="sk-x")) as u:
+    with serve_llm(llm, engine=llm.engine, api_key="sk-x") as u:
         res = subprocess.run([sys.executable, "-m", "kiln", "bench", "serve", "--base-url", u, "--num-requests",
                               "1"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "wants an API key" in res.stderr and "--api-key" in res.stderr

@@ -13,20 +13,12 @@ import time
 
 import pytest
 
+from tests.support.served_llm import llm_engine, serve_llm
+
 httpx = pytest.importorskip("httpx")
 
 LONG = {"prompt": "a", "max_tokens": 200, "ignore_eos": True}  # 200 steps of >= 20 ms: 4 s without an abort
-
-
-def _slow_engine(llm):
-    from kiln.runtime.engine import Engine
-
-    class Slow(Engine):
-        def step(self):
-            time.sleep(0.02)
-            return super().step()
-
-    return Slow(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64)
+STEP_S = 0.02  # the engines' slow step (llm_engine's step_s)
 
 
 def _clients(url: str) -> tuple[dict, list[threading.Thread]]:
@@ -76,11 +68,8 @@ def _serve(server) -> tuple[threading.Thread, socket.socket, str]:
 
 
 def test_requests_past_the_drain_deadline_are_aborted_with_a_503(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = _slow_engine(llm)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama"), drain_s=0.3) as url:
+    eng = llm_engine(llm, step_s=STEP_S)
+    with serve_llm(llm, engine=eng, drain_s=0.3) as url:
         got, threads = _clients(url)
         _wait_running(url, 2)
     # leaving the block is uvicorn's shutdown (what SIGTERM starts): the drain ran 0.3 s, then aborted both
@@ -93,7 +82,8 @@ def test_a_forced_exit_answers_the_requests_in_flight_with_json(llm):
     from kiln.server import ServerConfig, build_app
     from kiln.server.drain import DrainingServer
 
-    eng = _slow_engine(llm)
+    eng = llm_engine(llm, step_s=STEP_S)
+    # by hand, not serve_llm: the test signals the DrainingServer itself, as a second Ctrl-C does
     server = DrainingServer(build_app(eng, ServerConfig(model_name="tiny-llama")), None, log_level="critical")
     thread, sock, url = _serve(server)
     got, threads = _clients(url)
@@ -115,7 +105,8 @@ def test_health_answers_503_once_the_drain_begins_while_requests_in_flight_finis
     from kiln.server import ServerConfig, build_app
     from kiln.server.drain import DrainingServer
 
-    app = build_app(_slow_engine(llm), ServerConfig(model_name="tiny-llama"))
+    # by hand, not serve_llm: the test signals the DrainingServer itself and asks its app in process
+    app = build_app(llm_engine(llm, step_s=STEP_S), ServerConfig(model_name="tiny-llama"))
     server = DrainingServer(app, None, log_level="critical")
     thread, sock, url = _serve(server)
     got: dict = {}

@@ -12,21 +12,14 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.served_llm import llm_engine, serve_llm
+
 httpx = pytest.importorskip("httpx")
-
-
-def _engine(llm, cls=None, **kw):
-    from kiln.runtime.engine import Engine
-
-    return (cls or Engine)(llm.step_model, llm.tokenizer, llm.loaded.model, num_blocks=64, **kw)
 
 
 @pytest.fixture(scope="module")
 def url(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    with serve_in_thread(_engine(llm), ServerConfig(model_name="tiny-llama", max_prompt_tokens=64)) as u:
+    with serve_llm(llm, max_prompt_tokens=64) as u:
         yield u
 
 
@@ -43,8 +36,6 @@ def _metrics(url: str) -> dict[str, float]:
 def test_the_choices_of_one_request_are_added_between_the_same_two_steps(llm):
     """n x prompts engine requests enter the engine together: no choice starts a step after another."""
     from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
 
     class Recording(Engine):
         def __init__(self, *a, **kw):
@@ -60,8 +51,8 @@ def test_the_choices_of_one_request_are_added_between_the_same_two_steps(llm):
             time.sleep(0.01)  # a step long enough that adds posted one by one would land between steps
             return super().step()
 
-    eng = _engine(llm, Recording)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+    eng = llm_engine(llm, Recording)
+    with serve_llm(llm, engine=eng) as u:
         r = _post(u, {"prompt": ["a", "b"], "n": 4, "max_tokens": 6, "ignore_eos": True, "seed": 1})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 8 and len(eng.added_at) == 8
@@ -69,11 +60,8 @@ def test_the_choices_of_one_request_are_added_between_the_same_two_steps(llm):
 
 
 def test_a_bad_prompt_in_a_batch_adds_none_of_its_choices(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = _engine(llm)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+    eng = llm_engine(llm)
+    with serve_llm(llm, engine=eng) as u:
         r = _post(u, {"prompt": [[1, 2], [3, 10**6]], "n": 2, "max_tokens": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         time.sleep(0.2)  # choices left in the engine would run now
@@ -81,11 +69,8 @@ def test_a_bad_prompt_in_a_batch_adds_none_of_its_choices(llm):
 
 
 def test_metrics_show_the_pool_before_any_request_and_count_prefix_cache_blocks(llm):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = _engine(llm)
-    with serve_in_thread(eng, ServerConfig(model_name="tiny-llama")) as u:
+    eng = llm_engine(llm)
+    with serve_llm(llm, engine=eng) as u:
         got = _metrics(u)
         assert got["kiln_kv_blocks_total"] == eng.block_manager.num_usable_blocks > 0
         assert got["kiln_kv_blocks_used"] == 0 and got["kiln_prefix_cache_queries_total"] == 0
@@ -108,16 +93,13 @@ def test_a_deeply_nested_body_is_a_400_invalid_json(url):
 
 
 def test_an_unexpected_exception_is_a_json_500_logged_with_its_traceback(llm, caplog):
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
     class Broken:  # a chat template with a bug in it (not a ChatTemplateError): the route does not expect it
         origin = "broken"
 
         def render(self, messages, add_generation_prompt=True, *, continue_final_message=False):
             raise ZeroDivisionError("division by zero in the template")
 
-    with serve_in_thread(_engine(llm), ServerConfig(model_name="tiny-llama", chat_template=Broken())) as u:
+    with serve_llm(llm, chat_template=Broken()) as u:
         with caplog.at_level(logging.ERROR, logger="kiln"):
             r = _post(u, {"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
         assert r.status_code == 500 and r.headers["content-type"] == "application/json"

@@ -12,6 +12,7 @@ import json
 import pytest
 
 from kiln.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from tests.support.served_llm import llm_engine, serve_llm
 from tests.support.word_tokenizer import BOS, write_word_tokenizer
 
 httpx = pytest.importorskip("httpx")
@@ -49,27 +50,19 @@ def words_tok(tokenizer_dir):
     return HFTokenizer(tokenizer_dir / "tokenizer.json")
 
 
-def _serve(llm, tokenizer, **cfg):
-    from kiln.runtime.engine import Engine
-    from kiln.server import ServerConfig
-    from kiln.server.background import serve_in_thread
-
-    eng = Engine(llm.step_model, tokenizer, llm.loaded.model, num_blocks=48)
-    return serve_in_thread(eng, ServerConfig(model_name="tiny-llama", **cfg))
-
-
 @pytest.fixture(scope="module")
 def words(llm, words_tok):
     """A server whose model reads words, with kiln's default chat template (which writes no BOS)."""
-    with _serve(llm, words_tok, chat_template=ChatTemplate(DEFAULT_CHAT_TEMPLATE, bos_token="<s>")) as u:
+    eng = llm_engine(llm, tokenizer=words_tok, num_blocks=48)
+    with serve_llm(llm, engine=eng, chat_template=ChatTemplate(DEFAULT_CHAT_TEMPLATE, bos_token="<s>")) as u:
         yield u
 
 
 @pytest.fixture(scope="module")
 def trusting(llm, words_tok):
     """A server with a template that reads template variables, taking templates from requests."""
-    with _serve(llm, words_tok, chat_template=ChatTemplate(THINKING, bos_token="<s>"),
-                trust_request_chat_template=True) as u:
+    with serve_llm(llm, engine=llm_engine(llm, tokenizer=words_tok, num_blocks=48),
+                   chat_template=ChatTemplate(THINKING, bos_token="<s>"), trust_request_chat_template=True) as u:
         yield u
 
 
@@ -153,7 +146,8 @@ def test_the_chat_prompt_is_transformers_apply_chat_template_tokenized(llm, word
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_dir / "tokenizer.json"), bos_token="<s>")
     want = hf.apply_chat_template(MSGS, chat_template=template, tokenize=True, add_generation_prompt=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
-    with _serve(llm, words_tok, chat_template=ChatTemplate(template, bos_token="<s>")) as u:
+    eng = llm_engine(llm, tokenizer=words_tok, num_blocks=48)
+    with serve_llm(llm, engine=eng, chat_template=ChatTemplate(template, bos_token="<s>")) as u:
         r = _post(u, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 1, "return_token_ids": True})
         assert _prompt_ids(r) == want
         assert _post(u, "/tokenize", {"messages": MSGS}).json()["tokens"] == want

@@ -4,6 +4,7 @@ variable-length sequences, and a dense-batch form with the signature of kiln::at
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
 
@@ -98,22 +99,47 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: TileCo
 
 
 # Dense batches' sequence offsets by (device, sequences, length): made once, not on every launch. The kernel only
-# reads them, so one tensor serves every call of that shape. None is ever dropped: a captured CUDA graph may read one
-# (each is a few int32s per shape).
-_OFFSETS: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+# reads them, so one tensor serves every call of that shape. A server sees many prompt shapes, so past OFFSETS_MAX the
+# least recently used goes. One that a CUDA graph captured is pinned instead, never dropped: the graph replays reading
+# its address (a few int32s per captured shape). OrderedDict's move_to_end and popitem are single calls, so threads
+# launching at once need no lock.
+OFFSETS_MAX = 64
+_OFFSETS: OrderedDict[tuple[torch.device, int, int], torch.Tensor] = OrderedDict()
+_PINNED: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _dense_offsets(device: torch.device, count: int, length: int) -> torch.Tensor:
     """int32 [0, length, ..., count * length] on device: `count` sequences of `length` rows each, packed."""
     key = (device, count, length)
+    offsets = _PINNED.get(key)
+    if offsets is not None:
+        return offsets
+    capturing = _capturing(device)
     offsets = _OFFSETS.get(key)
-    if offsets is None:
-        offsets = torch.arange(0, (count + 1) * length, length, dtype=torch.int32, device=device)
-        # Kept only when it holds real values: not a FakeTensor (a dry run's) or a meta tensor, nor one made while a
-        # CUDA graph is captured (its values are written only when the graph replays).
-        if type(offsets) is torch.Tensor and device.type != "meta" and not (
-                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _OFFSETS[key] = offsets
+    if offsets is not None:
+        if capturing:
+            _PINNED[key] = offsets
+            _OFFSETS.pop(key, None)
+        else:
+            try:
+                _OFFSETS.move_to_end(key)
+            except KeyError:  # another thread's miss evicted it meanwhile: this call still has it
+                pass
+        return offsets
+    offsets = torch.arange(0, (count + 1) * length, length, dtype=torch.int32, device=device)
+    # Kept only when it holds real values: not a FakeTensor (a dry run's) or a meta tensor, nor one made while a
+    # CUDA graph is captured (its values are written only when the graph replays).
+    if type(offsets) is torch.Tensor and device.type != "meta" and not capturing:
+        _OFFSETS[key] = offsets
+        while len(_OFFSETS) > OFFSETS_MAX:
+            try:
+                _OFFSETS.popitem(last=False)
+            except KeyError:  # another thread emptied it first
+                break
     return offsets
 
 

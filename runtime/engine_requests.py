@@ -1,8 +1,8 @@
 """How a request gets into the engine (runtime/engine.py's Engine is an EngineRequests): add_request takes a prompt as
 text or token ids, truncates it as its SamplingParams say, checks it against the model and max_model_len, makes
-max_tokens the number this prompt gets (max_tokens_for, kiln.runtime.prompt_limits' rules) and refuses a request the
-pool could never hold, each with a RequestError and nothing queued; the request is then made (detokenizer,
-generator) and queued in the scheduler."""
+max_tokens the number this prompt gets (max_tokens_for, kiln.runtime.prompt_limits' rules), each refusal a RequestError
+with nothing queued; the request is then made (detokenizer, generator) and queued in the scheduler. The pool always
+holds what is accepted: at most max_model_len tokens, and the engine has room for one such sequence (kv_pool.py)."""
 
 from __future__ import annotations
 
@@ -82,13 +82,8 @@ class EngineRequests(EngineSetup):
                                    f"allowed: min_tokens <= {max_tokens}; lower min_tokens or shorten the prompt",
                                    param="min_tokens")
             params = dataclasses.replace(params, max_tokens=max_tokens)
-        bm = self.block_manager
-        total = len(ids) + params.max_tokens
-        if bm.blocks_for(total) > bm.num_usable_blocks:
-            raise RequestError(
-                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} needs {bm.blocks_for(total)} KV "
-                f"blocks but the pool has {bm.num_usable_blocks}; lower max_tokens or raise num_blocks "
-                "(--num-blocks)", param="max_tokens")
+        # No pool check here: prompt + max_tokens is now at most max_model_len, and choose_num_blocks refused (with
+        # PoolTooSmallError) any pool without room for one max_model_len sequence when the engine was made.
         return ids, params
 
     def max_tokens_for(self, prompt_len: int, max_tokens: int | None, *, is_default: bool = False,

@@ -14,6 +14,12 @@ import numpy as np
 import torch
 
 from kiln.runtime.block_manager import NULL_BLOCK
+from kiln.runtime.input_batch import numpy_dtype
+from kiln.step import STEP_INPUTS
+
+# lens and tables mirror the step inputs that gather() fills, so they take those inputs' declared dtypes
+LENS_DTYPE = numpy_dtype(STEP_INPUTS["routed_lens"].dtype)
+TABLES_DTYPE = numpy_dtype(STEP_INPUTS["routed_block_tables"].dtype)
 
 
 class RoutedState:
@@ -23,9 +29,9 @@ class RoutedState:
     def __init__(self, num_layers: int, slots: int = 8, width: int = 8):
         self.num_layers = num_layers
         self.slot_of: dict[str, int] = {}
-        self.lens = np.zeros((slots, num_layers), dtype=np.int64)
-        self.blocks = np.zeros((slots, num_layers), dtype=np.int64)
-        self.tables = np.full((num_layers, slots, width), NULL_BLOCK, dtype=np.int32)
+        self.lens = np.zeros((slots, num_layers), dtype=LENS_DTYPE)
+        self.blocks = np.zeros((slots, num_layers), dtype=np.int64)  # host bookkeeping only, no step input's
+        self.tables = np.full((num_layers, slots, width), NULL_BLOCK, dtype=TABLES_DTYPE)
         self.free_slots = list(range(slots - 1, -1, -1))
 
     def add(self, request_id: str) -> int:
@@ -52,7 +58,8 @@ class RoutedState:
         written; entries past its length go back to the null block."""
         n, old = len(table), int(self.blocks[slot, layer])
         if n > self.tables.shape[2]:
-            wider = np.full((*self.tables.shape[:2], max(n, 2 * self.tables.shape[2])), NULL_BLOCK, dtype=np.int32)
+            wider = np.full((*self.tables.shape[:2], max(n, 2 * self.tables.shape[2])), NULL_BLOCK,
+                            dtype=self.tables.dtype)
             wider[:, :, : self.tables.shape[2]] = self.tables
             self.tables = wider
         row = self.tables[layer, slot]

@@ -1,5 +1,6 @@
 """Facts written once: the version (compiler/__init__.py, which pyproject.toml reads), the float dtype names
-(kiln.model_config.DTYPES) and the walk of a dotted parameter name (kiln.ir.attrs.owner). Read from the source, as
+(kiln.model_config.DTYPES), the walk of a dotted parameter name (kiln.ir.attrs.owner) and a step input's numpy dtype
+(its StepInput's torch dtype through kiln.runtime.input_batch.numpy_dtype). Read from the source, as
 tests/test_layering.py reads imports."""
 
 from __future__ import annotations
@@ -71,3 +72,50 @@ def test_the_walk_check_finds_the_walk_it_replaces():
     tree = ast.parse(SOURCES["kiln.ir.attrs"].read_text())
     owner = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "owner")
     assert _walks_a_dotted_name(owner)
+
+
+def _hand_spelled_numpy(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines that spell one of these numpy dtypes by hand: np.<name> / numpy.<name>, or dtype="<name>"."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names and isinstance(node.value, ast.Name) \
+                and node.value.id in ("np", "numpy"):
+            lines.append(node.lineno)
+        if isinstance(node, ast.keyword) and node.arg == "dtype" and isinstance(node.value, ast.Constant) \
+                and node.value.value in names:
+            lines.append(node.lineno)
+    return lines
+
+
+def _step_input_numpy_names() -> set[str]:
+    """The numpy names of STEP_INPUTS' declared dtypes, but int64: numpy's integer for host arithmetic too."""
+    from kiln.runtime.input_batch import numpy_dtype  # lazy: loads torch, which the other checks here never need
+    from kiln.step import STEP_INPUTS
+
+    return {numpy_dtype(spec.dtype).name for spec in STEP_INPUTS.values() if spec.dtype is not None} - {"int64"}
+
+
+def test_step_inputs_numpy_dtypes_come_from_their_declaration():
+    """The runtime's host mirrors of step inputs (staging views, block-table rows, the routed state) take their dtype
+    from the StepInput through kiln.runtime.input_batch.numpy_dtype, the one torch -> numpy mapping: no module spells
+    a step input's numpy dtype (np.int32) by hand, and no other maps torch dtypes to numpy (`.numpy().dtype`)."""
+    names = _step_input_numpy_names()
+    assert names, "STEP_INPUTS declares only int64 inputs: nothing to look for"
+    spelled, mapped = [], []
+    for module, path in SOURCES.items():
+        tree = ast.parse(path.read_text())
+        if module.startswith("kiln.runtime"):
+            spelled += [f"{rel_path(path)}:{line}" for line in _hand_spelled_numpy(tree, names)]
+        if module != "kiln.runtime.input_batch":
+            mapped += [f"{rel_path(path)}:{n.lineno}" for n in ast.walk(tree)
+                       if isinstance(n, ast.Attribute) and n.attr == "dtype" and isinstance(n.value, ast.Call)
+                       and isinstance(n.value.func, ast.Attribute) and n.value.func.attr == "numpy"]  # fmt: skip
+    assert not spelled, f"take a step input's numpy dtype from STEP_INPUTS via input_batch.numpy_dtype: {spelled}"
+    assert not mapped, f"map torch dtypes to numpy with kiln.runtime.input_batch.numpy_dtype: {mapped}"
+
+
+def test_the_numpy_dtype_check_finds_what_it_replaces():
+    """The check is live: it finds the hand-written dtypes runtime/routed_state.py had before."""
+    names = _step_input_numpy_names()
+    old = "tables = np.full((2, 8, 8), NULL_BLOCK, dtype=np.int32)\nrows = np.zeros(3, dtype='int32')\n"
+    assert sorted(_hand_spelled_numpy(ast.parse(old), names)) == [1, 2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -21,7 +22,7 @@ from kiln.cli.common import (
     serving_engine,
     weights_flag,
 )
-from kiln.errors import KilnError, UsageError
+from kiln.errors import KilnError, RequestError, UsageError
 from kiln.runtime.prompt_limits import resolve_max_tokens
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.spec.validate import describe_route
@@ -30,6 +31,27 @@ MAX_TOKENS = 32  # kiln run's own default, when neither --max-tokens nor the che
 # The sampling flags, by SamplingParams field: the ones given win over the checkpoint's generation_config.json
 # defaults (--generation-config auto), which win over SamplingParams' own.
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_tokens")
+# The flag each of those fields is typed as: SamplingParams' errors name the field, the user typed the flag. (--stop
+# and --seed are checked by argparse, so SamplingParams never names them here.)
+FLAG_OF = {name: "--" + name.replace("_", "-") for name in SAMPLING_FLAGS}
+
+
+def _by_flag(e: RequestError) -> RequestError:
+    """A RequestError about a value a sampling flag gave (SamplingParams.validate's, resolve_max_tokens'), worded with
+    the flag (--top-k, not top_k); any other unchanged. The Python API keeps the field names."""
+    flag = FLAG_OF.get(e.param)
+    if flag is None:
+        return e
+    text = re.sub(rf"\b{e.param}\b", flag, str(e))
+    text = re.sub(rf"^sampling parameter {flag} = ", f"{flag} ", text)
+    # A flag left out is the checkpoint's default or kiln run's, never SamplingParams' None ("up to the context")
+    return RequestError(re.sub(r", or None( \([^)]*\))?$", "", text), param=e.param, code=e.code)
+
+
+def _stop(text: str) -> str:
+    if not text:  # SamplingParams refuses an empty stop string: it would end generation before the first token
+        raise argparse.ArgumentTypeError("is empty; give the text to end generation at, or leave --stop out")
+    return text
 
 
 def _ids(text: str) -> list[int]:
@@ -54,7 +76,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # request stays reproducible with it (SamplingParams.speculate leaves seeded sampling out only for that reason).
     params = SamplingParams(**{"max_tokens": MAX_TOKENS, **given}, seed=args.seed, stop=tuple(args.stop),
                             speculate=True)
-    params.validate()  # the flags, checked before anything loads
+    try:
+        params.validate()  # the flags, checked before anything loads
+    except RequestError as e:
+        raise _by_flag(e) from None
     if args.chat and args.prompt_ids is not None:  # ids are the prompt as given: there is no text to wrap
         raise UsageError("--chat wraps --prompt's text in the chat template; --prompt-ids is the prompt as given "
                          "(render the template yourself, or pass --prompt)")
@@ -79,11 +104,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     defaults = {k: v for k, v in m.generation_defaults.items() if k not in given}
     if defaults:  # the checkpoint's recommendation for the flags not given, as vLLM's --generation-config auto
         params = dataclasses.replace(params, **defaults)
-        say(m.generation_note() + (f"; flags given win ({', '.join(sorted(given))})" if given else ""))
-    # The checkpoint's max_new_tokens is a default the user never chose: cut to what the context (the engine's
-    # max_model_len, made below) leaves after the prompt, by the engine's own rule; known here to size the pool.
-    params = dataclasses.replace(params, max_tokens=resolve_max_tokens(
-        params.max_tokens, len(prompt_ids), m.model.context, is_default="max_tokens" in defaults))
+        flags = ", ".join(sorted(FLAG_OF[name] for name in given))
+        say(m.generation_note() + (f"; flags given win ({flags})" if given else ""))
+    # Without --max-tokens the limit (the checkpoint's max_new_tokens, else MAX_TOKENS) is a default the user never
+    # chose: cut to what the context (the engine's max_model_len, made below) leaves after the prompt, by the
+    # engine's own rule; known here to size the pool. Only a --max-tokens given can be refused for it.
+    try:
+        params = dataclasses.replace(params, max_tokens=resolve_max_tokens(
+            params.max_tokens, len(prompt_ids), m.model.context, is_default="max_tokens" not in given))
+    except RequestError as e:  # a --max-tokens past what the context leaves
+        raise _by_flag(e) from None
     # One request: the pool only needs room for it (a longer one is refused below with the model's context).
     total = len(prompt_ids) + params.max_tokens
     from kiln.runtime.kv_pool import PoolTooSmallError  # lazy: torch, which `kiln --help` never needs
@@ -152,7 +182,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prompt-ids", metavar="1,2,3", type=_ids, help="prompt as comma-separated token ids")
     # None: not given, so the checkpoint's generation_config.json default (--generation-config), else kiln's
     r.add_argument("--max-tokens", type=int, help=f"tokens to generate (default: the checkpoint's max_new_tokens, "
-                   f"else {MAX_TOKENS})")
+                   f"else {MAX_TOKENS}, either cut to what the context leaves after the prompt)")
     r.add_argument("--temperature", type=float, help="0 is greedy (default: the checkpoint's, else 1.0)")
     r.add_argument("--top-k", type=int, help="keep the k most likely tokens (0: off; default: the checkpoint's, "
                    "else off)")
@@ -161,7 +191,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
                    "[0, 1] (default: the checkpoint's, else 0: off)")
     r.add_argument("--repetition-penalty", type=float, help="HF's repetition penalty, > 0 (default: the "
                    "checkpoint's, else 1.0: off)")
-    r.add_argument("--stop", metavar="TEXT", action="append", default=[],
+    r.add_argument("--stop", metavar="TEXT", action="append", default=[], type=_stop,
                    help="end generation at this text, left out of the output (repeat the flag for several)")
     seed_flag(r, default=None, help="seed for sampling and random weights")
     device_flag(r)

@@ -72,7 +72,8 @@ def test_run_plain_text_goes_to_stdout(capsys):
 
 @pytest.mark.parametrize(
     ("flag", "value", "needle"),
-    [("--temperature", "-1", "temperature"), ("--top-p", "0", "top_p"), ("--max-tokens", "0", "max_tokens")],
+    [("--temperature", "-1", "--temperature -1.0"), ("--top-p", "0", "--top-p 0.0"),
+     ("--max-tokens", "0", "--max-tokens 0")],
 )
 def test_run_bad_sampling_parameter_is_a_clean_error(capsys, flag, value, needle):
     code, out, err = run_cli(capsys, "run", "--prompt", "x", flag, value)
@@ -85,7 +86,7 @@ def test_run_prompt_longer_than_context_is_a_clean_error(capsys):
     ids = ",".join(["5"] * 250)  # tiny-llama's context is 256
     code, _, err = run_cli(capsys, "run", "--prompt-ids", ids, "--max-tokens", "10")
     assert code == 2
-    assert "256" in err and "max_tokens" in err
+    assert "256" in err and "--max-tokens" in err
 
 
 def test_debug_flag_shows_the_exception(capsys):

@@ -214,7 +214,7 @@ def test_generation_config_fills_the_flags_not_given(capsys, checkpoint, tmp_pat
     greedy = run_json(capsys, "run", str(d), "--prompt-ids", IDS, "--temperature", "0", "--max-tokens", "4", "--json")
     assert got["token_ids"] == greedy["token_ids"]  # temperature 0 came from the file
     code, out, err = run_cli(capsys, "run", str(d), "--prompt-ids", IDS, "--max-tokens", "6", "--json")
-    assert len(json.loads(out)["token_ids"]) == 6 and "flags given win (max_tokens)" in err
+    assert len(json.loads(out)["token_ids"]) == 6 and "flags given win (--max-tokens)" in err
     code, out, err = run_cli(
         capsys, "run", str(d), "--prompt-ids", IDS, "--generation-config", "vllm", "--json", "--seed", "3"
     )
@@ -255,9 +255,9 @@ def test_chat_template_flag(capsys, tmp_path):
 
 def test_new_sampling_flags_are_checked_before_loading(capsys):
     code, _, err = run_cli(capsys, "run", "--prompt", "hi", "--min-p", "1.5")
-    assert code == 2 and "min_p = 1.5 is out of range; allowed: 0 <= min_p <= 1" in err
+    assert code == 2 and "--min-p 1.5 is out of range; allowed: 0 <= --min-p <= 1" in err
     code, _, err = run_cli(capsys, "run", "--prompt", "hi", "--repetition-penalty", "0")
-    assert code == 2 and "repetition_penalty = 0.0 is out of range" in err
+    assert code == 2 and "--repetition-penalty 0.0 is out of range" in err
 
 
 def test_chat_without_a_template_uses_kilns_default_as_llm_chat_does(capsys, caplog, monkeypatch):

@@ -1,9 +1,10 @@
 """Every runtime module that makes step inputs makes them as kiln.step.STEP_INPUTS declares them: the staging
 layout and its block-table rows (input_batch), the CUDA graphs' static buffers and views (cuda_graphs), the warm-up's
-null batches (warmup) and the batches ModelRunner hands the step model (general, numpy-decode, padded and
-verification paths). Each tensor is checked for its StepInput's dtype and rank, and its sizes for one value per
-shape symbol. A last test retypes fields in STEP_INPUTS (in a fresh interpreter) and runs the same checks: the
-modules follow the declaration rather than agreeing with it by hand."""
+null batches (warmup), the batches ModelRunner hands the step model (general, numpy-decode, padded and
+verification paths) and the routed state's host mirrors of routed_lens and routed_block_tables (routed_state). Each
+tensor is checked for its StepInput's dtype and rank, and its sizes for one value per shape symbol. A last test
+retypes fields in STEP_INPUTS (in a fresh interpreter) and runs the same checks: the modules follow the declaration
+rather than agreeing with it by hand."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from kiln.runtime.cuda_graphs import StepGraphs
 from kiln.runtime.engine import Engine
 from kiln.runtime.input_batch import BlockTableRows, StepBuffers, layout
+from kiln.runtime.routed_state import RoutedState
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import NgramDrafter
 from kiln.runtime.warmup import null_batch, warmup_shapes
@@ -72,6 +74,24 @@ def test_the_staging_layout_and_its_views_follow_the_declaration():
 def test_the_block_table_rows_are_in_the_tables_dtype():
     """ModelRunner gathers rows into the staged table with np.take(out=...), which refuses another dtype."""
     assert BlockTableRows(max_blocks=4).host.dtype == _numpy(STEP_INPUTS["block_tables"].dtype)
+
+
+def test_the_routed_state_mirrors_its_inputs_in_their_dtypes():
+    """RoutedState keeps c_j and the routed tables in the dtypes of routed_lens and routed_block_tables, which
+    gather() copies them into (widened tables included), values unchanged."""
+    state = RoutedState(2, slots=2, width=2)
+    a, b = state.add("a"), state.add("b")
+    state.write(a, 0, [3, 4, 5])  # wider than 2: the tables grow
+    state.write(b, 1, [6])
+    state.lens[a], state.lens[b] = (33, 0), (1, 16)
+    assert state.lens.dtype == _numpy(STEP_INPUTS["routed_lens"].dtype)
+    assert state.tables.dtype == _numpy(STEP_INPUTS["routed_block_tables"].dtype)
+    staged = StepBuffers(CPU).stage(layout(2, 2, 2, 1, 2, 3))
+    lens, tables = staged["routed_lens"], staged["routed_block_tables"]
+    assert (lens.dtype, tables.dtype) == (state.lens.dtype, state.tables.dtype)
+    state.gather(state.slots(["b", "a"]), lens, tables)
+    assert lens.tolist() == [[1, 33], [16, 0]]
+    assert tables.tolist() == [[[0, 0, 0], [3, 4, 5]], [[6, 0, 0], [0, 0, 0]]]
 
 
 class _Model:
@@ -138,7 +158,7 @@ _RETYPED = """
 import dataclasses, sys, torch
 import kiln.step as step
 for name, dtype in {"tokens": torch.int32, "context_lens": torch.int64, "block_tables": torch.int64,
-                    "routed_lens": torch.int64}.items():
+                    "routed_lens": torch.int64, "routed_block_tables": torch.int64}.items():
     step.STEP_INPUTS[name] = dataclasses.replace(step.STEP_INPUTS[name], dtype=dtype)
 import tests.runtime.test_step_input_dtypes as t
 for name in dir(t):
@@ -149,10 +169,10 @@ for name in dir(t):
 
 
 def test_a_retyped_field_reaches_every_module():
-    """The same checks after changing four declared dtypes before the runtime is imported: every module follows."""
+    """The same checks after changing five declared dtypes before the runtime is imported: every module follows."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", _RETYPED], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    assert len(done.stdout.split()) == 5, done.stdout
+    assert len(done.stdout.split()) == 6, done.stdout

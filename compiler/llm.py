@@ -118,10 +118,12 @@ class LLM(LLMRequests):
         torch.manual_seed(seed)
 
     def get_tokenizer(self):
-        """The model's tokenizer as transformers' PreTrainedTokenizerFast, what vLLM's LLM.get_tokenizer() returns,
-        over a copy of llm.tokenizer's `tokenizers` backend (llm.tokenizer is the engine's, with kiln's defaults);
-        built on the first call, the same object on every call after. A KilnError without transformers (`pip
-        install transformers`) or for a model with no tokenizer.json (kiln's byte-level fallback)."""
+        """The model's tokenizer as vLLM's LLM.get_tokenizer() returns it: AutoTokenizer.from_pretrained's, of the
+        class the checkpoint names (LlamaTokenizerFast, Qwen2TokenizerFast, ...; PreTrainedTokenizerFast for one
+        transformers lacks) with that class's behaviour; a GGUF's of the class transformers' GGUF loader picks, over
+        a copy of llm.tokenizer's `tokenizers` backend (llm.tokenizer is the engine's, with kiln's defaults). Built
+        on the first call, the same object on every call after. A KilnError without transformers (`pip install
+        transformers`) or for a model with no tokenizer.json (kiln's byte-level fallback)."""
         # Not annotated: transformers is optional, and kiln.llm may not import kiln.tokenizer (docs/ARCHITECTURE.md).
         return self.tokenizer.transformers_tokenizer
 

@@ -3,7 +3,7 @@
 The fallback lets a spec with random weights (or a checkpoint without tokenizer.json) still take text in
 and give text out: UTF-8 bytes are the ids 0-255.
 
-LLM.get_tokenizer() is transformers' tokenizer over the same backend (TokenizerBase.transformers_tokenizer), as
+LLM.get_tokenizer() is transformers' tokenizer as AutoTokenizer loads it (TokenizerBase.transformers_tokenizer), as
 vLLM's; the runtime, the server and the CLI use kiln's own, with kiln's defaults (decode skips special tokens).
 """
 
@@ -42,30 +42,72 @@ class TokenizerBase:
     checkpoint_dir: Path | None = None  # where transformers reads tokenizer_config.json and the rest, if anywhere
 
     def transformers_kwargs(self) -> dict[str, Any]:
-        """PreTrainedTokenizerFast's arguments that transformers does not read from checkpoint_dir itself."""
+        """The tokenizer's arguments that transformers does not read from its files itself."""
         return {}
+
+    def transformers_source(self) -> tuple[str, dict[str, Any]] | None:
+        """The directory AutoTokenizer.from_pretrained loads this tokenizer from, with its other arguments; None where
+        it cannot (then transformers_tokenizer is PreTrainedTokenizerFast over this backend)."""
+        return None if self.checkpoint_dir is None else (str(self.checkpoint_dir), {})
 
     @cached_property
     def transformers_tokenizer(self) -> PreTrainedTokenizerFast:
-        """transformers' tokenizer over this one's backend (copied: kiln's stays as it is), its settings (special
-        tokens, chat template, model_max_length, ...) read by transformers from checkpoint_dir as AutoTokenizer
-        reads them, or given: what vLLM's LLM.get_tokenizer() returns. Made on first use; a KilnError without a
-        backend (the byte-level fallback: nothing for transformers to wrap) or without transformers."""
+        """What vLLM's LLM.get_tokenizer() returns: AutoTokenizer.from_pretrained's tokenizer (of the class the
+        checkpoint's tokenizer_config.json names, with that class's behaviour), reading its settings (special tokens,
+        chat template, model_max_length, ...) from checkpoint_dir; a GGUF's, as transformers' GGUF loader gives it,
+        over this backend; truncating on the left, as vLLM loads it. PreTrainedTokenizerFast over a copy of this
+        backend where AutoTokenizer cannot load it (with a warning saying why). Made on first use; a KilnError
+        without a backend (the byte-level fallback: nothing for transformers to wrap) or without transformers."""
         if self.backend_tokenizer is None:
             raise KilnError("LLM.get_tokenizer(): this model has no tokenizer.json, so kiln encodes text as UTF-8 "
                             "bytes (ids 0-255) and there is no transformers tokenizer to return; use llm.tokenizer "
                             "(encode, decode), or give the checkpoint its tokenizer.json")
         try:
             # lazy: transformers is optional (kiln[hf]) and slow to import; only get_tokenizer() needs it
-            from transformers import PreTrainedTokenizerFast
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
         except ImportError:
             raise KilnError("LLM.get_tokenizer() returns transformers' tokenizer, as vLLM's does, and transformers "
                             "is not installed: `pip install transformers` (or kiln[hf]); kiln's own tokenizer, "
                             "which needs none, is llm.tokenizer") from None
-        kwargs = {"tokenizer_object": self.backend_tokenizer, **self.transformers_kwargs()}
+        # vLLM loads a generating model's tokenizer with truncation_side "left" (a cut prompt keeps its end)
+        kwargs = {"truncation_side": "left", **self.transformers_kwargs()}
+        source = self.transformers_source()
+        if source is not None:
+            where, extra = source
+            try:
+                # transformers picks the class (tokenizer_config.json's tokenizer_class, the model type's, ...) as
+                # vLLM's AutoTokenizer call does; remote code stays off, as vLLM's default trust_remote_code
+                tok = AutoTokenizer.from_pretrained(where, local_files_only=True, trust_remote_code=False, **extra,
+                                                    **kwargs)
+            except Exception as e:  # transformers raises many kinds (ValueError, OSError, ImportError, ...)
+                log.warning("get_tokenizer(): transformers' AutoTokenizer cannot load %s (%s: %s); returning "
+                            "PreTrainedTokenizerFast over kiln's tokenizer instead", where, type(e).__name__, e)
+            else:
+                if "tokenizer_object" not in extra:  # its own backend, read from the files: may encode unlike ours
+                    self._note_disagreement(tok, where)
+                return tok
+        kwargs = {"tokenizer_object": self.backend_tokenizer, **kwargs}
         if self.checkpoint_dir is None:
             return PreTrainedTokenizerFast(**kwargs)
         return PreTrainedTokenizerFast.from_pretrained(str(self.checkpoint_dir), local_files_only=True, **kwargs)
+
+    def _note_disagreement(self, tok: Any, where: str) -> None:
+        """A warning when transformers' tokenizer encodes a probe text unlike kiln's prompt encoding: a class that
+        rebuilds its pipeline from tokenizer.json's vocabulary (transformers 5's LlamaTokenizer over a Llama-2
+        tokenizer.json: leading spaces, text after a special token), or a special token only tokenizer_config.json
+        names. get_tokenizer() stays vLLM's; kiln's prompts follow tokenizer.json (docs/vllm_differences.md)."""
+        specials = [t for t in tok.all_special_tokens if t][:8]
+        probes = [("hello world", True), (" hello  world\n\n x", False), ("e\u0301", False),
+                  *((f"a{t} b", False) for t in specials)]
+        for text, special in probes:
+            ours = encode_text(self, text, special)  # type: ignore[arg-type]  (every subclass encodes)
+            theirs = tok.encode(text, add_special_tokens=special)
+            if ours != theirs:
+                log.warning("get_tokenizer() is transformers' %s as AutoTokenizer loads %s (vLLM's), and it encodes "
+                            "%r as %s where kiln's prompt encoding (tokenizer.json) gives %s; prompt_token_ids from "
+                            "it are not what the same text as a prompt gets (llm.tokenizer.encode gives kiln's)",
+                            type(tok).__name__, where, text, theirs, ours)
+                return
 
 
 class HFTokenizer(TokenizerBase):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.chat_template import ChatTemplate
-from kiln.gguf.config import GGUFError, field
+from kiln.gguf.config import ARCHITECTURES, GGUFError, field
 from kiln.gguf.spm import spm_tokenizer
 from kiln.tokenizer import TokenizerBase, byte_alphabet, token_bytes, token_table, with_specials
 
@@ -38,12 +38,13 @@ SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAM
 class GGUFTokenizer(TokenizerBase):
     """A GGUF's tokenizer: encode adding BOS / EOS as the file says (tokenizer.ggml.add_bos_token / add_eos_token,
     as llama.cpp and transformers do), decode skipping special tokens (or keeping them), and the chat template.
-    unk_token / pad_token: the file's unknown and padding tokens (transformers' named special tokens)."""
+    unk_token / pad_token: the file's unknown and padding tokens (transformers' named special tokens); model_type: the
+    Hugging Face model type of the file's architecture (what LLM.get_tokenizer()'s class follows)."""
 
     def __init__(self, tok: Any, eos_token_ids: tuple[int, ...], bos_token: str | None, eos_token: str | None,
                  chat_template: str | None, path: str, *, kind: str = "gpt2", bos_id: int | None = None,
                  add_bos: bool = False, add_eos: bool = False, unk_token: str | None = None,
-                 pad_token: str | None = None):
+                 pad_token: str | None = None, model_type: str | None = None):
         self._tok = tok
         self.eos_token_ids = eos_token_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -55,6 +56,7 @@ class GGUFTokenizer(TokenizerBase):
         self.add_bos = add_bos and bos_id is not None
         self.add_eos = add_eos and bool(eos_token_ids)
         self.unk_token, self.pad_token = unk_token, pad_token
+        self.model_type = model_type
 
     def encode(self, text: str, *, special: bool = True) -> list[int]:
         """Token ids of `text`; special=True adds the file's BOS / EOS, except a BOS the text already starts with
@@ -71,12 +73,26 @@ class GGUFTokenizer(TokenizerBase):
 
     def transformers_kwargs(self) -> dict[str, Any]:
         """What transformers' GGUF loader reads from the file besides the vocabulary: the BOS, EOS, unknown and
-        padding tokens, whether encoding adds BOS / EOS (transformers then writes the post-processor), the chat
-        template."""
-        named = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token,
-                 "pad_token": self.pad_token}
-        return {**{name: text for name, text in named.items() if text}, "add_bos_token": self.add_bos,
+        padding tokens (None where the file names none, as the loader passes them: a class's own defaults, like
+        Qwen2Tokenizer's <|endoftext|>, do not apply), whether encoding adds BOS / EOS (transformers then writes the
+        post-processor), the chat template."""
+        return {"bos_token": self.bos_token or None, "eos_token": self.eos_token or None,
+                "unk_token": self.unk_token or None, "pad_token": self.pad_token or None, "add_bos_token": self.add_bos,
                 "add_eos_token": self.add_eos, "chat_template": self._chat_source}
+
+    def transformers_source(self) -> tuple[str, dict[str, Any]] | None:
+        """The file's directory for AutoTokenizer, with the config of the file's model type, so that transformers
+        picks the class as its GGUF loader does (Qwen2Tokenizer for qwen2 and qwen3, TokenizersBackend for llama; a
+        tokenizer_config.json beside the file counts, as there), over this backend (the vocabulary rebuilt as the
+        loader rebuilds it). The loader itself would read the file again (seconds for a 49k vocabulary); None for an
+        architecture kiln does not map to a model type."""
+        if self.model_type is None:
+            return None
+        # lazy: transformers is optional and slow to import; only get_tokenizer() asks
+        from transformers import AutoConfig
+
+        path = Path(self.path)
+        return str(path.parent), {"config": AutoConfig.for_model(self.model_type), "tokenizer_object": self._tok}
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of ids; control tokens (and sentencepiece's unknown / BOS / EOS / padding pieces) add none unless
@@ -183,7 +199,8 @@ def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(field(reader, "tokenizer.ggml.add_eos_token", False))
     return GGUFTokenizer(tok, eos_ids, bos, eos, field(reader, "tokenizer.chat_template"), str(path), kind=kind,
-                         bos_id=bos_id, add_bos=add_bos, add_eos=add_eos, unk_token=unk, pad_token=pad)
+                         bos_id=bos_id, add_bos=add_bos, add_eos=add_eos, unk_token=unk, pad_token=pad,
+                         model_type=ARCHITECTURES.get(field(reader, "general.architecture") or ""))
 
 
 def _byte_level(reader: Any, tokens: list[str], path: str | os.PathLike) -> tuple[Any, set[str]]:

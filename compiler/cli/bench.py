@@ -19,6 +19,7 @@ from kiln.cli.common import (
     routers_flag,
     seed_flag,
     serving_engine,
+    spec_arg,
     step_model,
     weights_flag,
 )
@@ -27,8 +28,6 @@ from kiln.cli.perplexity_parser import add_perplexity_parser
 from kiln.cli.serve import add_bench_serve_parser
 from kiln.errors import KilnError, UsageError
 from kiln.spec.speculation import describe
-
-SPEC_HELP = "a .kiln file or bundled spec name, or a Hugging Face checkpoint dir or a .gguf file, as --weights"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -156,7 +155,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                         description="Replay a seeded synthetic trace (every request arriving at once) with "
                         "continuous batching, then with static batching on the same step model, and report "
                         "requests/s, output tokens/s, TTFT and TPOT (mean, p50, p99) of both.")
-    t.add_argument("spec", metavar="SPEC", nargs="?", help=SPEC_HELP)
+    spec_arg(t)
     weights_flag(t)
     t.add_argument("--num-requests", type=positive_int, default=256, help="requests in the trace (default 256)")
     t.add_argument("--input-len", default="100:1024", metavar="LO:HI", help="prompt lengths, uniform (100:1024)")
@@ -176,7 +175,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     qb = bsub.add_parser("quality", help="quantization schemes against the unquantized model",
                          description="Relative logit error and top-1 agreement of each quantization scheme "
                          "against the unquantized model, over the same evaluation tokens.")
-    qb.add_argument("spec", metavar="SPEC", nargs="?", help=SPEC_HELP)
+    spec_arg(qb)
     weights_flag(qb, help=FULL_PRECISION_WEIGHTS_HELP)
     qb.add_argument("--schemes", metavar="A,B", help="schemes to compare (default: int8,int4-rtn-g128,"
                     "int4-gptq-g128, whose group becomes the largest that divides every K when 128 does not)")

@@ -105,6 +105,17 @@ def device_flag(p: argparse.ArgumentParser, default: str = "auto", help: str = D
     p.add_argument("--device", default=default, help=help)
 
 
+# SPEC of every command that loads a model through model_paths_resolved (a checkpoint or a .gguf given as the spec
+# is its weights)
+SPEC_HELP = ("a .kiln file or bundled spec name, or a Hugging Face checkpoint dir or a .gguf file, as --weights "
+             "(default: from --weights, else the bundled tiny-llama with seeded random weights)")
+
+
+def spec_arg(p: argparse.ArgumentParser, help: str = SPEC_HELP) -> None:
+    """The optional SPEC positional of a command wrapped in model_paths_resolved."""
+    p.add_argument("spec", metavar="SPEC", nargs="?", help=help)
+
+
 def weights_flag(p: argparse.ArgumentParser, help: str = WEIGHTS_HELP, metavar: str = "PATH") -> None:
     p.add_argument("--weights", metavar=metavar, help=help)
 

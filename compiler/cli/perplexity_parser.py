@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kiln.cli.common import device_flag, weights_flag
+from kiln.cli.common import device_flag, spec_arg, weights_flag
 
 DEFAULT_VARIANTS = ("fp32", "bf16", "int8", "int4-rtn-g32", "int4-rtn-g128", "int4-gptq-g32", "int4-gptq-g128")
 DEFAULT_WINDOW = 512  # tokens per window, or the model's context when that is shorter
@@ -15,7 +15,7 @@ def add_perplexity_parser(bsub: argparse._SubParsersAction) -> argparse.Argument
     p = bsub.add_parser("perplexity", help="perplexity on real text for several weight formats",
                         description="Perplexity of a model on a text file, for the dense model in fp32 / bf16, "
                         "kiln's quantization schemes and a GGUF's own quantized tensors (variant gguf).")
-    p.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    spec_arg(p)
     weights_flag(p, metavar="W", help="a Hugging Face checkpoint dir or a .gguf file (full precision or "
                  "GGUF-quantized; not a `kiln quantize` output)")
     p.add_argument("--text", metavar="FILE", required=True, help="UTF-8 text to score (e.g. bench/data/*.txt)")

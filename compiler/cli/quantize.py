@@ -14,6 +14,7 @@ from kiln.cli.common import (
     dtype_flag,
     model_paths_resolved,
     quantize_flag,
+    spec_arg,
     weights_flag,
 )
 from kiln.cli.paths import check_output_dir, staged_dir
@@ -107,8 +108,7 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     qz = sub.add_parser("quantize", help="quantize a model's weights once and save them",
                         description="Quantize a model's weights (calibrating GPTQ once) and save a checkpoint that "
                         "`kiln run --weights OUT` and the Python API load without calibrating again.")
-    qz.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name (default: from "
-                    "--weights, else tiny-llama)")
+    spec_arg(qz)
     weights_flag(qz, help="a Hugging Face checkpoint dir or a .gguf file, in full "
                  "precision or GGUF-quantized (default: the spec's bundled or seeded random weights)")
     quantize_flag(qz, help=QUANTIZE_HELP, required=True)

@@ -20,6 +20,7 @@ from kiln.cli.common import (
     routers_flag,
     seed_flag,
     serving_engine,
+    spec_arg,
     weights_flag,
 )
 from kiln.errors import KilnError, RequestError, UsageError
@@ -172,9 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="compile a spec and generate text", description="Compile a spec and generate.")
-    r.add_argument("spec", nargs="?", help="a .kiln file or bundled spec name, or a Hugging Face checkpoint dir or "
-                   "a .gguf file, as --weights (default: from --weights, else the bundled tiny-llama with seeded "
-                   "random weights)")
+    spec_arg(r)
     weights_flag(r)
     r.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template (one user turn)")
     g = r.add_mutually_exclusive_group(required=True)

@@ -22,6 +22,7 @@ from kiln.cli.common import (
     routers_flag,
     seed_flag,
     serving_engine,
+    spec_arg,
     step_model,
     weights_flag,
 )
@@ -208,7 +209,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions (streaming "
                        "with SSE), /v1/models, vLLM's /tokenize, /detokenize, /version and /ping, /health and "
                        "/metrics (Prometheus).")
-    s.add_argument("spec", metavar="SPEC", nargs="?", help="a .kiln file or bundled spec name")
+    spec_arg(s)
     weights_flag(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

@@ -46,11 +46,12 @@ def _writable_dir(flag: str, path: str, directory: Path) -> None:
                         "place") from None
 
 
-def check_output_file(flag: str, path: str) -> Path:
-    """Check before any work that `path` can be written as a file; returns it as a Path."""
+def check_output_file(flag: str, path: str, example: str = "model.kiln") -> Path:
+    """Check before any work that `path` can be written as a file; returns it as a Path. `example`: a file name the
+    command writes, for the hint when `path` is a directory."""
     p = Path(path)
     if p.is_dir():
-        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {flag} {p / 'model.kiln'}")
+        raise UsageError(f"{flag} {path}: is a directory; give a file name, e.g. {flag} {p / example}")
     _writable_dir(flag, path, p.parent)
     return p
 
@@ -85,6 +86,29 @@ def _umask() -> int:
     return mask
 
 
+def _as_created(path: Path) -> None:
+    """Give `path` the mode open() / mkdir() would have given it under the umask: tempfile's mkstemp / mkdtemp (and
+    safetensors' save_file) make private 0600 / 0700 ones, which another user (a server's) could not read."""
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~_umask())
+
+
+@contextmanager
+def staged_file(flag: str, path: Path) -> Iterator[Path]:
+    """A temporary file name beside `path` to write to (a writer that takes a path: safetensors' save_file); on
+    success it replaces `path` with the umask's mode, on failure it is removed: `path` is never half-written."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    stage = Path(tmp)
+    try:
+        yield stage
+        _as_created(stage)
+        os.replace(stage, path)
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write ({e.strerror or e}); choose a writable place") from None
+    finally:
+        stage.unlink(missing_ok=True)
+
+
 @contextmanager
 def staged_dir(flag: str, path: Path) -> Iterator[Path]:
     """A temporary directory beside `path` to write into; on success its files move into `path` (created if
@@ -92,6 +116,8 @@ def staged_dir(flag: str, path: Path) -> Iterator[Path]:
     stage = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield stage
+        for item in [stage, *stage.rglob("*")]:
+            _as_created(item)
         if not path.exists():
             os.replace(stage, path)
             return

@@ -7,7 +7,7 @@ import math
 import time
 
 from kiln.cli.common import at_least, device_flag, model_paths_resolved, seed_flag, weights_flag
-from kiln.cli.paths import check_output_file
+from kiln.cli.paths import check_output_file, staged_file
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 from kiln.train.flops import flops_per_token
@@ -47,7 +47,7 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     # Every input is checked before the model loads, so nothing fails after the routers file is written.
     text = read_text_file("--text", args.text)
     eval_text = read_text_file("--eval-text", args.eval_text) if args.eval_text else None
-    out = check_output_file("-o", args.output)
+    out = check_output_file("-o", args.output, example="routers.safetensors")
     check_full_precision(args.weights, "train-router")  # it distils from the dense model's own weights
     cfg = describe_model(args.spec, args.weights)
     if args.every > cfg.layers:
@@ -78,7 +78,8 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     say(f"distilling routers into {m.model.name} (capacity {args.capacity}, every {args.every}, decide "
         f"{args.decide}) on {len(ids)} tokens of {args.text}")
     res = distil(m.model, weights, ids, opts)
-    save_routers(out, res.cfg, res.tensors)
+    with staged_file("-o", out) as stage:  # whole or not at all, readable as any file the user makes
+        save_routers(stage, res.cfg, res.tensors)
     fractions = ", ".join(f"layer {i}: {f:.2f}" for i, f in res.routed_fraction.items())
     say(f"wrote {out} in {time.perf_counter() - t0:.0f}s; tokens routed on the training text (causal form): "
         f"{fractions}")

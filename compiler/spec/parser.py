@@ -11,6 +11,7 @@ walks them, so no input reaches Python's recursion limit.
 from __future__ import annotations
 
 import dataclasses
+import re
 import unicodedata
 from contextvars import ContextVar
 from copy import copy
@@ -154,7 +155,7 @@ def _syntax_diagnostic(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         line, col = e.line, e.column
         char = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
         expected = _describe(_accepts(e.state) if e.state is not None else set(e.allowed or ()))
-        found, hint = _char_name(char), _char_hint(char)
+        found, hint = _char_name(char), _char_hint(char, text[e.pos_in_stream:e.pos_in_stream + 40])
     message = f"unexpected {found}" + (f", expected {expected}" if expected else "")
     return Diagnostic(path, line, col, message, hint, source_line(text, line))
 
@@ -206,7 +207,8 @@ def _char_name(char: str) -> str:
     return f"character {shown}U+{ord(char):04X} ({name})"
 
 
-def _char_hint(char: str) -> str:
+def _char_hint(char: str, rest: str = "") -> str:
+    """A hint for an unexpected character `char`; `rest`: the text from it on (a few dozen characters)."""
     if char and char in "\u201c\u201d\u2018\u2019":
         return 'strings use straight double quotes: "..." (a word processor turned them into curly ones)'
     if not (char.isascii() and char.isprintable()):
@@ -218,4 +220,6 @@ def _char_hint(char: str) -> str:
         return "a string must end with `\"` on the same line"
     if char and char in ";:":
         return "settings are separated by spaces or newlines; no `;` or `:` is needed"
+    if fraction := re.match(r"\.\d+", rest):
+        return f"a number starts with a digit: write 0{fraction[0]}, not {fraction[0]}"
     return _GENERIC_HINT

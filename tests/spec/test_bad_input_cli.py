@@ -99,6 +99,8 @@ ROWS = [
         fragment="U+00A0 (NO-BREAK SPACE)"),
     Row("zero-width-space", **check(GOOD.replace("layers", "\u200blayers")), code=2,
         fragment="s.kiln:2:23: error: unexpected character U+200B (ZERO WIDTH SPACE)"),
+    Row("number-without-leading-digit", **check(GOOD.replace("1e-5", ".00001")), code=2,
+        fragment="hint: a number starts with a digit: write 0.00001, not .00001"),
     Row("curly-quotes", **check(GOOD.replace('"m"', "\u201cm\u201d")), code=2,
         fragment="U+201C (LEFT DOUBLE QUOTATION MARK)"),
     Row("x-times-x-times-x", **check(spec(layer="  layer {\n    x = x * x * x\n  }\n")), code=2,

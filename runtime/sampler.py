@@ -1,8 +1,9 @@
 """The token sampler: SamplingParams (kiln.runtime.sampling_params) applied to logits.
 
 The order of logit processing follows vLLM (apply_penalties): logit_bias, then the repetition, frequency and
-presence penalties, and min_tokens' and allowed_token_ids' masks; then temperature, top-k, top-p, min-p (HF's
-order), and one draw from the remaining distribution. Temperature 0 means greedy (argmax after the penalties).
+presence penalties, and min_tokens' and allowed_token_ids' masks; then temperature, min-p, top-k, top-p (vLLM V1's
+order: HF's puts min-p last, which differs when top-p follows it), and one draw from the remaining distribution.
+Temperature 0 means greedy (argmax after the penalties).
 
 Extreme but valid parameters must not overflow: the temperature divides log-probabilities (max exactly 0, so
 the result is never NaN), a temperature below TEMPERATURE_FLOOR is greedy, and penalised logits are clamped to a
@@ -119,8 +120,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p on [N, V] fp32 logits; the result is log-probabilities (up to a
-    per-row constant), with filtered entries -inf.
+    """Temperature, min-p, top-k and top-p on [N, V] fp32 logits, in vLLM V1's order (min-p is one of its
+    argmax-invariant logits processors, which run before top-k / top-p: top-p's mass is taken over what min-p
+    kept); the result is log-probabilities (up to a per-row constant), with filtered entries -inf.
 
     Temperature divides log_softmax(logits), whose row maximum is exactly 0, so any temperature > 0 leaves the
     maximum at 0 and the rest in [-inf, 0]: no overflow to NaN, however small the temperature.
@@ -128,6 +130,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.log_softmax(dim=-1)
     if params.temperature != 1.0:
         logits = logits / params.temperature
+    if params.min_p > 0.0:
+        # In log space: p_i < min_p * p_max  <=>  logp_i < log(min_p) + logp_max.
+        logp = logits.log_softmax(dim=-1)
+        threshold = math.log(params.min_p) + logp.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(logp < threshold, float("-inf"))
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         # Below the k-th largest value, as HF and vLLM: every token tied with the k-th is kept (keeping exactly k
@@ -143,11 +150,6 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    if params.min_p > 0.0:
-        # In log space: p_i < min_p * p_max  <=>  logp_i < log(min_p) + logp_max.
-        logp = logits.log_softmax(dim=-1)
-        threshold = math.log(params.min_p) + logp.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(logp < threshold, float("-inf"))
     return logits
 
 

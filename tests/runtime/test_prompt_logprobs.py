@@ -259,3 +259,24 @@ def test_non_finite_logits_at_a_prompt_position_fail_that_request_alone():
     check(ok, good, sp)
     assert failed.outputs[0].finish_reason == "error" and NONFINITE_LOGITS in failed.error
     assert failed.outputs[0].token_ids == [] and not eng.block_manager.tables
+
+
+class TiedLogits(FakeStepModel):
+    """The fake model's logits floored to steps of 8 ids: apart from the next token, every token ties with 7 others."""
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        return torch.floor(fake_logits(tokens, self.vocab) / 2)
+
+
+def test_a_prompt_tokens_rank_counts_the_tokens_tied_with_it():
+    """vLLM's rank on exact ties: the number of tokens at least as likely, so a tied token ranks below all of them."""
+    p = prompts(3, 1, 20, 20)[0]
+    eng = Engine(TiedLogits(V), None, fake_config(64, vocab=V), block_size=4, num_blocks=64)
+    out = run(eng, [(p, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))])[0]
+    ties = 0
+    for i in range(1, len(p)):
+        lp = TiedLogits(V).logits(p[:i]).log_softmax(-1)
+        rank = int((lp >= lp[p[i]]).sum())
+        ties += rank != int((lp > lp[p[i]]).sum()) + 1
+        assert out.prompt_logprobs[i] == {p[i]: Logprob(float(lp[p[i]]), rank)}
+    assert ties > 0  # the prompt does land on tied tokens

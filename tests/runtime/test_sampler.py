@@ -102,6 +102,68 @@ def test_top_k_keeps_every_token_tied_with_the_kth_as_hf_does():
     assert torch.isfinite(process_logits(logits, SamplingParams(top_k=2))).sum(-1).tolist() == [4, 2]
 
 
+@pytest.mark.parametrize("min_p", [0.01, 0.05, 0.1, 0.2, 0.35, 0.5, 0.9, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_min_p_keeps_what_hf_keeps(min_p, temperature):
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+
+    logits = torch.randn(16, 200, generator=torch.Generator().manual_seed(5)) * 2
+    # HF's order, as kiln's: temperature first, then min-p against the most likely token's probability
+    scores = logits.clone() if temperature == 1.0 else TemperatureLogitsWarper(temperature)(None, logits.clone())
+    hf = MinPLogitsWarper(min_p=min_p)(None, scores)
+    ours = process_logits(logits, SamplingParams(min_p=min_p, temperature=temperature))
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(hf))
+    assert 0 < torch.isfinite(ours).sum() < ours.numel()  # every row keeps its top token; some rows drop some
+    torch.testing.assert_close(ours.softmax(-1), hf.softmax(-1))
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.2, 0.5, 0.9])
+def test_min_p_cuts_between_tokens_just_above_and_just_below_its_threshold(min_p):
+    """p_i >= min_p * p_max is kept: one token at 1.001 times the threshold, one at 0.999 times it."""
+    probs = torch.tensor([1.0, min_p * 1.001, min_p * 0.999, min_p * 0.5, min_p * 2 if min_p <= 0.5 else 0.95])
+    for scale in (1.0, 0.25):  # the threshold follows p_max, whatever the total
+        kept = process_logits(torch.log(probs * scale)[None], SamplingParams(min_p=min_p))[0]
+        assert torch.isfinite(kept).tolist() == [True, True, False, False, True]
+
+
+def _vllm_v1_process(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """vLLM V1's Sampler.sample on logits, as its source reads: temperature, then the argmax-invariant logits
+    processors (min-p: keep p >= min_p * p_max), then top-k and top-p on the sorted logits (ascending: a token is
+    dropped while the mass up to and including it is <= 1 - top_p; the most likely is always kept)."""
+    x = logits / temperature
+    if min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
+    x_sort, idx = x.sort(dim=-1, descending=False)
+    if top_k > 0:
+        x_sort = x_sort.masked_fill(x_sort < x_sort[:, -top_k:-top_k + 1 or None], float("-inf"))
+    if top_p < 1:
+        drop = x_sort.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        x_sort = x_sort.masked_fill(drop, float("-inf"))
+    return x_sort.scatter(-1, idx, x_sort)
+
+
+def test_min_p_comes_before_top_p_as_in_vllm():
+    """min-p filters before top-p renormalizes: 0.5 / 0.3 / 0.1 / 0.1 with min_p 0.3 leaves 0.625 / 0.375, and
+    top_p 0.6 then keeps the first token alone (top-p first would keep two: 0.5 is below 0.6)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.1]]))
+    kept = process_logits(logits, SamplingParams(min_p=0.3, top_p=0.6))
+    assert torch.isfinite(kept).tolist() == [[True, False, False, False]]
+    assert torch.isfinite(_vllm_v1_process(logits, 1.0, 0, 0.6, 0.3)).tolist() == [[True, False, False, False]]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
+    (1.0, 0, 0.9, 0.05), (0.6, 20, 0.95, 0.1), (1.3, 0, 0.5, 0.2), (0.8, 5, 0.7, 0.01), (1.0, 50, 1.0, 0.3),
+    (0.7, 0, 0.8, 0.0)])
+def test_temperature_top_k_top_p_min_p_together_match_vllm(temperature, top_k, top_p, min_p):
+    logits = torch.randn(32, 200, generator=torch.Generator().manual_seed(9)) * 3
+    ours = process_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    want = _vllm_v1_process(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(want))
+    torch.testing.assert_close(ours.softmax(-1), want.softmax(-1))
+
+
 def test_sampling_follows_distribution():
     logits = torch.log(torch.tensor([0.7, 0.2, 0.1]))
     draws = sample(logits.expand(4000, 3), SamplingParams(), make_generator(0))
@@ -245,6 +307,20 @@ def test_logprobs_keep_the_sampled_token_when_it_is_outside_the_top_k():
     assert out.tokens == [3] and list(out.logprobs[0]) == [3, 0]  # vLLM v1's order: the sampled token first
     assert out.logprobs[0][3].logprob == pytest.approx(float(logits.log_softmax(-1)[0, 3]), abs=1e-6)
     assert (out.logprobs[0][0].rank, out.logprobs[0][3].rank) == (1, 4)  # the least likely of 4 tokens
+
+
+def test_the_sampled_tokens_rank_counts_the_tokens_tied_with_it():
+    """vLLM's rank: the number of tokens at least as likely, so a token tied with others ranks below all of them."""
+    logits = torch.tensor([[2.0, 2.0, 1.0, 0.0], [3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    params = [SamplingParams(temperature=0, logprobs=0),  # greedy on a tie: token 0
+              SamplingParams(temperature=0, logprobs=0, logit_bias={2: 100.0}),  # token 2, tied with 1 and 3
+              SamplingParams(temperature=0.8, logprobs=0, seed=1)]  # any token of four equal ones
+    out = sample_batch(logits, params, [None, None, make_generator(1)], [(), (), ()])
+    assert out.tokens[:2] == [0, 2]
+    ranks = [lp[t].rank for lp, t in zip(out.logprobs, out.tokens, strict=True)]
+    assert ranks == [2, 4, 4]
+    # the logprob is the raw distribution's, before logit_bias
+    assert out.logprobs[1][2].logprob == pytest.approx(float(logits[1].log_softmax(-1)[2]), abs=1e-6)
 
 
 def test_logprobs_do_not_change_the_tokens():

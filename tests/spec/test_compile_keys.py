@@ -10,6 +10,7 @@ import torch
 
 from kiln.compile.pipeline import build_pipeline, run_pipeline
 from kiln.compile.step import compile_step
+from kiln.errors import SpecError
 from kiln.ir.frontend import build_graph
 from kiln.runtime.engine import Engine
 from kiln.spec.loader import load_spec, parse_and_resolve
@@ -95,9 +96,18 @@ def test_error(case):
 
 def test_bad_keys_are_reported_together():
     text = with_keys("kv_cache = paged(block = 3, dtype = fp8)", "attention = flash(block_m = 8, block_n = 64)")
-    with pytest.raises(Exception) as info:
+    first = r"^t\.kiln:18:28: error: block must be a power of two from 1 to 256, got 3\n"
+    with pytest.raises(SpecError, match=first) as info:
         parse_and_resolve(text, "t.kiln")
-    assert [(d.line, d.column) for d in info.value.diagnostics] == [(18, 28), (18, 39), (19, 31)]
+    assert [(d.line, d.column, d.message) for d in info.value.diagnostics] == [
+        (18, 28, "block must be a power of two from 1 to 256, got 3"),
+        (18, 39, "unknown KV cache dtype `fp8`"),
+        (19, 31, "block_m must be a power of two from 16 to 256, got 8")]
+    # one message names all three, each with its place
+    assert [line for line in str(info.value).splitlines() if ": error: " in line] == [
+        "t.kiln:18:28: error: block must be a power of two from 1 to 256, got 3",
+        "t.kiln:18:39: error: unknown KV cache dtype `fp8`",
+        "t.kiln:19:31: error: block_m must be a power of two from 16 to 256, got 8"]
 
 
 def _spec(*lines: str):

@@ -7,13 +7,15 @@ kiln.model_paths, a checkpoint's sampling defaults in kiln.generation_defaults; 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 
 import torch
 
+from kiln.compile.pipeline import CALIBRATION_TOKENIZER
 from kiln.compile.prequantized import keep_quantized_linears
-from kiln.compile.quantized import SPEC, is_quantized_checkpoint, load_quantized, stored_scheme
+from kiln.compile.quantized import SPEC, check_stored_settings, is_quantized_checkpoint, load_quantized
 from kiln.errors import KilnError
 from kiln.generation_defaults import GENERATION_KEYS, generation_defaults_for, read_generation_defaults  # noqa: F401
 from kiln.gguf.config import GGUFError, architecture, config_from_gguf, open_gguf
@@ -27,12 +29,14 @@ from kiln.ir.frontend import TORCH_DTYPES, build_graph
 from kiln.loaded_model import LoadedModel, _dtype_error, fit_quantize, quantize_label, resolve_device, say  # noqa: F401
 from kiln.model_config import DTYPE_AUTO, DTYPES, CompileConfig, ModelConfig, dtype_name
 from kiln.model_paths import check_weights_dir, resolve_model_paths
-from kiln.quant.formats import dequantize, parse_scheme
+from kiln.quant.formats import QuantScheme, as_scheme, dequantize, kept_from_spec, override_scheme
 from kiln.quant.sizing import resolve_group
 from kiln.spec.loader import DEFAULT_SPEC, load_spec
 from kiln.spec.route import describe_route
 from kiln.tokenizer import load_tokenizer
 from kiln.train.router_files import attach_routers, check_routers_file
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_dtype(weights_dir: Path) -> str | None:
@@ -71,11 +75,12 @@ def load_model(
     bundled default spec is used when there is no checkpoint either. A checkpoint directory or a .gguf file given
     as the spec is taken as the weights (resolve_model_paths). weights: a HF checkpoint directory or a .gguf file;
     when None the weights are seeded random. dtype and quantize (a scheme name such as int8 or int4-gptq-g128)
-    override the spec's compile part (CLI flags win); dtype takes vLLM's names too, and "auto": the spec's dtype,
-    or without a spec a checkpoint's config.json torch_dtype. routers: a `kiln train-router` file whose
-    Mixture-of-Depths routers are attached to the dense model (before any quantization, which then covers the
-    routed model). generation_config: where LoadedModel.generation_defaults come from ("auto": the checkpoint's
-    generation_config.json; "vllm": none; or a directory holding one), as vLLM's --generation-config.
+    override the spec's compile part (CLI flags win; quantize sets the format and method: with_quantize); dtype takes
+    vLLM's names too, and "auto": the spec's dtype, or without a spec a checkpoint's config.json torch_dtype.
+    routers: a `kiln train-router` file whose Mixture-of-Depths routers are attached to the dense model (before any
+    quantization, which then covers the routed model). generation_config: where LoadedModel.generation_defaults come
+    from ("auto": the checkpoint's generation_config.json; "vllm": none; or a directory holding one), as vLLM's
+    --generation-config.
     """
 
     spec, weights = resolve_model_paths(spec, weights)
@@ -123,7 +128,7 @@ def load_model(
     if dtype is not None:
         comp = dataclasses.replace(comp, dtype=dtype)
     if quantize is not None:
-        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
+        comp = with_quantize(comp, quantize)
     comp = fit_quantize(comp, cfg)
     tdtype = TORCH_DTYPES[comp.dtype]
 
@@ -134,9 +139,29 @@ def load_model(
     if routers is not None:
         cfg, comp, gm = _with_routers(cfg, comp, gm, routers)
     tokenizer = load_tokenizer(weights_dir, vocab=cfg.vocab)
+    comp = _with_tokenizer(comp, tokenizer)
     return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source,
                        random_seed=seed if weights_dir is None else None, generation_defaults=gen[0],
                        generation_source=gen[1])
+
+
+def with_quantize(comp: CompileConfig, quantize: str) -> CompileConfig:
+    """comp with a --quantize name (LLM's quantize=) over the spec's `quantize`: the name sets the format and method;
+    the spec's lm_head / embeddings and, for GPTQ, its calibration stay (kiln.quant.formats.override_scheme), as a
+    note says. `kiln quantize --quantize` takes the same scheme, so its output is what this quantizes."""
+    scheme = override_scheme(comp.extra.get("quantize"), quantize)
+    kept = kept_from_spec(scheme) if comp.extra.get("quantize") else []
+    if kept:
+        say(f"note: quantize {quantize!r} (--quantize) sets the format and method; kept from the spec: "
+            f"{', '.join(kept)}")
+    return dataclasses.replace(comp, extra={**comp.extra, "quantize": scheme})
+
+
+def _with_tokenizer(comp: CompileConfig, tokenizer: object) -> CompileConfig:
+    """comp carrying the model's tokenizer for the quantize pass: a GPTQ calibration file is encoded into this model's
+    tokens wherever the model compiles (kiln.compile.pipeline.CALIBRATION_TOKENIZER); kiln's byte-level fallback is
+    the tokenizer of a model without one, whose tokens are then the file's bytes."""
+    return dataclasses.replace(comp, extra={**comp.extra, CALIBRATION_TOKENIZER: tokenizer})
 
 
 def _load_quantized(
@@ -145,36 +170,44 @@ def _load_quantized(
     """A checkpoint written by `kiln quantize`: its graph is already passed (fusion + quantize), no calibration.
 
     Its scheme and float dtype are fixed when it is written: --quantize / --dtype that agree are accepted,
-    others refused (the weights cannot be re-quantized or re-cast here), never silently ignored.
+    others refused (the weights cannot be re-quantized or re-cast here), never silently ignored; a spec whose own
+    `quantize` differs is warned about (the checkpoint runs as stored).
     """
 
     loaded = load_spec(spec if spec is not None else weights_dir / SPEC)
     if spec is not None:  # the stored spec.kiln is what the weights were quantized as
         check_spec_matches(loaded.model, load_spec(weights_dir / SPEC).model, loaded.path, str(weights_dir / SPEC))
-    have = stored_scheme(weights_dir)
-    if quantize is not None:
-        want = resolve_group(parse_scheme(quantize), loaded.model)[0]
-        if want.label != have.label:  # calibration options do not matter once the weights are stored
-            raise KilnError(
-                f"quantize {quantize!r} (--quantize): {weights_dir} was quantized by `kiln quantize` with "
-                f"{have.label} and cannot be quantized again; leave quantize out, or run `kiln quantize` on the "
-                f"original checkpoint with {quantize}"
-            )
     dtype = dtype_name(dtype)
     if dtype is not None and dtype not in DTYPES:
         raise KilnError(_dtype_error(dtype))
+    have, stored = check_stored_settings(weights_dir, loaded.model, quantize=quantize, dtype=dtype)
+    if spec is not None and loaded.compile.extra.get("quantize") and quantize is None:
+        _warn_spec_scheme(loaded.path, as_scheme(loaded.compile.extra["quantize"]), have, loaded.model, weights_dir)
     gm = load_quantized(weights_dir, loaded.model, device=dev)
-    stored = next((k for k, v in TORCH_DTYPES.items() if v == gm.get_parameter("embed.weight").dtype), "fp32")
-    if dtype is not None and dtype != stored:
-        raise KilnError(
-            f"dtype {dtype!r} (--dtype): {weights_dir} is a `kiln quantize` checkpoint stored in {stored}, and its "
-            f"dtype is fixed when it is written; leave dtype out (or ask for {stored}), or quantize again with "
-            f"`kiln quantize --dtype {dtype}`"
-        )
     comp = dataclasses.replace(loaded.compile, dtype=stored)
+    comp = dataclasses.replace(comp, extra={k: v for k, v in comp.extra.items() if k != "quantize"})  # stored already
     tokenizer = load_tokenizer(weights_dir, vocab=loaded.model.vocab)
     return LoadedModel(loaded.model, comp, gm, tokenizer, dev, source=str(weights_dir),
                        stored_quantize=have.label)
+
+
+def _stored_form(scheme: QuantScheme) -> tuple[str, bool, bool]:
+    """What a scheme fixes in stored weights (its calibration options shaped them, but are not recorded reliably)."""
+    return scheme.label, scheme.lm_head, scheme.embeddings
+
+
+def _warn_spec_scheme(source: str, want: QuantScheme, have: QuantScheme, model: ModelConfig, weights_dir: Path) -> None:
+    """Warn when the spec's own `quantize` is not the one a `kiln quantize` checkpoint was written with."""
+    try:
+        want = resolve_group(want, model)[0]
+    except KilnError:
+        pass  # a group that fits no K: compared as written, still a difference worth the warning
+    if _stored_form(want) != _stored_form(have):
+        def words(s: QuantScheme) -> str:
+            return s.label + "".join(f", {k} = true" for k in ("lm_head", "embeddings") if getattr(s, k))
+
+        log.warning("%s asks for quantize %s, but %s was quantized by `kiln quantize` with %s: it runs as stored; "
+                    "quantize again from this spec to get its scheme", source, words(want), weights_dir, words(have))
 
 
 def describe_model(spec: str | os.PathLike | None = None, weights: str | os.PathLike | None = None) -> ModelConfig:
@@ -233,7 +266,7 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
     keep = quantize == "gguf" or (quantize is None and "quantize" not in comp.extra and dev.type == "cuda"
                                   and routers is None)
     if quantize not in (None, "none", "gguf"):
-        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(quantize)})
+        comp = with_quantize(comp, quantize)
     comp = fit_quantize(comp, cfg)
     tdtype = TORCH_DTYPES[comp.dtype]
     tokenizer = load_gguf_tokenizer(reader, path)  # before the weights: a bad tokenizer fails fast, nothing loaded
@@ -247,5 +280,6 @@ def _load_gguf(spec: str | os.PathLike | None, weights: str | os.PathLike, *, dt
     if routers is not None:
         cfg, comp, gm = _with_routers(cfg, comp, gm, routers)
     say(f"{path.name}: {w.summary()}")
+    comp = _with_tokenizer(comp, tokenizer)
     return LoadedModel(model=cfg, compile=comp, gm=gm, tokenizer=tokenizer, device=dev, source=source,
                        stored_quantize="gguf" if w.quantized else None)

@@ -80,7 +80,8 @@ class LLM(LLMRequests):
         ("auto": the model's dtype, or "int8"): None takes the spec's `kv_cache = paged(block = 16, dtype = ...)`,
         else 16 and auto. speculation: speculative decoding's drafter, as a kiln.model_config.SpeculationConfig,
         its spec syntax ("ngram(n = 3, k = 4)", "self(layers = 2)", 'draft(spec = "...", k = 4)'), a dict of its
-        fields ({"kind": "ngram", "n": 3, "k": 4}) or "off"; None takes the spec's `speculation` key (if any).
+        fields ({"kind": "ngram", "n": 3, "k": 4}), or "off" / {"kind": "off"} (none, whatever the spec says); None
+        takes the spec's `speculation` key (if any).
         overlap_outputs: make each step's outputs during the next step's model call (None: on for CUDA; see
         kiln.runtime.engine.Engine). async_scheduling: launch each decode step before the last one's sampled ids
         reach the host (None: on for CUDA without speculation or routed layers; see Engine).

@@ -15,18 +15,23 @@ from kiln.spec.loader import bundled_spec
 _WEIGHTS_KINDS = "a Hugging Face checkpoint dir (config.json + *.safetensors), a .gguf file or a `kiln quantize` output"
 
 
+def weights_label(path: Path) -> str:
+    """How check_weights_dir's messages name the weights: as the --weights flag (a draft model's rewords it)."""
+    return f"weights {path} (--weights)"
+
+
 def check_weights_dir(path: Path) -> None:
     """KilnError saying what the weights (--weights) name instead of a checkpoint directory: nothing, a spec file,
     another file, or a directory without config.json. Messages read right from the CLI and from LLM(...)."""
     if not path.exists():
-        raise KilnError(f"weights {path} (--weights): does not exist; check the path (give {_WEIGHTS_KINDS})")
+        raise KilnError(f"{weights_label(path)}: does not exist; check the path (give {_WEIGHTS_KINDS})")
     if path.is_file() and path.suffix == ".kiln":
-        raise KilnError(f"weights {path} (--weights): is a spec file, not weights; pass it as the spec (SPEC, e.g. "
+        raise KilnError(f"{weights_label(path)}: is a spec file, not weights; pass it as the spec (SPEC, e.g. "
                         f"`kiln run {path}`, or LLM's first argument), with weights only for its checkpoint")
     if not path.is_dir():
-        raise KilnError(f"weights {path} (--weights): is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
+        raise KilnError(f"{weights_label(path)}: is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
     if not (path / "config.json").is_file():
-        raise KilnError(f"weights {path} (--weights): no config.json there; point them at a Hugging Face "
+        raise KilnError(f"{weights_label(path)}: no config.json there; point them at a Hugging Face "
                         "checkpoint dir or a directory written by `kiln quantize`")
 
 

@@ -10,7 +10,9 @@ compile_step path and config (dtype, KV dtype, block size, passes) -> ModelDraft
 shares_target_cache=True); after compiling, every draft weight equal to the target's (the fused projections, the
 quantized codes) is replaced by the target's tensor, so the self drafter costs no weight memory. draft(spec,
 weights) -> the draft model loaded by kiln.build.load_model in the target's dtype and on its device, checked to
-share the target's tokenizer, compiled with the target's KV cache settings -> ModelDrafter(step, k).
+share the target's tokenizer, compiled with the target's KV cache settings -> ModelDrafter(step, k, context = the
+draft's): a draft model with a shorter context than the target's drafts only the sequences that fit it (a note at load
+and at `kiln check` says past how many tokens speculation stops).
 
 The plan compiles the draft step model once; every build_drafter call (one per engine) makes a fresh drafter
 over it, as the CLI's benchmark builds one engine per policy over one target step model.
@@ -19,7 +21,10 @@ over it, as the CLI's benchmark builds one engine per policy over one target ste
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -29,6 +34,7 @@ from kiln.compile.step import compile_step
 from kiln.errors import InternalError, KilnError, UsageError
 from kiln.ir.attrs import owner
 from kiln.model_config import ModelConfig, SpeculationConfig
+from kiln.model_paths import weights_label
 from kiln.passes.speculative import self_draft_graph
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.spec.speculation import NOT_FOR_MOD, check_layers, describe, speculation_config
@@ -59,15 +65,21 @@ def resolve_speculation(value: object, loaded: LoadedModel, source: str = "specu
     return cfg
 
 
-def check_draft(cfg: SpeculationConfig, target: ModelConfig) -> ModelConfig:
+def check_draft(cfg: SpeculationConfig, target: ModelConfig, spec_file: str | None = None) -> ModelConfig:
     """The draft model's config, read without its weights (a spec, config.json or GGUF metadata), or a KilnError
     saying why it cannot draft for `target` (it cannot be read, it routes layers, its vocabulary differs): found
-    before any weight loads, and by `kiln check`."""
-    where = f"speculation {describe(cfg)}"
+    before any weight loads, and by `kiln check`. spec_file: the spec whose `speculation` key cfg is (its relative
+    paths were resolved from that spec's folder); None for a flag's or an argument's."""
+    where = _where(cfg, spec_file)
+    weights = Path(cfg.weights) if cfg.weights else None
+    if weights is not None and weights.suffix == ".kiln" and weights.is_file():  # model_paths' fix names SPEC
+        raise UsageError(f"{where}: weights = {json.dumps(_as_written(cfg.weights, spec_file))} is a spec file, not "
+                         "weights; name it as the draft's spec: draft(spec = \"...\", k = ...), with weights only "
+                         "for its checkpoint")
     try:
         draft = describe_model(cfg.spec or None, cfg.weights or None)
     except KilnError as e:
-        raise UsageError(f"{where}: cannot load the draft model: {e}") from None
+        raise UsageError(f"{where}: cannot load the draft model: {_weights_named(e, cfg, spec_file)}") from None
     if draft.route is not None:
         raise UsageError(f"{where}: the draft model {draft.name!r} routes layers (route = mod(...)), and "
                          f"{NOT_FOR_MOD}; use its dense form as the draft")
@@ -76,6 +88,54 @@ def check_draft(cfg: SpeculationConfig, target: ModelConfig) -> ModelConfig:
                          f"vocabularies: {draft.vocab} ids in the draft's, {target.vocab} in the target's; "
                          + _SAME_TOKENIZER)
     return draft
+
+
+def draft_context_note(cfg: SpeculationConfig, draft: ModelConfig, target: ModelConfig) -> str | None:
+    """What a draft model with a shorter context than the target's means, or None: not an error (vLLM bounds the
+    draft's length the same way), but requests past the draft's context decode without drafts (ModelDrafter.fits)."""
+    if cfg.kind != "draft" or draft.context >= target.context:
+        return None
+    last = draft.context - cfg.k  # the longest sequence that still gets k drafts
+    head = (f"the draft model {draft.name!r} takes {draft.context} tokens of context, the target {target.name!r} "
+            f"{target.context}")
+    if last < 1:
+        return (f"{head}: k = {cfg.k} drafts leave no room in it, so nothing is speculated; lower k or give a draft "
+                "model with a longer context")
+    return (f"{head}: speculation stops once a request passes {last} tokens (the draft's context less k = {cfg.k}); "
+            "longer requests decode without drafts")
+
+
+def _where(cfg: SpeculationConfig, spec_file: str | None) -> str:
+    """How a message names the speculation: as written, and in which spec file when it is a spec's key."""
+    if spec_file is None:
+        return f"speculation {describe(cfg)}"
+    written = dataclasses.replace(cfg, spec=_as_written(cfg.spec, spec_file),
+                                  weights=_as_written(cfg.weights, spec_file))
+    return f"speculation {describe(written)} in {spec_file}"
+
+
+def _as_written(path: str, spec_file: str | None) -> str:
+    """A spec key's path as its spec wrote it: validation joined a relative one to the spec's folder."""
+    folder = Path(spec_file).parent if spec_file is not None else Path(".")
+    if not path or folder == Path("."):
+        return path
+    try:
+        return str(Path(path).relative_to(folder))
+    except ValueError:  # absolute, or a bundled spec's bare name: kept as it was
+        return path
+
+
+def _weights_named(e: KilnError, cfg: SpeculationConfig, spec_file: str | None) -> str:
+    """e's message, with the weights named as the speculation's `weights` (as written and as resolved) where
+    kiln.model_paths names them as the --weights flag, which the user may never have given."""
+    text = str(e)
+    flag = f"{weights_label(Path(cfg.weights))}: "
+    if not cfg.weights or not text.startswith(flag):
+        return text
+    written = _as_written(cfg.weights, spec_file)
+    base = "the working directory" if spec_file is None else "the spec's folder"
+    how = "" if os.path.isabs(written) else f" (resolved from {base}: {os.path.abspath(cfg.weights)})"
+    return f"weights = {json.dumps(written)}{how}: {text[len(flag):]}"
 
 
 def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 0) -> DraftPlan:
@@ -87,14 +147,20 @@ def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 
         check_layers(cfg, loaded.model, "speculation")
         graph = self_draft_graph(loaded.gm, cfg.layers)
         return DraftPlan(cfg, loaded, graph=graph, model=dataclasses.replace(loaded.model, layers=cfg.layers))
-    check_draft(cfg, loaded.model)  # before the draft's weights load
+    own_key = cfg is loaded.compile.extra.get("speculation") and loaded.source.endswith(".kiln")
+    spec_file = loaded.source if own_key else None  # the spec's key: its paths start at the spec's folder
+    check_draft(cfg, loaded.model, spec_file)  # before the draft's weights load
     try:
         draft = load_model(cfg.spec or None, cfg.weights or None, dtype=loaded.compile.dtype,
                            device=str(loaded.device), seed=seed)
     except KilnError as e:  # no such file, a directory, a spec that does not match its weights...: say who named it
-        raise UsageError(f"speculation {describe(cfg)}: cannot load the draft model: {e}") from None
+        raise UsageError(f"{_where(cfg, spec_file)}: cannot load the draft model: "
+                         f"{_weights_named(e, cfg, spec_file)}") from None
     check_same_tokenizer(loaded, draft)
     say(f"draft model {draft.model.name} ({draft.model.layers} layers) from {draft.source}")
+    note = draft_context_note(cfg, draft.model, loaded.model)
+    if note is not None:
+        say(f"note: {note}")
     return DraftPlan(cfg, loaded, model=draft.model, draft=draft)
 
 
@@ -134,7 +200,10 @@ def build_drafter(plan: DraftPlan, target: StepModel, *, use_kernels: bool | Non
     if cfg.kind == "ngram":
         return NgramDrafter(n=cfg.n, k=cfg.k)
     step = compile_draft(plan, target, use_kernels=use_kernels)
-    return ModelDrafter(step, cfg.k, shares_target_cache=cfg.kind == "self")
+    if cfg.kind == "self":  # the target's own layers: its context, which no request passes
+        return ModelDrafter(step, cfg.k, shares_target_cache=True)
+    assert plan.model is not None
+    return ModelDrafter(step, cfg.k, context=plan.model.context)
 
 
 def share_weights(draft: torch.nn.Module, target: torch.nn.Module) -> int:

@@ -149,7 +149,11 @@ def quantize_weights(
 
 
 def make_pass(scheme: QuantScheme | dict | str, *, calibration_ids: torch.Tensor | None = None, tokenizer=None) -> Pass:
-    """The quantize pass bound to a scheme (a QuantScheme, CompileConfig.extra["quantize"] or a name like int4)."""
+    """The quantize pass bound to a scheme (a QuantScheme, CompileConfig.extra["quantize"] or a name like int4).
+
+    tokenizer: encodes a GPTQ scheme's calibration file; it must be the model's own (kiln.build.load_model puts it in
+    the compile config). None encodes the file as UTF-8 bytes, which are the tokens of a model without a tokenizer
+    (kiln's byte-level fallback) and nothing else."""
     scheme = as_scheme(scheme)
 
     def run(gm: fx.GraphModule) -> PassResult:

@@ -36,6 +36,30 @@ from kiln.step import (
 log = logging.getLogger("kiln.runtime")
 
 
+class AsyncSchedulingError(KilnError):
+    """async_scheduling asked for with what it is not built for: `conflict` is "speculation" (a drafter) or
+    "overlap_outputs" (turned off). The message names the settings and gives the fix as Engine / LLM's arguments; an
+    entry point that spells them otherwise (the CLI's flags) rewords it (advised), as PoolTooSmallError does."""
+
+    def __init__(self, conflict: str, *, name: str = "async_scheduling", overlap: str = "overlap_outputs",
+                 overlap_off: str = "overlap_outputs off", fix: str | None = None):
+        self.conflict = conflict
+        if conflict == "speculation":
+            facts = (f"{name} is not built for speculative decoding (the drafter reads the last step's tokens on "
+                     "the host)")
+            fix = fix or f"leave {name} unset (or False)"
+        else:
+            facts = (f"{name} makes every output come one step later, as {overlap} does: it is not built with "
+                     f"{overlap_off}")
+            fix = fix or "leave one of them unset"
+        super().__init__(f"{facts}; {fix}")
+
+    def advised(self, name: str, overlap: str, overlap_off: str, fix: str) -> AsyncSchedulingError:
+        """This error in an entry point's words: its names of async_scheduling, of overlap_outputs and of turning
+        that off, and the fix."""
+        return AsyncSchedulingError(self.conflict, name=name, overlap=overlap, overlap_off=overlap_off, fix=fix)
+
+
 def make_block_manager(model: StepModel, num_blocks: int, block_size: int, context: int,
                        enable_prefix_caching: bool, routed_num_blocks: int | None = None) -> BlockManager:
     """The engine's block manager: a BlockManager, or for a model with routed layers a RoutedBlockManager whose
@@ -145,8 +169,7 @@ class EngineSetup:
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         overlap = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)
         if async_scheduling and overlap_outputs is False:
-            raise KilnError("async_scheduling makes every output one step() call later, as overlap_outputs does: "
-                            "it is not built with overlap_outputs off; leave one of them unset")
+            raise AsyncSchedulingError("overlap_outputs")
         if async_scheduling is None:
             async_scheduling = overlap and step_model.device.type == "cuda" and drafter is None
         self.output = OutputMaker(self.scheduler, self.block_manager, self.requests, self.eos_token_ids, overlap)
@@ -179,8 +202,7 @@ class EngineSetup:
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
         if on and self.drafter is not None:
-            raise KilnError("async_scheduling is not built for speculative decoding (the drafter reads the last "
-                            "step's tokens on the host); leave async_scheduling unset (or False)")
+            raise AsyncSchedulingError("speculation")
         if not on:
             self.ahead.land()
         else:

@@ -120,12 +120,21 @@ class ModelDrafter:
     whole prompt on a request's first speculative step; 0 again after preemption). That catch-up is bounded by the
     engine's token budget (max_num_batched_tokens) per step: a request further behind catches up a chunk and
     decodes without drafts this step, so a long prompt never makes one step's draft work unbounded.
+
+    context: the draft model's, when shorter than the target's. A sequence is drafted only while its tokens and its
+    drafts fit it (as vLLM's Top1Proposer leaves out sequences past the draft's max length); longer ones decode
+    without drafts, neither caught up nor drafted, since the draft has no positions for them (learned positions
+    would index past their table; rope would run past what the draft was made for). None: no bound of its own.
     """
 
-    def __init__(self, step_model: StepModel, k: int = 4, *, shares_target_cache: bool = False):
+    def __init__(self, step_model: StepModel, k: int = 4, *, shares_target_cache: bool = False,
+                 context: int | None = None):
         if not (isinstance(k, int) and k >= 1):
             raise KilnError(f"ModelDrafter(k={k!r}): k must be an integer >= 1 (e.g. 4)")
-        self.model, self.k, self.shares = step_model, k, shares_target_cache
+        if context is not None and (isinstance(context, bool) or not (isinstance(context, int) and context >= 1)):
+            raise KilnError(f"ModelDrafter(context={context!r}): the draft model's context must be an integer >= 1, "
+                            "or None for no bound")
+        self.model, self.k, self.shares, self.context = step_model, k, shares_target_cache, context
         self.runner: ModelRunner | None = None
         self.cached: dict[str, int] = {}  # own pool: tokens of each request whose draft K/V is written
         self.catchup_budget: int | None = None  # own pool: prompt tokens the draft may catch up per step (bind)
@@ -194,6 +203,8 @@ class ModelDrafter:
         drafting, first, caught_up = [], Schedule(), {}
         budget = self.catchup_budget
         for i, s in enumerate(seqs):
+            if not self.fits(s):
+                continue  # past the draft's context: a plain decode, this step and every later one
             rid = s.request.request_id
             c = s.start if self.shares else min(self.cached.get(rid, 0), s.start)
             need = s.start + 1 - c
@@ -207,6 +218,11 @@ class ModelDrafter:
                 caught_up[rid] = c + m
                 budget -= m
         return drafting, first, caught_up
+
+    def fits(self, s: ScheduledSeq) -> bool:
+        """Whether the sequence with its drafts (s.start + 1 known tokens, then s.num_drafts) fits the draft's
+        context."""
+        return self.context is None or s.start + 1 + s.num_drafts <= self.context
 
     def verified(self, req: Request, start: int, num_drafts: int, num_accepted: int) -> None:
         """The draft cache holds positions up to start + n - 1; those up to start + a are still valid."""

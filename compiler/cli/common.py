@@ -56,6 +56,7 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     (engine_flags)."""
     # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
     from kiln.runtime.engine import Engine
+    from kiln.runtime.engine_setup import AsyncSchedulingError
     from kiln.runtime.kv_pool import PoolTooSmallError
     from kiln.speculation import build_drafter
 
@@ -73,6 +74,15 @@ def serving_engine(args: argparse.Namespace, m, step=None, **kw):
     except PoolTooSmallError as e:  # its fix in flags; --max-model-len only where the command has it (serve)
         shorten = "lower --max-model-len" if hasattr(args, "max_model_len") else None
         raise e.advised("--num-blocks", "--gpu-memory-utilization", shorten) from None
+    except AsyncSchedulingError as e:  # in flags, not in Engine's argument names
+        raise e.advised("--async-scheduling", "--overlap-outputs", "--no-overlap-outputs", ASYNC_FIX[e.conflict]) \
+            from None
+
+
+# AsyncSchedulingError's fix in flags, by what --async-scheduling met
+ASYNC_FIX = {"speculation": "drop --async-scheduling (or give --no-async-scheduling), or turn speculation off with "
+                            "--speculation off",
+             "overlap_outputs": "drop --async-scheduling or --no-overlap-outputs"}
 
 
 def dtype_flag(p: argparse.ArgumentParser) -> None:

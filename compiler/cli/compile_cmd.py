@@ -12,7 +12,8 @@ from kiln.cli.paths import check_output_dir, staged_dir
 from kiln.errors import KilnError, UsageError
 from kiln.gguf.config import open_gguf
 from kiln.gguf.files import bundled_weights, is_gguf
-from kiln.model_config import DTYPE_AUTO, CompileConfig
+from kiln.hf.spec_match import check_spec_matches
+from kiln.model_config import DTYPE_AUTO, CompileConfig, ModelConfig
 from kiln.model_config import dtype_name as normalize_dtype
 from kiln.spec.loader import load_spec
 from kiln.spec.route import describe_route
@@ -102,7 +103,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from kiln.build import describe_model, fit_quantize, quantize_label, resolve_model_paths
 
     args.spec, weights = resolve_model_paths(args.spec, args.weights)
-    if args.spec is None:  # a checkpoint dir or a .gguf named as the model: its shapes, kiln's default compile block
+    stored = _quantized_checkpoint(weights)
+    if stored is not None:  # a `kiln quantize` output: compiled as `kiln run` runs it, with its stored scheme
+        model, comp = _stored_model(args, stored)
+    elif args.spec is None:  # a checkpoint dir or a .gguf named as the model: its shapes, kiln's default compile block
         model, comp = describe_model(None, weights), CompileConfig()
         args.weights = weights if is_gguf(weights) else None  # only a .gguf has load paths to report
     else:
@@ -112,11 +116,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if dtype_name in (None, DTYPE_AUTO):
         dtype_name = comp.dtype
 
-    if args.quantize:
+    if args.quantize and stored is None:
         # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
-        from kiln.quant.formats import parse_scheme
+        from kiln.build import with_quantize
 
-        comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": parse_scheme(args.quantize)})
+        comp = with_quantize(comp, args.quantize)  # the flag over the spec's scheme, as `kiln run` takes it
     comp = fit_quantize(comp, model)  # a scheme without a group gets the one that fits (kiln.quant.sizing)
     quant_label = quantize_label(comp)
     scheme = comp.extra.get("quantize")
@@ -124,9 +128,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         # GPTQ changes the weights' values, not the graph: the same ops, shapes and kernels as round-to-nearest.
         # Meta tensors have no values to calibrate on, so compile builds the RTN twin and says so.
         comp = dataclasses.replace(comp, extra={**comp.extra, "quantize": dataclasses.replace(scheme, method="rtn")})
-        print(f"kiln: note: {quant_label}: GPTQ calibrates when weights load (`kiln run`, `kiln serve`, `kiln "
-              "quantize`); its graph and kernels are those of round-to-nearest, which compile builds here",
-              file=sys.stderr)
+        when = (f"calibrated when `kiln quantize` wrote {stored}" if stored is not None else
+                "calibrates when weights load (`kiln run`, `kiln serve`, `kiln quantize`)")
+        print(f"kiln: note: {quant_label}: GPTQ {when}; its graph and kernels are those of round-to-nearest, which "
+              "compile builds here", file=sys.stderr)
 
     # Meta tensors: the graph and every shape are real, the weights cost no memory (an 8B spec builds instantly).
     def graph():
@@ -159,7 +164,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"kiln: weights {parts['quantized'] / 2**20:.1f} MiB quantized + {parts['scales_zeros'] / 2**20:.1f} "
               f"MiB scales/zeros + {parts['dense'] / 2**20:.1f} MiB dense (embeddings, norms, unquantized); "
               f"{size / weight_bytes(graph()):.2f}x the {dtype_name} size", file=sys.stderr)
-    _report_gguf_paths(args, comp, TORCH_DTYPES[dtype_name])
+    if stored is None:  # a `kiln quantize` output's weights load as stored, never from a GGUF
+        _report_gguf_paths(args, comp, TORCH_DTYPES[dtype_name])
     if model.route is not None:  # build_graph's default form: the one serving and `kiln run` use
         print(f"kiln: {describe_route(model)}; compiled in the causal form (router score > threshold, or "
               "predictor logit > 0; the training form, top capacity per sequence, is for training and perplexity)",
@@ -170,6 +176,32 @@ def cmd_compile(args: argparse.Namespace) -> int:
           f"({compiled.hits} cache hits, {compiled.misses} rendered and compiled); "
           f"{autotune.stats().since(tuned_before).summary()}", file=sys.stderr)
     return 0
+
+
+def _quantized_checkpoint(weights: str | None) -> Path | None:
+    """weights as a `kiln quantize` output's directory, else None."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.compile.quantized import is_quantized_checkpoint
+
+    return Path(weights) if weights is not None and is_quantized_checkpoint(weights) else None
+
+
+def _stored_model(args: argparse.Namespace, stored: Path) -> tuple[ModelConfig, CompileConfig]:
+    """The model and compile config of a `kiln quantize` output, as `kiln run` loads it: its spec.kiln's model (or
+    the spec given with it, which must describe the same model), compiled with the stored scheme and dtype; a
+    --quantize or --dtype that differs from them is refused with `kiln run`'s message."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.compile.quantized import SPEC, check_stored_settings
+
+    own = load_spec(stored / SPEC)
+    loaded = own if args.spec is None else load_spec(args.spec)
+    if args.spec is not None:
+        check_spec_matches(loaded.model, own.model, loaded.path, str(stored / SPEC))
+    dtype = normalize_dtype(args.dtype)
+    scheme, dtype = check_stored_settings(stored, loaded.model, quantize=args.quantize,
+                                          dtype=None if dtype in (None, DTYPE_AUTO) else dtype)
+    return loaded.model, dataclasses.replace(loaded.compile, dtype=dtype,
+                                             extra={**loaded.compile.extra, "quantize": scheme})
 
 
 def _pass_names(passes: list[str], quant: str | None) -> list[str]:
@@ -190,5 +222,6 @@ def add_compile_parser(sub: argparse._SubParsersAction) -> None:
     dtype_flag(k)
     quantize_flag(k, help=QUANTIZE_HELP)
     weights_flag(k, metavar="FILE.gguf", help="a GGUF whose tensors' load paths (kept int4 / int8 or "
-                 "dequantized) to report (default: a bundled spec's own GGUF)")
+                 "dequantized) to report (default: a bundled spec's own GGUF), or a `kiln quantize` output to "
+                 "compile as stored")
     k.set_defaults(func=cmd_compile)

@@ -21,7 +21,7 @@ from kiln.cli.paths import check_output_dir, staged_dir
 from kiln.cli.text_input import read_text_file
 from kiln.errors import UsageError
 from kiln.gguf.files import bundled_weights, is_gguf
-from kiln.quant.sizing import resolve_group
+from kiln.spec.loader import DEFAULT_SPEC, load_spec
 
 # What kiln.tokenizer / kiln.chat_template read from a checkpoint: they travel with the weights, so that
 # `kiln run --weights OUT` decodes text and chats as the source does.
@@ -41,26 +41,39 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from kiln.quant.formats import parse_scheme
 
     if args.weights and is_quantized_checkpoint(args.weights):
+        again = f" (--quantize {args.quantize})" if args.quantize else ""
         raise UsageError(f"--weights {args.weights}: is already a `kiln quantize` output, whose weights cannot be "
-                         f"quantized again; quantize the original checkpoint instead (--quantize {args.quantize})")
+                         f"quantized again; quantize the original checkpoint instead{again}")
     out = check_quantize_output(args.output, args.weights)
-    scheme = parse_scheme(args.quantize)
+    spec_scheme = _spec_scheme(args.spec, args.weights)
+    if args.quantize is None and spec_scheme is None:
+        raise UsageError("kiln quantize needs a scheme, and neither --quantize nor the spec gives one: pass "
+                         "--quantize SCHEME (int8, or int4[-rtn|-gptq][-g32|-g64|-g128][-asym]), or write it in the "
+                         "spec's compile block, e.g. quantize = int4(method = gptq, calibration = \"calib.txt\")")
+    if args.quantize:
+        parse_scheme(args.quantize)  # a name that is no scheme (gguf, none, a typo): refused before the model loads
     if args.calibration:
         read_text_file("--calibration", args.calibration)  # missing or not UTF-8: fail before the model loads
-        if scheme.method == "gptq":
-            scheme = dataclasses.replace(scheme, calibration=args.calibration)
-        else:  # not recorded in quantization.json either: it did not shape these weights
-            say(f"note: --calibration is not used: {args.quantize} rounds each weight on its own (only GPTQ "
-                "calibrates)")
     t0 = time.perf_counter()
     # A GGUF's Q4 / Q8 linears are dequantized first (not kept, as on CUDA), so every linear takes this scheme.
     gguf = is_gguf(args.weights if args.weights else bundled_weights(args.spec))
-    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device, quantize="none" if gguf else None)
-    scheme, note = resolve_group(scheme, m.model)  # a scheme without a group gets the one that fits this model
-    if note:
-        say(f"note: {note}")
-    say(f"quantizing {m.model.name} to {scheme.label}" + (" (calibrating)" if scheme.method == "gptq" else ""))
-    gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer)
+    # The scheme `kiln run` would quantize with (the spec's `quantize`, the flag over it: kiln.build.with_quantize),
+    # its int4 group fitted to this model, so that running OUT is running the source with the same --quantize.
+    m = load_model(args.spec, args.weights, dtype=args.dtype, device=args.device,
+                   quantize=args.quantize or ("none" if gguf else None))
+    scheme = m.compile.extra["quantize"]
+    if args.calibration:
+        if scheme.method == "gptq":
+            scheme = dataclasses.replace(scheme, calibration=args.calibration)
+        else:  # not recorded in quantization.json either: it did not shape these weights
+            say(f"note: --calibration is not used: {scheme.label} rounds each weight on its own (only GPTQ "
+                "calibrates)")
+    elif args.quantize and scheme.method != "gptq" and spec_scheme is not None and spec_scheme.calibration:
+        say(f"note: the spec's calibration file {spec_scheme.calibration} is not used: --quantize {args.quantize} "
+            "rounds each weight on its own (only GPTQ calibrates)")
+    on = f"{scheme.calibration}" if scheme.calibration else f"{scheme.tokens} seeded random tokens"
+    say(f"quantizing {m.model.name} to {scheme.label}" + (f" (calibrating on {on})" if scheme.method == "gptq" else ""))
+    gm = quantize_graph(m.gm, scheme, tokenizer=m.tokenizer, route=m.model.route is not None)
     with staged_dir("-o", out) as stage:
         save_quantized(gm, stage, m.model)
         save_tokenizer(m.tokenizer, args.weights, stage)
@@ -70,6 +83,19 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             (out / name).unlink()
     say(f"wrote {out} in {time.perf_counter() - t0:.1f}s; run it with `kiln run --weights {out}`")
     return 0
+
+
+def _spec_scheme(spec: str | None, weights: str | None):
+    """The spec's own `quantize` (a kiln.quant.formats.QuantScheme), None when it has none; read without loading any
+    weights. No spec: a checkpoint's config.json says nothing of quantizing (without weights either, kiln's default
+    spec is the model)."""
+    # lazy: loads torch, which `kiln check`, `kiln fmt` and `kiln --help` never need
+    from kiln.quant.formats import as_scheme
+
+    if spec is None and weights:
+        return None
+    scheme = load_spec(spec if spec is not None else DEFAULT_SPEC).compile.extra.get("quantize")
+    return as_scheme(scheme) if scheme else None
 
 
 def check_quantize_output(output: str, weights: str | None) -> Path:
@@ -111,8 +137,10 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     spec_arg(qz)
     weights_flag(qz, help="a Hugging Face checkpoint dir or a .gguf file, in full "
                  "precision or GGUF-quantized (default: the spec's bundled or seeded random weights)")
-    quantize_flag(qz, help=QUANTIZE_HELP, required=True)
-    qz.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: seeded random tokens)")
+    quantize_flag(qz, help=QUANTIZE_HELP[:-1] + ": sets the format and method; the spec's lm_head, embeddings and "
+                  "GPTQ calibration stay; default: the spec's `quantize`, which is then needed)")
+    qz.add_argument("--calibration", metavar="FILE", help="calibration text for GPTQ (default: the spec's "
+                    "`calibration`, else seeded random tokens)")
     qz.add_argument("-o", "--output", metavar="OUT_DIR", required=True, help="where to write the checkpoint: a new "
                     "or empty directory, or a previous `kiln quantize` output (replaced)")
     device_flag(qz)

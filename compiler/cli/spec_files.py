@@ -36,7 +36,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             failed += 1
             print(f"kiln: error: {e}", file=sys.stderr)
         else:
-            problems = serving_problems(loaded)
+            notes: list[str] = []
+            problems = serving_problems(loaded, notes)
+            for note in notes:  # what runs, but not as one might expect (a draft model's shorter context)
+                print(f"{loaded.path}: note: {note}", file=sys.stderr)
             if problems:
                 failed += 1
                 print(f"{SpecError(problems)}\n{ref}: {len(problems)} error{'s' if len(problems) != 1 else ''}",
@@ -67,10 +70,11 @@ def _keyword(setting: Setting | None, name: str):
     return setting
 
 
-def serving_problems(loaded: LoadedSpec) -> list[Diagnostic]:
+def serving_problems(loaded: LoadedSpec, notes: list[str] | None = None) -> list[Diagnostic]:
     """What a valid spec asks for that `kiln run` / `kiln serve` would refuse only after loading: found here so
     that `kiln check` passing means the spec runs. (Not spec errors: `kiln compile` and the Python API build such
-    models, and a missing calibration file may be given later with --calibration.)"""
+    models, and a missing calibration file may be given later with --calibration.) notes: gets what runs but
+    deserves a word (a draft model with a shorter context than the target's), as `kiln run` says it at load."""
     out = []
     model, extra = loaded.model, loaded.compile.extra
     settings = {x.key: x for x in loaded.ast.compile.settings} if loaded.ast.compile is not None else {}
@@ -86,13 +90,17 @@ def serving_problems(loaded: LoadedSpec) -> list[Diagnostic]:
     draft = extra.get("speculation")
     if draft is not None and draft.kind == "draft" and model.route is None:
         # lazy: reading a checkpoint's config goes through kiln.build, which loads torch (only for a draft model)
-        from kiln.speculation import check_draft
+        from kiln.speculation import check_draft, draft_context_note
 
         try:
-            check_draft(draft, model)
+            draft_model = check_draft(draft, model, loaded.path)
         except KilnError as e:
             out.append(_diagnostic(loaded, settings["speculation"], str(e), "give a draft model of the target's "
                                    "family (the same tokenizer), dense; a relative path starts at the spec's folder"))
+        else:
+            note = draft_context_note(draft, draft_model, model)
+            if note is not None and notes is not None:
+                notes.append(note)
     quantize = extra.get("quantize")
     if quantize and quantize["bits"] == 4:
         scheme = SchemeView.of(quantize)

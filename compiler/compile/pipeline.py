@@ -35,7 +35,6 @@ from kiln.ir.text import format_graph
 from kiln.model_config import CompileConfig
 from kiln.passes.base import Pass, PassResult
 from kiln.passes.flash_tiling import make_pass as flash_tiling_pass
-from kiln.passes.gqa_fusion import PASS as GQA_FUSION
 from kiln.passes.kv_cache import make_pass as kv_cache_pass
 from kiln.passes.quantize import make_pass as quantize_pass
 
@@ -51,6 +50,10 @@ STEP_PIPELINE: tuple[str, ...] = (
 # for a Mixture-of-Depths model: spec validation records its ModConfig as CompileConfig.extra["route"]).
 _NEEDS_SETTING = ("quantize", "mod_routing")
 DEFAULT_PIPELINE: tuple[str, ...] = tuple(n for n in MODEL_PIPELINE if n not in _NEEDS_SETTING)
+# CompileConfig.extra key: the tokenizer a GPTQ scheme's calibration file is encoded with. kiln.build.load_model sets
+# the model's own, so every path that compiles a loaded model (LLM, run, serve, bench) calibrates on its tokens;
+# without it the quantize pass encodes the file as bytes (the tokens of a model that has no tokenizer).
+CALIBRATION_TOKENIZER = "calibration_tokenizer"
 
 # torch (non-kiln) call targets a Level-1/Level-2 graph may hold.
 ALLOWED_TORCH_TARGETS: frozenset = frozenset(
@@ -112,9 +115,10 @@ def build_pipeline(
     pass bound to `kv_dtype`), or `compile_cfg.extra["passes"]` (a list of names, run in the order given).
 
     `compile_cfg.extra["quantize"]` (a scheme, see kiln.quant.formats) binds the quantize pass to it (without it
-    quantize is skipped unless a list or an override names it); `extra["route"]` (a Mixture-of-Depths model's
-    ModConfig, recorded by spec validation) turns mod_routing on; `extra["attention"]` (the spec's `attention =
-    ...`) turns flash_tiling off (reference) or pins its tile; `extra["disable_passes"]` drops names; `overrides`
+    quantize is skipped unless a list or an override names it), with `extra[CALIBRATION_TOKENIZER]` encoding a GPTQ
+    calibration file; `extra["route"]` (a Mixture-of-Depths model's ModConfig, recorded by spec validation) turns
+    mod_routing on; `extra["attention"]` (the spec's `attention = ...`) turns flash_tiling off (reference) or pins
+    its tile; `extra["disable_passes"]` drops names; `overrides`
     (CLI flags) map a pass name to True (run it) or False (skip it) and win over the config. Every pass must come
     after the passes it `requires`: checked, never reordered.
     """
@@ -127,7 +131,7 @@ def build_pipeline(
         on["quantize"] = bool(extra.get("quantize"))
         on["mod_routing"] = bool(extra.get("route"))
     if extra.get("quantize"):
-        registry["quantize"] = quantize_pass(extra["quantize"])
+        registry["quantize"] = quantize_pass(extra["quantize"], tokenizer=extra.get(CALIBRATION_TOKENIZER))
     if step:
         registry["kv_cache"] = kv_cache_pass(kv_dtype)
     attention = extra.get("attention") or {}
@@ -251,6 +255,21 @@ def run_pipeline(
     return gm
 
 
-def quantize_graph(gm: fx.GraphModule, scheme, **kwargs) -> fx.GraphModule:
-    """gqa_fusion (when not run yet) then quantize, in place; scheme and kwargs as kiln.passes.quantize.make_pass."""
-    return run_pipeline(gm, [GQA_FUSION, quantize_pass(scheme, **kwargs)])
+def passes_before_quantize(route: bool) -> tuple[str, ...]:
+    """The passes the pipelines run before quantize: mod_routing for a Mixture-of-Depths model (`route`), gqa_fusion.
+    A quantized checkpoint is written and loaded after exactly these, so that its weights are the ones the pipeline
+    quantizes (fused as it fuses them, calibrated on what it computes)."""
+    before = MODEL_PIPELINE[: MODEL_PIPELINE.index("quantize")]
+    return tuple(n for n in before if n != "mod_routing" or route)
+
+
+def quantize_graph(gm: fx.GraphModule, scheme, *, route: bool = False, **kwargs) -> fx.GraphModule:
+    """The pipeline's passes before quantize (passes_before_quantize; those already run change nothing), then
+    quantize, in place; scheme and kwargs as kiln.passes.quantize.make_pass. route: the graph is a
+    Mixture-of-Depths model's, routed (mod_routing) first as the pipeline does. gm.meta["kiln_passes_before_quantize"]
+    records the passes before quantize (save_quantized stores them)."""
+    known = known_passes()
+    before = passes_before_quantize(route)
+    gm = run_pipeline(gm, [known[n] for n in before] + [quantize_pass(scheme, **kwargs)])
+    gm.meta["kiln_passes_before_quantize"] = list(before)
+    return gm

@@ -103,6 +103,36 @@ def parse_scheme(text: str, **overrides) -> QuantScheme:
     return replace(scheme, **overrides)
 
 
+# What a --quantize name (LLM's quantize=) sets over a spec's own `quantize`: the format and the method. The spec's
+# other options stay, since the name cannot say them: what it quantizes (lm_head, embeddings) and, when the result
+# calibrates (GPTQ), on what (calibration, tokens, seq_len, seed).
+_KEPT = ("lm_head", "embeddings")
+_KEPT_GPTQ = ("calibration", "tokens", "seq_len", "seed")
+
+
+def override_scheme(spec: QuantScheme | dict | str | None, flag: QuantScheme | str) -> QuantScheme:
+    """The scheme a --quantize name `flag` gives over the spec's `quantize` (None: it has none): the flag's bits,
+    group, symmetry and method, with the spec's lm_head / embeddings and, for a GPTQ result, its calibration."""
+    flag = as_scheme(flag)
+    if spec is None:
+        return flag
+    spec = as_scheme(spec)
+    kept = _KEPT + (_KEPT_GPTQ if flag.method == "gptq" else ())
+    return replace(flag, **{f: getattr(spec, f) for f in kept})
+
+
+def kept_from_spec(scheme: QuantScheme) -> list[str]:
+    """The options override_scheme kept from a spec that differ from a bare name's defaults, as `key = value` (what a
+    note says the flag did not replace)."""
+    default = QuantScheme()
+    kept = _KEPT + (_KEPT_GPTQ if scheme.method == "gptq" else ())
+    return [f"{f} = {_spec_value(getattr(scheme, f))}" for f in kept if getattr(scheme, f) != getattr(default, f)]
+
+
+def _spec_value(v: object) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else str(v)
+
+
 def as_scheme(value: QuantScheme | dict | str) -> QuantScheme:
     if isinstance(value, QuantScheme):
         return value

@@ -44,7 +44,14 @@ def calibration_ids(scheme: QuantScheme, vocab: int, tokenizer=None) -> torch.Te
             raise KilnError(f"quantize: calibration file {path} does not exist; give a text file or use tokens = N")
         if tokenizer is None:
             tokenizer = ByteTokenizer(vocab)
-        ids = torch.tensor(tokenizer.encode(path.read_text(encoding="utf-8"))[: scheme.tokens], dtype=torch.long)
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise KilnError(f"quantize: calibration file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                            f"offset {e.start}); give a UTF-8 text file (e.g. `iconv -t UTF-8`)") from None
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as text mode (read_text) read them
+        ids = torch.tensor(tokenizer.encode(text)[: scheme.tokens], dtype=torch.long)
         if ids.numel() == 0:
             raise KilnError(f"quantize: calibration file {path} has no text")
     else:

@@ -33,6 +33,8 @@ K_MAX = 16  # drafted tokens per step at most: acceptance decays geometrically, 
 FUNCS = {"ngram": ("n", "k"), "self": ("layers", "k"), "draft": ("spec", "weights", "k")}
 OFF = "off"
 EXAMPLE = "ngram(n = 3, k = 4)"
+_DRAFTERS = 'ngram(n = 3, k = 4), self(layers = L, k = 4), draft(spec = "...", weights = "...", k = 4)'
+_KINDS = f"{_DRAFTERS}, or off"
 _K_WHY = (f"k is the tokens drafted per step, at most {K_MAX}: each costs a draft step and widens the verification "
           "chunk, while the chance that all are accepted shrinks with every one; 2 to 8 is usual")
 
@@ -54,11 +56,14 @@ def speculation_value(r: _Report, e: Expr, *, base_dir: Path | None = None,
     """
     if isinstance(e, Name) and e.id == OFF:
         return None
+    if isinstance(e, Call) and e.func == OFF:  # `off()`, as any bare name is its call (and the dict {"kind": "off"})
+        if e.args or e.kwargs:
+            r.error(e, "off takes no settings: it turns speculation off", f"write `off` alone (or leave speculation "
+                    f"out), or pick a drafter: {_DRAFTERS}")
+        return None
     func = e.id if isinstance(e, Name) else e.func if isinstance(e, Call) else None
     if func is not None and func not in FUNCS:
-        r.error(e, f"unknown speculation `{func}`{_suggest(func, (*FUNCS, OFF))}",
-                "speculation is one of: ngram(n = 3, k = 4), self(layers = L, k = 4), draft(spec = \"...\", "
-                "weights = \"...\", k = 4), or off")
+        r.error(e, f"unknown speculation `{func}`{_suggest(func, (*FUNCS, OFF))}", f"speculation is one of: {_KINDS}")
         return None
     found = _config_call(r, e, "speculation", FUNCS, EXAMPLE)
     if found is None:
@@ -132,7 +137,8 @@ def parse_speculation(text: str, source: str = "--speculation") -> SpeculationCo
 
 def speculation_config(value: object, source: str = "speculation") -> SpeculationConfig | None:
     """LLM(speculation=...): a SpeculationConfig, its text (`ngram(n = 3, k = 4)`), a dict of its fields
-    ({"kind": "ngram", "n": 3, "k": 4}) or None / "off" (no speculation). Each is validated the same way."""
+    ({"kind": "ngram", "n": 3, "k": 4}; {"kind": "off"} is off too) or None / "off" (no speculation). Each is
+    validated the same way."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -150,14 +156,14 @@ def _dict_text(d: dict, source: str) -> str:
     """The dict as the equivalent text, so it is validated (and its errors shown) like the text form."""
     kind = d.get("kind")
     if not isinstance(kind, str) or not kind.isidentifier():
-        raise UsageError(f"{source}: the dict needs 'kind', one of {', '.join(FUNCS)}; got {kind!r}")
+        raise UsageError(f"{source}: the dict needs 'kind', one of {', '.join(FUNCS)} or {OFF!r}; got {kind!r}")
     parts = []
     for key, v in d.items():
         if key == "kind":
             continue
         if not isinstance(key, str) or not key.isidentifier():
             raise UsageError(f"{source}: key {key!r} is not a setting name; {kind}() takes "
-                             f"{', '.join(FUNCS.get(kind, ()))}")
+                             f"{', '.join(FUNCS.get(kind, ())) or 'no settings'}")
         if isinstance(v, bool):
             lit = "true" if v else "false"
         elif isinstance(v, (int, float, str)):

@@ -34,7 +34,8 @@ class _Report:
 
 
 def _suggest(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1)
+    """"; did you mean `x`?" for the closest choice, never `word` itself (a known word refused in this place)."""
+    close = difflib.get_close_matches(word, [c for c in choices if c != word], n=1)
     return f"; did you mean `{close[0]}`?" if close else ""
 
 

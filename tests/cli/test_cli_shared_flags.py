@@ -42,8 +42,6 @@ EXCEPTIONS = {
     ("--device", "train-router"): {"default": "cpu"},
     # not given: unseeded sampling (random weights still take seed 0)
     ("--seed", "run"): {"default": None},
-    # quantizing is the command's whole point
-    ("--quantize", "quantize"): {"required": True},
 }
 
 ATTRS = ("type", "choices", "default", "required", "nargs", "const", "action")

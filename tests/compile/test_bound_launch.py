@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -172,7 +172,7 @@ def test_a_direct_wrapper_call_goes_through_the_cache_and_checks(monkeypatch):
     calls, _ = _profile(lambda: TileConfig(16, 16, 4, 1).validate())
     assert calls[("TileConfig", "__init__")] == calls[("tiles.py", "validate")] == 1
     q = torch.randn(1, 4, 32)
-    monkeypatch.setattr(flash_attn, "_OFFSETS", {})  # a shape never seen: its offsets are made, then kept
+    monkeypatch.setattr(flash_attn, "_OFFSETS", OrderedDict())  # a shape never seen: its offsets are made, then kept
     calls, _ = _profile(lambda: flash_attention(q, q, q, 2, 2, True, 0, 0.25))
     assert calls[_ARANGE] == 1
     calls, _ = _profile(lambda: flash_attention(q, q, q, 2, 2, True, 0, 0.25))

@@ -54,6 +54,14 @@ def test_calibration_ids_random_and_from_text(tmp_path):
     assert from_text.shape == (8, 16) and bytes(from_text[0, :9].tolist()) == b"the quick"
     with pytest.raises(KilnError, match="does not exist"):
         calibration_ids(QuantScheme(bits=8, method="gptq", calibration=str(tmp_path / "none.txt")), vocab=300)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9\r\n".encode("latin-1"))
+    with pytest.raises(KilnError, match=r"latin1\.txt is not UTF-8 text \(byte 0xe9 at offset 3\); give a UTF-8"):
+        calibration_ids(QuantScheme(bits=8, method="gptq", calibration=str(latin1)), vocab=300)
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"a\r\nb\rc")  # newlines read as text mode reads them, as before
+    assert calibration_ids(QuantScheme(bits=8, method="gptq", calibration=str(crlf)), vocab=300).tolist() == [
+        list(b"a\nb\nc")]
 
 
 def test_gptq_pass_calibrates_from_a_text_file(tmp_path):

@@ -120,7 +120,7 @@ ROWS = [
     Row("bench-schemes-bogus", ["bench", "quality", "--schemes", "int8,bogus"], code=2,
         fragment="--schemes: 'bogus' is not a quantization scheme"),
     Row("temperature-nan", ["run", "--prompt", "x", "--temperature", "nan"], code=2,
-        fragment="sampling parameter temperature = nan is out of range"),
+        fragment="--temperature nan is out of range"),
     Row("prompt-ids-garbage", ["run", "--prompt-ids", "1,two"], code=2,
         fragment="argument --prompt-ids: --prompt-ids must be comma-separated integers"),
     Row("block-size-3", ["run", "--prompt", "x", "--max-tokens", "1", "--block-size", "3"], code=2,

@@ -263,11 +263,13 @@ def passes_before_quantize(route: bool) -> tuple[str, ...]:
     return tuple(n for n in before if n != "mod_routing" or route)
 
 
-def quantize_graph(gm: fx.GraphModule, scheme, *, route: bool = False, **kwargs) -> fx.GraphModule:
+def quantize_graph(gm: fx.GraphModule, scheme, *, route: bool | None = None, **kwargs) -> fx.GraphModule:
     """The pipeline's passes before quantize (passes_before_quantize; those already run change nothing), then
     quantize, in place; scheme and kwargs as kiln.passes.quantize.make_pass. route: the graph is a
-    Mixture-of-Depths model's, routed (mod_routing) first as the pipeline does. gm.meta["kiln_passes_before_quantize"]
-    records the passes before quantize (save_quantized stores them)."""
+    Mixture-of-Depths model's, routed (mod_routing) first as the pipeline does (None: when the graph has routed
+    layers). gm.meta["kiln_passes_before_quantize"] records the passes before quantize (save_quantized stores them)."""
+    if route is None:  # bench quality / perplexity hand a graph alone: GPTQ then calibrates on what serving computes
+        route = any(n.target is torch.ops.kiln.mod_combine.default for n in gm.graph.nodes)
     known = known_passes()
     before = passes_before_quantize(route)
     gm = run_pipeline(gm, [known[n] for n in before] + [quantize_pass(scheme, **kwargs)])

@@ -92,3 +92,18 @@ def test_a_pass_list_that_differs_from_this_kilns_is_named_not_blamed_on_the_spe
     (tmp_path / "quantization.json").write_text(json.dumps(meta))
     with pytest.raises(WeightError, match="are not passes of this kiln"):
         load_quantized(tmp_path)
+
+
+def test_a_routed_graph_given_alone_is_routed_before_quantize():
+    """bench quality / perplexity hand quantize_graph a graph without saying it is routed: it finds the routed
+    layers itself, so GPTQ calibrates on what serving computes; a dense graph runs no mod_routing."""
+    from kiln.compile.pipeline import quantize_graph
+    from kiln.ir.frontend import build_graph
+    from kiln.quant.formats import parse_scheme
+
+    for name, routed in (("tiny-llama-mod", True), ("tiny-llama", False)):
+        gm = quantize_graph(build_graph(load_spec(name).model, seed=0), parse_scheme("int8"))
+        assert ("mod_routing" in gm.meta["kiln_passes_before_quantize"]) is routed, name
+        targets = {str(n.target) for n in gm.graph.nodes}
+        assert "kiln.mod_combine.default" not in targets  # routed layers rewritten; a dense graph has none
+        assert ("kiln.mod_scatter.default" in targets) is routed

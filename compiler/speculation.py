@@ -95,14 +95,14 @@ def draft_context_note(cfg: SpeculationConfig, draft: ModelConfig, target: Model
     draft's length the same way), but requests past the draft's context decode without drafts (ModelDrafter.fits)."""
     if cfg.kind != "draft" or draft.context >= target.context:
         return None
-    last = draft.context - cfg.k  # the longest sequence that still gets k drafts
+    last = draft.context - cfg.k + 1  # the longest sequence that still gets k drafts (ModelDrafter.fits)
     head = (f"the draft model {draft.name!r} takes {draft.context} tokens of context, the target {target.name!r} "
             f"{target.context}")
     if last < 1:
         return (f"{head}: k = {cfg.k} drafts leave no room in it, so nothing is speculated; lower k or give a draft "
                 "model with a longer context")
-    return (f"{head}: speculation stops once a request passes {last} tokens (the draft's context less k = {cfg.k}); "
-            "longer requests decode without drafts")
+    return (f"{head}: speculation stops once a request passes {last} tokens (the positions of its k = {cfg.k} drafts "
+            "must fit the draft's context); longer requests decode without drafts")
 
 
 def _where(cfg: SpeculationConfig, spec_file: str | None) -> str:

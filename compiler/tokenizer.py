@@ -71,18 +71,21 @@ class TokenizerBase:
                             "which needs none, is llm.tokenizer") from None
         # vLLM loads a generating model's tokenizer with truncation_side "left" (a cut prompt keeps its end)
         kwargs = {"truncation_side": "left", **self.transformers_kwargs()}
-        source = self.transformers_source()
-        if source is not None:
-            where, extra = source
-            try:
+        where, extra = str(self.checkpoint_dir or "the model's tokenizer"), {}
+        try:
+            # a GGUF's source builds the model type's config, which an older transformers may not know
+            source = self.transformers_source()
+            if source is not None:
+                where, extra = source
                 # transformers picks the class (tokenizer_config.json's tokenizer_class, the model type's, ...) as
                 # vLLM's AutoTokenizer call does; remote code stays off, as vLLM's default trust_remote_code
                 tok = AutoTokenizer.from_pretrained(where, local_files_only=True, trust_remote_code=False, **extra,
                                                     **kwargs)
-            except Exception as e:  # transformers raises many kinds (ValueError, OSError, ImportError, ...)
-                log.warning("get_tokenizer(): transformers' AutoTokenizer cannot load %s (%s: %s); returning "
-                            "PreTrainedTokenizerFast over kiln's tokenizer instead", where, type(e).__name__, e)
-            else:
+        except Exception as e:  # transformers raises many kinds (ValueError, OSError, ImportError, ...)
+            log.warning("get_tokenizer(): transformers' AutoTokenizer cannot load %s (%s: %s); returning "
+                        "PreTrainedTokenizerFast over kiln's tokenizer instead", where, type(e).__name__, e)
+        else:
+            if source is not None:
                 if "tokenizer_object" not in extra:  # its own backend, read from the files: may encode unlike ours
                     self._note_disagreement(tok, where)
                 return tok

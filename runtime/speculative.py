@@ -121,8 +121,9 @@ class ModelDrafter:
     engine's token budget (max_num_batched_tokens) per step: a request further behind catches up a chunk and
     decodes without drafts this step, so a long prompt never makes one step's draft work unbounded.
 
-    context: the draft model's, when shorter than the target's. A sequence is drafted only while its tokens and its
-    drafts fit it (as vLLM's Top1Proposer leaves out sequences past the draft's max length); longer ones decode
+    context: the draft model's, when shorter than the target's. A sequence is drafted only while the positions its
+    drafts are made at fit it (vLLM's Top1Proposer also leaves out sequences past the draft's max length, one token
+    earlier); longer ones decode
     without drafts, neither caught up nor drafted, since the draft has no positions for them (learned positions
     would index past their table; rope would run past what the draft was made for). None: no bound of its own.
     """
@@ -220,9 +221,9 @@ class ModelDrafter:
         return drafting, first, caught_up
 
     def fits(self, s: ScheduledSeq) -> bool:
-        """Whether the sequence with its drafts (s.start + 1 known tokens, then s.num_drafts) fits the draft's
-        context."""
-        return self.context is None or s.start + 1 + s.num_drafts <= self.context
+        """Whether drafting s fits the draft's context: the draft model is fed positions up to s.start + num_drafts - 1
+        (the last known token, then every draft but the last), so those must be below it."""
+        return self.context is None or s.start + s.num_drafts <= self.context
 
     def verified(self, req: Request, start: int, num_drafts: int, num_accepted: int) -> None:
         """The draft cache holds positions up to start + n - 1; those up to start + a are still valid."""

@@ -24,9 +24,11 @@ from kiln.gguf.files import bundled_weights, is_gguf
 from kiln.spec.loader import DEFAULT_SPEC, load_spec
 
 # What kiln.tokenizer / kiln.chat_template read from a checkpoint: they travel with the weights, so that
-# `kiln run --weights OUT` decodes text and chats as the source does.
+# `kiln run --weights OUT` decodes text and chats as the source does; config.json too, since transformers'
+# AutoTokenizer (LLM.get_tokenizer()) takes the class from its model type where tokenizer_config.json names none
+# (kiln reads a quantized checkpoint's model from its spec.kiln, never from config.json).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "config.json")
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

@@ -127,8 +127,9 @@ class GGUFTokenizer(TokenizerBase):
 
     def save_checkpoint_files(self, out_dir: str | os.PathLike) -> None:
         """Write this tokenizer as a Hugging Face checkpoint's files (tokenizer.json, tokenizer_config.json with
-        the chat template, generation_config.json with the EOS ids), which kiln.tokenizer.load_tokenizer reads back
-        as the same tokenizer: a `kiln quantize` output of a GGUF needs no GGUF to decode text."""
+        the chat template, generation_config.json with the EOS ids, config.json with the model type), which
+        kiln.tokenizer.load_tokenizer reads back as the same tokenizer: a `kiln quantize` output of a GGUF needs no
+        GGUF to decode text."""
         from tokenizers import Tokenizer, processors
 
         tok = Tokenizer.from_str(self._tok.to_str())  # a copy: the post-processor below is only for the file
@@ -142,14 +143,18 @@ class GGUFTokenizer(TokenizerBase):
                 special_tokens=list(zip(bos + eos, ids, strict=True)))
         out = Path(out_dir)
         tok.save(str(out / "tokenizer.json"))
-        config = {"bos_token": self.bos_token, "eos_token": self.eos_token}
-        config.update({k: v for k, v in (("unk_token", self.unk_token), ("pad_token", self.pad_token)) if v})
+        # A token the file lacks is written as null, not left out: a tokenizer class's own default (Qwen2Tokenizer's
+        # <|endoftext|>) must not fill it in, as transformers' GGUF loader passes None for it
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "unk_token": self.unk_token or None,
+                  "pad_token": self.pad_token or None}
         if self._chat_source:
             config["chat_template"] = self._chat_source
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         if self.eos_token_ids:
             (out / "generation_config.json").write_text(
                 json.dumps({"eos_token_id": list(self.eos_token_ids)}, indent=2) + "\n")
+        if self.model_type is not None:  # AutoTokenizer (get_tokenizer()) takes the class from it, as from the GGUF
+            (out / "config.json").write_text(json.dumps({"model_type": self.model_type}, indent=2) + "\n")
 
 
 def load_gguf_tokenizer(reader: Any, path: str | os.PathLike) -> GGUFTokenizer:

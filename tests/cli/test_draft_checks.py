@@ -51,8 +51,8 @@ def test_check_notes_a_draft_with_a_shorter_context_and_passes(pair, capsys):
     out, err = capsys.readouterr()
     assert f"{pair}: ok (t," in out
     assert (f"{pair}: note: the draft model 'draft64' takes 64 tokens of context, the target 't' 256: speculation "
-            "stops once a request passes 60 tokens (the draft's context less k = 4); longer requests decode without "
-            "drafts") in err
+            "stops once a request passes 61 tokens (the positions of its k = 4 drafts must fit the draft's context); "
+            "longer requests decode without drafts") in err
 
 
 def test_check_says_nothing_of_a_draft_as_long_as_the_target(tmp_path, capsys):
@@ -65,8 +65,9 @@ def test_check_says_nothing_of_a_draft_as_long_as_the_target(tmp_path, capsys):
 def test_the_note_when_k_leaves_no_room():
     target = load_spec("tiny-gpt2").model
     draft = dataclasses.replace(target, context=8)
-    note = draft_context_note(S("draft", k=8, spec="x"), draft, target)
-    assert note is not None and "k = 8 drafts leave no room in it, so nothing is speculated" in note
+    note = draft_context_note(S("draft", k=9, spec="x"), draft, target)
+    assert note is not None and "k = 9 drafts leave no room in it, so nothing is speculated" in note
+    assert "passes 1 tokens" in draft_context_note(S("draft", k=8, spec="x"), draft, target)  # positions 0..7
     assert draft_context_note(S("draft", k=4, spec="x"), target, target) is None
 
 

@@ -135,3 +135,17 @@ def test_remote_code_falls_back_to_kilns_tokenizer_with_a_warning(tmp_path, capl
     assert "cannot load" in warning and "PreTrainedTokenizerFast" in warning
     for text in TEXTS:
         assert tok.encode(text) == own.encode(text) or text.startswith(tok.bos_token)
+
+
+def test_a_quantized_checkpoint_gives_its_sources_class(family, checkpoint, llm, tmp_path):
+    """`kiln quantize` carries config.json with the tokenizer files: AutoTokenizer needs its model type where
+    tokenizer_config.json names no class (GPT-2), or it gives a generic tokenizer without the special tokens."""
+    from kiln import LLM
+    from kiln.cli.commands import main
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(checkpoint), "--quantize", "int8", "-o", str(out), "--device", "cpu"]) == 0
+    tok, source = LLM(str(out), device="cpu", use_kernels=False).get_tokenizer(), llm.get_tokenizer()
+    assert type(tok) is type(source) is _class(CLASS_NAMES[family])
+    assert tok.special_tokens_map == source.special_tokens_map
+    assert_same_calls(tok, source)

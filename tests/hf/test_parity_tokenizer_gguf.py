@@ -138,3 +138,18 @@ def test_equals_transformers_gguf_loader(tmp_path, kind):
     assert_same_settings(tok, hf)
     assert_same_calls(tok, hf)
     assert_same_chat(tok, hf)
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "qwen2"])
+def test_a_gguf_saved_as_checkpoint_files_keeps_the_loaders_class(tmp_path, kind):
+    """The files carry the model type (config.json), so AutoTokenizer picks the class the GGUF loader picks
+    (Qwen2Tokenizer for a qwen2 file), not a generic one without the special tokens."""
+    path = tmp_path / "t.gguf"
+    WRITERS[kind](path)
+    out = tmp_path / "out"
+    out.mkdir()
+    tok, own = _both(path)
+    own.save_checkpoint_files(out)
+    back = load_tokenizer(out, vocab=1).transformers_tokenizer
+    assert type(back) is type(tok) and back.special_tokens_map == tok.special_tokens_map
+    assert_same_calls(back, tok)

@@ -60,8 +60,10 @@ def test_requests_past_the_draft_context_decode_without_drafts_and_without_a_wor
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     drafted = [(start, n) for start, _, n in drafter.seen if n]
     assert drafted, "nothing was drafted before the draft's context"
-    assert all(start + 1 + n <= DRAFT_CONTEXT for start, n in drafted)  # every draft within the draft's positions
-    past = [(start, slots, n) for start, slots, n in drafter.seen if start + 1 + slots > DRAFT_CONTEXT]
+    # the draft model is fed positions start .. start + n - 1: all within its context, up to its last position
+    assert all(start + n <= DRAFT_CONTEXT for start, n in drafted)
+    assert max(start + n for start, n in drafted) == DRAFT_CONTEXT  # the boundary itself is drafted
+    past = [(start, slots, n) for start, slots, n in drafter.seen if start + slots > DRAFT_CONTEXT]
     assert past and all(n == 0 for _, _, n in past)  # slots were reserved past it, and none was filled
     st = engine.stats
     assert st.spec_drafter_failures == 0
@@ -92,5 +94,5 @@ def test_llm_with_a_shorter_context_draft_spec_speculates_up_to_it_only(tmp_path
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     c = llm.engine.spec_counters
     assert c.drafter_failures == 0
-    assert got[0].metrics.num_draft_tokens > 0  # the 44-token prompt drafts until it passes 60 tokens
+    assert got[0].metrics.num_draft_tokens > 0  # the 44-token prompt drafts until it passes 61 tokens
     assert got[1].metrics.num_draft_tokens == 0  # past the draft's context from its prompt on

@@ -181,8 +181,10 @@ def _load_quantized(
     if dtype is not None and dtype not in DTYPES:
         raise KilnError(_dtype_error(dtype))
     have, stored = check_stored_settings(weights_dir, loaded.model, quantize=quantize, dtype=dtype)
-    if spec is not None and loaded.compile.extra.get("quantize") and quantize is None:
-        _warn_spec_scheme(loaded.path, as_scheme(loaded.compile.extra["quantize"]), have, loaded.model, weights_dir)
+    if spec is not None and loaded.compile.extra.get("quantize"):  # --quantize over it keeps lm_head / embeddings
+        own = loaded.compile.extra["quantize"]
+        _warn_spec_scheme(loaded.path, as_scheme(own) if quantize is None else override_scheme(own, quantize), have,
+                          loaded.model, weights_dir)
     gm = load_quantized(weights_dir, loaded.model, device=dev)
     comp = dataclasses.replace(loaded.compile, dtype=stored)
     comp = dataclasses.replace(comp, extra={k: v for k, v in comp.extra.items() if k != "quantize"})  # stored already

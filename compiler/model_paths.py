@@ -15,24 +15,29 @@ from kiln.spec.loader import bundled_spec
 _WEIGHTS_KINDS = "a Hugging Face checkpoint dir (config.json + *.safetensors), a .gguf file or a `kiln quantize` output"
 
 
-def weights_label(path: Path) -> str:
-    """How check_weights_dir's messages name the weights: as the --weights flag (a draft model's rewords it)."""
-    return f"weights {path} (--weights)"
+class WeightsPathError(KilnError):
+    """What a weights path names instead of a checkpoint directory (check_weights_dir): `path` and `problem`, the
+    message naming it as the --weights flag; a caller that took the path from elsewhere (a draft model's `weights` or
+    `spec`) words it as the user wrote it, with `problem`."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(f"weights {path} (--weights): {problem}")
+        self.path, self.problem = path, problem
 
 
 def check_weights_dir(path: Path) -> None:
-    """KilnError saying what the weights (--weights) name instead of a checkpoint directory: nothing, a spec file,
-    another file, or a directory without config.json. Messages read right from the CLI and from LLM(...)."""
+    """WeightsPathError saying what the weights (--weights) name instead of a checkpoint directory: nothing, a spec
+    file, another file, or a directory without config.json. Messages read right from the CLI and from LLM(...)."""
     if not path.exists():
-        raise KilnError(f"{weights_label(path)}: does not exist; check the path (give {_WEIGHTS_KINDS})")
+        raise WeightsPathError(path, f"does not exist; check the path (give {_WEIGHTS_KINDS})")
     if path.is_file() and path.suffix == ".kiln":
-        raise KilnError(f"{weights_label(path)}: is a spec file, not weights; pass it as the spec (SPEC, e.g. "
-                        f"`kiln run {path}`, or LLM's first argument), with weights only for its checkpoint")
+        raise WeightsPathError(path, f"is a spec file, not weights; pass it as the spec (SPEC, e.g. `kiln run {path}`, "
+                               "or LLM's first argument), with weights only for its checkpoint")
     if not path.is_dir():
-        raise KilnError(f"{weights_label(path)}: is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
+        raise WeightsPathError(path, f"is a file, not a checkpoint directory; give {_WEIGHTS_KINDS}")
     if not (path / "config.json").is_file():
-        raise KilnError(f"{weights_label(path)}: no config.json there; point them at a Hugging Face "
-                        "checkpoint dir or a directory written by `kiln quantize`")
+        raise WeightsPathError(path, "no config.json there; point them at a Hugging Face checkpoint dir or a "
+                               "directory written by `kiln quantize`")
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

@@ -34,7 +34,7 @@ from kiln.compile.step import compile_step
 from kiln.errors import InternalError, KilnError, UsageError
 from kiln.ir.attrs import owner
 from kiln.model_config import ModelConfig, SpeculationConfig
-from kiln.model_paths import weights_label
+from kiln.model_paths import WeightsPathError
 from kiln.passes.speculative import self_draft_graph
 from kiln.runtime.speculative import ModelDrafter, NgramDrafter
 from kiln.spec.speculation import NOT_FOR_MOD, check_layers, describe, speculation_config
@@ -126,16 +126,17 @@ def _as_written(path: str, spec_file: str | None) -> str:
 
 
 def _weights_named(e: KilnError, cfg: SpeculationConfig, spec_file: str | None) -> str:
-    """e's message, with the weights named as the speculation's `weights` (as written and as resolved) where
-    kiln.model_paths names them as the --weights flag, which the user may never have given."""
-    text = str(e)
-    flag = f"{weights_label(Path(cfg.weights))}: "
-    if not cfg.weights or not text.startswith(flag):
-        return text
-    written = _as_written(cfg.weights, spec_file)
+    """e's message, with a path check_weights_dir refused named as the speculation's `weights` or `spec` (as written
+    and as resolved), not as the --weights flag, which the user may never have given."""
+    if not isinstance(e, WeightsPathError):
+        return str(e)
+    key = next((k for k in ("weights", "spec") if getattr(cfg, k) and Path(getattr(cfg, k)) == e.path), None)
+    if key is None:
+        return str(e)
+    written = _as_written(getattr(cfg, key), spec_file)
     base = "the working directory" if spec_file is None else "the spec's folder"
-    how = "" if os.path.isabs(written) else f" (resolved from {base}: {os.path.abspath(cfg.weights)})"
-    return f"weights = {json.dumps(written)}{how}: {text[len(flag):]}"
+    how = "" if os.path.isabs(written) else f" (resolved from {base}: {os.path.abspath(e.path)})"
+    return f"{key} = {json.dumps(written)}{how}: {e.problem}"
 
 
 def prepare_drafter(cfg: SpeculationConfig, loaded: LoadedModel, *, seed: int = 0) -> DraftPlan:

@@ -109,6 +109,17 @@ def test_a_flags_weights_are_named_as_written_and_resolved_from_the_working_dire
     assert f'weights = "{tmp_path / "f.bin"}": is a file, not a checkpoint directory' in _no_flag(str(info.value))
 
 
+
+def test_a_checkpoint_dir_given_as_the_drafts_spec_is_named_as_its_spec(tmp_path, monkeypatch):
+    """draft(spec = DIR) takes DIR as the draft's checkpoint: a directory without config.json is the key's fault."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(KilnError) as info:
+        check_draft(parse_speculation('draft(spec = "ckpt")'), load_spec("tiny-llama").model)
+    msg = _no_flag(str(info.value))
+    assert f'spec = "ckpt" (resolved from the working directory: {tmp_path / "ckpt"}): no config.json there' in msg
+
+
 def test_a_spec_file_as_weights_is_pointed_at_spec(tmp_path):
     draft = gpt2_spec(tmp_path / "d.kiln", name="d")
     with pytest.raises(KilnError, match=re.escape("is a spec file, not weights; name it as the draft's spec: "

@@ -120,6 +120,10 @@ def test_a_spec_whose_scheme_differs_from_the_stored_one_is_warned_about(tmp_pat
     with caplog.at_level(logging.WARNING, logger="kiln"):
         load_model(str(_spec(tmp_path, "int8")), out, device="cpu")
     assert not [r for r in caplog.records if "asks for quantize" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kiln"):  # the flag matches the label, but the spec's head stays
+        load_model(str(_spec(tmp_path, "int8(lm_head = true)")), out, device="cpu", quantize="int8")
+    assert any("asks for quantize int8, lm_head = true" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("flag", [None, "int8"])

@@ -165,6 +165,7 @@ class EngineSetup:
                          max_model_len=self.max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                          use_cuda_graphs=graphs, pad_decode_batches=pad_decode_batches, max_batch=spec_batch)
             self.scheduler.spec_k = drafter.k
+            self.scheduler.spec_context = drafter.context
             self.scheduler.spec_max_batch = spec_batch
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         overlap = step_model.device.type == "cuda" if overlap_outputs is None else bool(overlap_outputs)

@@ -174,7 +174,7 @@ def _draw_probs(rows: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """fp32 [R, V]: for each row of fp32 [R, V] logits, exactly the distribution sample_rows draws from with that
-    row's params (temperature, top-k, top-p, min-p; one-hot on the argmax for greedy rows). apply_penalties is not
+    row's params (temperature, min-p, top-k, top-p; one-hot on the argmax for greedy rows). apply_penalties is not
     applied: speculation is off while it would change anything (Request.can_speculate). Rows with equal params are
     processed together.
     """

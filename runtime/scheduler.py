@@ -218,6 +218,8 @@ class Scheduler(SchedulerQueues):
         if not req.can_speculate:
             return 0
         extra = min(self.spec_k, spare, req.params.max_tokens - len(req.output_token_ids) - 1)
+        if self.spec_context is not None:  # the draft model is fed positions up to num_computed + extra - 1
+            extra = min(extra, self.spec_context - req.num_computed_tokens)
         if extra <= 0:
             return 0
         have = len(self.bm.table(req.request_id)) + self.bm.num_free_blocks

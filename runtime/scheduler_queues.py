@@ -30,6 +30,9 @@ class SchedulerQueues:
         self.running: list[Request] = []  # kept in priority order
         self.num_preemptions = 0
         self.spec_k = 0  # draft slots per speculative decode (0: speculation off)
+        # A draft model with a shorter context than the target's (ModelDrafter.context): a decode at position p gets
+        # at most spec_context - p draft slots, since the drafter makes no draft past it (None: no bound)
+        self.spec_context: int | None = None
         self.spec_max_batch: int | None = None  # speculate only while this many decodes run or fewer (None: always)
         self.num_spec_off_steps = 0  # steps that had speculative candidates but too many decodes to speculate
 

@@ -46,7 +46,8 @@ class Draft:
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the request's last n tokens (n, then n - 1, ... 1)
-    in prompt + output and propose the up-to-k tokens that followed it.
+    in prompt + output and propose the up-to-k tokens that followed it. It has no context of its own (`context`
+    None, as ModelDrafter's for a draft as long as the target).
 
     Each request's tokens are kept in a numpy array that grows with them (a request's tokens only grow while it
     can be proposed for), so a proposal costs a vectorized search, not a Python loop over the whole context per
@@ -55,7 +56,7 @@ class NgramDrafter:
     def __init__(self, n: int = 3, k: int = 4):
         if not (isinstance(n, int) and n >= 1 and isinstance(k, int) and k >= 1):
             raise KilnError(f"NgramDrafter(n={n!r}, k={k!r}): n and k must be integers >= 1 (e.g. n=3, k=4)")
-        self.n, self.k = n, k
+        self.n, self.k, self.context = n, k, None
         # per request (dropped with it): a buffer of its tokens and how many of them are written
         self._tokens: weakref.WeakKeyDictionary[Request, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
 

@@ -108,7 +108,7 @@ def test_min_p_keeps_what_hf_keeps(min_p, temperature):
     from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
 
     logits = torch.randn(16, 200, generator=torch.Generator().manual_seed(5)) * 2
-    # HF's order, as kiln's: temperature first, then min-p against the most likely token's probability
+    # temperature first, then min-p against the most likely token's probability (HF's and vLLM V1's alike here)
     scores = logits.clone() if temperature == 1.0 else TemperatureLogitsWarper(temperature)(None, logits.clone())
     hf = MinPLogitsWarper(min_p=min_p)(None, scores)
     ours = process_logits(logits, SamplingParams(min_p=min_p, temperature=temperature))

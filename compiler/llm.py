@@ -182,6 +182,7 @@ class LLM(LLMRequests):
         chat_template_kwargs: Mapping[str, object] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation ([{"role": ..., "content": ...}, ...]) or to each of
         a list of them, through the model's chat template (the checkpoint's or the GGUF's; kiln's default for a
@@ -190,10 +191,11 @@ class LLM(LLMRequests):
         variables for the template (e.g. {"enable_thinking": False} for Qwen3's), as in vLLM. add_generation_prompt
         and continue_final_message are vLLM's (and transformers' apply_chat_template's): with
         continue_final_message (and add_generation_prompt False) the prompt ends inside the final message, which
-        the reply continues."""
+        the reply continues. tools: tool definitions ({"type": "function", "function": {...}}) given to the template
+        as `tools`, as vLLM's LLM.chat gives them (kiln parses no tool calls out of the reply)."""
         prompts = self.chat_prompts(messages, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, chat_template=chat_template,
-                                    chat_template_kwargs=chat_template_kwargs)
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
         # The template writes the special tokens it wants (BOS): the tokenizer adds none, as vLLM's LLM.chat and the
         # server's chat encode (transformers' apply_chat_template(tokenize=True) ids).
         groups = self._add(prompts, sampling_params, None, output_kind="final_only", add_special=False)
@@ -202,7 +204,8 @@ class LLM(LLMRequests):
     def chat_prompts(self, messages: Sequence[dict] | Sequence[Sequence[dict]], *, add_generation_prompt: bool = True,
                      continue_final_message: bool = False,
                      chat_template: str | os.PathLike | ChatTemplate | None = None,
-                     chat_template_kwargs: Mapping[str, object] | None = None) -> list[str]:
+                     chat_template_kwargs: Mapping[str, object] | None = None,
+                     tools: Sequence[Mapping[str, object]] | None = None) -> list[str]:
         """The prompt text `chat` sends for each conversation (encoded without the special tokens the tokenizer adds:
         the template writes its own)."""
         if continue_final_message and add_generation_prompt:
@@ -218,16 +221,29 @@ class LLM(LLMRequests):
             raise RequestError(str(e), param="chat_template") from None
         kwargs = check_template_kwargs(dict(chat_template_kwargs) if isinstance(chat_template_kwargs, Mapping)
                                        else chat_template_kwargs)
+        if tools is not None:
+            if isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence) or not all(
+                    isinstance(tool, Mapping) for tool in tools):
+                raise RequestError('tools must be a list of tool definitions ({"type": "function", "function": '
+                                   '{"name": ..., ...}}), or None', param="tools")
+            if kwargs and "tools" in kwargs:
+                raise RequestError("tools given twice: as tools= and in chat_template_kwargs; give them once",
+                                   param="tools")
+            kwargs = {**(kwargs or {}), "tools": [dict(tool) for tool in tools]}
         prompts = []
         for i, conv in enumerate(convs):
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise RequestError(f"conversation {i} must be a non-empty list of dicts with 'role' and 'content'")
-            if continue_final_message and conv[-1]["content"] is None:  # as the server and transformers refuse it
+            if not conv or not all(isinstance(m, dict) for m in conv):
+                raise RequestError(f"conversation {i} must be a non-empty list of message dicts")
+            bad = next((j for j, m in enumerate(conv) if not isinstance(m.get("role"), str) or not m["role"]), None)
+            if bad is not None:
+                raise RequestError(f"conversation {i}, message {bad}: needs a 'role' (e.g. \"user\")")
+            if continue_final_message and conv[-1].get("content") is None:  # as the server and transformers refuse it
                 raise RequestError(f"conversation {i}: continue_final_message: the final message has no content to "
                                    'continue; give it text (an empty string "" continues from the start of the reply)')
             try:
                 # OpenAI's content parts made text as the server makes them (the caller's dicts are left as they are)
-                msgs = [{**m, "content": message_text(m["content"])} for m in conv]
+                # (content may be left out, as OpenAI's assistant message with tool_calls: "", as the server has it)
+                msgs = [{**m, "content": message_text(m.get("content"))} for m in conv]
                 prompts.append(template.render(msgs, add_generation_prompt, template_kwargs=kwargs,
                                                continue_final_message=continue_final_message))
             except (ChatTemplateError, RequestError) as e:

@@ -3,6 +3,7 @@ docstring says what each does."""
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,9 +99,10 @@ def parse_options(options: dict[str, Any] | None, mode: str | None = None) -> Op
     options = dict(options or {})
     unknown = sorted(set(options) - set(OPTIONS), key=str)
     if unknown:
-        raise KilnError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for backend 'kiln'; allowed: {', '.join(OPTIONS)}"
-        )
+        close = [m for n in unknown for m in difflib.get_close_matches(str(n), OPTIONS, n=1, cutoff=0.75)]
+        hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+        raise KilnError(f"unknown option(s) {', '.join(map(repr, unknown))} for backend 'kiln'{hint}; allowed: "
+                        f"{', '.join(OPTIONS)}")
     fallback = options.get("fallback", "inductor")
     if fallback not in FALLBACKS:
         raise KilnError(f"option fallback={fallback!r} for backend 'kiln'; expected one of {', '.join(FALLBACKS)}")

@@ -149,6 +149,8 @@ def test_inductor_is_the_default_fallback():
 def test_unknown_options_are_an_error_naming_the_allowed_ones():
     with pytest.raises(KilnError, match="unknown option.*'mode_x'.*allowed: " + ", ".join(OPTIONS)):
         parse_options({"mode_x": 1})
+    with pytest.raises(KilnError, match=r"option\(s\) 'fallbak' for backend 'kiln' \(did you mean 'fallback'\?\)"):
+        parse_options({"fallbak": "eager"})
     with pytest.raises(KilnError, match="fallback='cuda'.*inductor, eager"):
         parse_options({"fallback": "cuda"})
     with pytest.raises(KilnError, match="mode='fast'.*default, reduce-overhead"):

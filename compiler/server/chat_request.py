@@ -1,17 +1,18 @@
-"""/v1/chat/completions' request model, ChatCompletionRequest: its messages (ChatMessage, sort_message_fields), the
-conversation the chat template renders (_Conversation, which /tokenize's messages form shares) and chat's logprobs.
+"""/v1/chat/completions' request model, ChatCompletionRequest: its messages (ChatMessage, sort_message_fields), its
+tools (Tool, sort_tool_fields) and tool_choice, the conversation the chat template renders (_Conversation, which
+/tokenize's messages form shares) and chat's logprobs.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
 from kiln.chat_template import check_template_kwargs, message_text
 from kiln.errors import RequestError
 from kiln.server.errors import APIError, request_error
-from kiln.server.fields import CHAT_IGNORED, CHAT_UNSUPPORTED, MESSAGE_IGNORED, sort_fields
+from kiln.server.fields import CHAT_IGNORED, CHAT_UNSUPPORTED, MESSAGE_IGNORED, sort_fields, tool_choice_error
 from kiln.server.request_base import _STRICT, _Body, _Sampling
 
 
@@ -22,7 +23,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     # A tool-calling conversation's history, handed to the chat template as they come (kiln makes no tool calls
-    # itself: a request's `tools` field is refused, but a template that renders past calls gets them).
+    # itself, but a template that renders past calls gets them, as it gets the request's tools).
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     # An assistant message's reasoning (vLLM's field, or its deprecated reasoning_content), given to the template
@@ -64,6 +65,57 @@ def sort_message_fields(messages: Any, sink: set[str] | None) -> Any:
     return out
 
 
+class ToolFunction(BaseModel):
+    """A tool's function, as OpenAI's schema and vLLM's FunctionDefinition give it."""
+
+    model_config = _STRICT
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """A tool definition, {"type": "function", "function": {...}}: OpenAI's only kind in chat completions (type may be
+    left out, as vLLM's ChatCompletionToolsParam defaults it)."""
+
+    model_config = _STRICT
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+    def template_tool(self) -> dict[str, Any]:
+        """The tool as the chat template sees it: as vLLM's server hands it over (its ChatCompletionToolsParam's
+        model_dump()): type and function, the function's name, description and parameters (null when not given),
+        and strict when given."""
+        fn = self.function
+        function: dict[str, Any] = {"name": fn.name, "description": fn.description, "parameters": fn.parameters}
+        if fn.strict is not None:
+            function["strict"] = fn.strict
+        return {"type": self.type, "function": function}
+
+
+def sort_tool_fields(tools: Any) -> Any:
+    """Each tool (and its function) without its null fields (the defaults); a tool of another type than "function"
+    (OpenAI's custom tools) is a 400, as is an unknown field (a typo: the 400 names the closest one)."""
+    if not isinstance(tools, list):
+        return tools
+    out = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict):
+            kind = tool.get("type")
+            if kind is not None and kind != "function":
+                raise APIError(400, f'tools.{i}.type must be "function", not {kind!r}: kiln takes function tools, '
+                               '{"type": "function", "function": {"name": ..., "description": ..., "parameters": '
+                               '...}}, as vLLM does', param=f"tools.{i}.type", code="invalid_value")
+            tool = sort_fields({k: v for k, v in tool.items() if v is not None}, Tool.model_fields,
+                               where=f"tools.{i}.")
+            if isinstance(tool.get("function"), dict):
+                tool["function"] = sort_fields({k: v for k, v in tool["function"].items() if v is not None},
+                                               ToolFunction.model_fields, where=f"tools.{i}.function.")
+        out.append(tool)
+    return out
+
+
 class _Conversation(_Body):
     """A conversation for the chat template (chat completions, /tokenize's messages form)."""
 
@@ -71,6 +123,8 @@ class _Conversation(_Body):
     def _nested_fields(cls, data: dict, sink: set[str] | None) -> dict:
         if "messages" in data:
             data["messages"] = sort_message_fields(data["messages"], sink)
+        if "tools" in data:
+            data["tools"] = sort_tool_fields(data["tools"])
         return data
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -88,14 +142,25 @@ class _Conversation(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's reasoning effort, handed to the template as the variable reasoning_effort (as vLLM hands it over)
     reasoning_effort: str | None = Field(default=None, min_length=1)
+    # Tool definitions, handed to the template as the variable tools (template_tools) for it to render into the
+    # prompt, as vLLM hands them over; kiln parses no tool calls out of the reply (chat: tool_choice "none" only).
+    tools: list[Tool] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.template_message() for m in self.messages]
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the template sees them (Tool.template_tool), or None for none ([] included)."""
+        return [tool.template_tool() for tool in self.tools] if self.tools else None
+
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The extra template variables: chat_template_kwargs, with reasoning_effort when given (it wins, as in
-        vLLM); a variable the renderer sets itself (messages, add_generation_prompt) is a 400."""
-        kwargs = dict(self.chat_template_kwargs or {})
+        """The extra template variables: tools, then chat_template_kwargs, then reasoning_effort when given, each
+        winning over the ones before, as in vLLM (a chat_template_kwargs key tools replaces the request's tools: vLLM
+        lays the request's chat_template_kwargs over the variables it sets, tools among them); a variable the
+        renderer sets itself (messages, add_generation_prompt) is a 400."""
+        tools = self.template_tools()
+        kwargs = {"tools": tools} if tools else {}
+        kwargs.update(self.chat_template_kwargs or {})
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
         try:
@@ -134,6 +199,7 @@ class _Conversation(_Body):
 class ChatCompletionRequest(_Sampling, _Conversation):
     _IGNORED: ClassVar[dict[str, str]] = CHAT_IGNORED
     _UNSUPPORTED: ClassVar[dict[str, tuple]] = CHAT_UNSUPPORTED
+    _NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"tool_choice"})  # null is no tool choice, as vLLM takes it
 
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -141,6 +207,8 @@ class ChatCompletionRequest(_Sampling, _Conversation):
     # vLLM's chat echo prepends the last message to the reply when it is the assistant's; kiln does not, so only
     # false is taken.
     echo: bool = False
+    # "none" (or null): the template renders the tools and the reply is text; kiln takes no other (tool_choice_error)
+    tool_choice: str | dict[str, Any] | None = None
 
     def check_fields(self) -> None:
         _Sampling.check_fields(self)
@@ -152,6 +220,9 @@ class ChatCompletionRequest(_Sampling, _Conversation):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true; set logprobs or omit top_logprobs",
                            param="top_logprobs")
+        err = tool_choice_error(self.tool_choice, sent="tool_choice" in self.model_fields_set, tools=bool(self.tools))
+        if err is not None:
+            raise err
         if self.echo:
             raise APIError(400, "echo is not supported on chat completions; omit echo (with continue_final_message "
                            "the reply continues the final message: put its text before the reply yourself), or send "

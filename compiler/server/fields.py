@@ -3,9 +3,11 @@
 Three kinds, each decided per field from OpenAI's and vLLM's request schemas:
 - metadata that changes nothing kiln computes (user, priority, store, metadata, service_tier, ...): accepted and
   dropped; the server logs each such name once (at info level), so an operator can see what clients send;
-- fields kiln cannot honour and that would change the output (response_format other than text, tools, guided_* /
+- fields kiln cannot honour and that would change the output (response_format other than text, guided_* /
   structured_outputs, beam search, ...): a 400 saying kiln does not support it, code unsupported_parameter, unless
-  the value asks for nothing (tools [], tool_choice "none", response_format {"type": "text"}, ...);
+  the value asks for nothing (functions [], function_call "none", response_format {"type": "text"}, ...); chat's
+  tools and tool_choice are fields of the chat request (kiln.server.chat_request), whose check refuses a
+  tool_choice other than "none" with the 400 that tool_choice_error makes;
 - anything else: a typo, refused with the closest known field (difflib), as before, rather than silently ignored.
 """
 
@@ -76,10 +78,12 @@ def _is(expected: Any) -> Callable[[Any], bool]:
 
 
 _STRUCTURED = "it cannot constrain its output to a schema, a regex, a grammar or a choice (no structured outputs)"
+# What kiln does with tools: the chat template renders them (tool_choice "none", as vLLM renders them), and that is all.
 _TOOLS = (
-    "it makes no tool calls and does not render tool definitions into the prompt (a conversation's earlier "
-    "tool_calls and tool messages do reach the chat template)"
+    "it makes no tool calls (it parses none out of the output, as vLLM does with --enable-auto-tool-choice and a "
+    "--tool-call-parser, and has no structured outputs to force one)"
 )
+_TOOLS_FIX = 'send tool_choice "none" to have the chat template render the tools into the prompt (as vLLM renders them)'
 
 # Fields kiln cannot honour that would change the output: (the value that asks for nothing, why, how to go on).
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str, str]] = {
@@ -111,15 +115,45 @@ COMPLETION_UNSUPPORTED = {
 }
 CHAT_UNSUPPORTED = {
     **UNSUPPORTED,
-    "tools": (_is([]), _TOOLS, "omit tools"),
-    "tool_choice": (_is("none"), _TOOLS, 'omit tool_choice, or send "none"'),
-    "functions": (_is([]), _TOOLS, "omit functions"),
+    # OpenAI's deprecated forms of tools / tool_choice
+    "functions": (_is([]), _TOOLS, 'omit functions: send each as a tool ({"type": "function", "function": {...}}) '
+                  'with tool_choice "none" to have the chat template render them into the prompt'),
     "function_call": (_is("none"), _TOOLS, 'omit function_call, or send "none"'),
     "documents": (_never, "its chat templates get no documents (RAG)", "put the documents in a message"),
     "modalities": (_is(["text"]), "its models write text only", 'omit modalities, or send ["text"]'),
     "audio": (_never, "its models write text only", "omit audio"),
     "web_search_options": (_never, "it has no web search", "omit web_search_options"),
 }
+
+
+# /tokenize's messages form renders tools whatever tool_choice says (vLLM's has no tool_choice field); it takes "none",
+# so that a chat request's tool fields can be sent as they are, and refuses what the chat request refuses.
+TOKENIZE_TOOL_CHOICE = (_is("none"), _TOOLS, _TOOLS_FIX + ", or omit tool_choice")
+
+
+def tool_choice_error(value: Any, *, sent: bool, tools: bool) -> APIError | None:
+    """The 400 for a chat request's tool_choice beside its tools (sent: tool_choice was in the body, null included;
+    tools: a non-empty list of them was), or None when kiln takes the pair: tool_choice "none", or null (vLLM's null
+    asks for no tool choice: its template renders the tools and nothing parses the output), or omitted without tools.
+    Omitted with tools it is "auto" (OpenAI's and vLLM's default then), which vLLM refuses without
+    --enable-auto-tool-choice and a tool parser; "required" and a named function need a parser or structured outputs
+    too. kiln has neither."""
+    if (sent and value is None) or value == "none" or (not sent and not tools):
+        return None
+    if not sent:
+        return APIError(400, 'kiln does not support tools without tool_choice "none" (tool_choice defaults to "auto" '
+                        f"when tools are given, as in OpenAI and vLLM): {_TOOLS}; {_TOOLS_FIX}, or omit tools",
+                        param="tools", code="unsupported_parameter")
+    if isinstance(value, dict):
+        what = "tool_choice naming a function"
+    elif value in ("auto", "required"):
+        what = f"tool_choice {value!r}"
+    else:
+        return APIError(400, 'tool_choice must be "none", "auto", "required" or a named function ({"type": '
+                        f'"function", "function": {{"name": ...}}}}), not {value!r}; kiln takes "none"',
+                        param="tool_choice", code="invalid_value")
+    return APIError(400, f"kiln does not support {what}: {_TOOLS}; {_TOOLS_FIX}, or omit tool_choice",
+                    param="tool_choice", code="unsupported_parameter")
 
 
 def sort_fields(

@@ -9,7 +9,8 @@ SamplingParams.logprobs; presence / frequency penalties and logit_bias (OpenAI's
 min_tokens onto the SamplingParams fields of those names. Completions' echo (the prompt before the text, and with
 logprobs its tokens' logprobs before the output's; max_tokens 0: the prompt alone, as lm-evaluation-harness asks for
 loglikelihoods) and vLLM's prompt_logprobs map onto SamplingParams.prompt_logprobs. Chat's vLLM fields
-add_generation_prompt and continue_final_message go to the chat template (ChatTemplate.render).
+add_generation_prompt and continue_final_message go to the chat template (ChatTemplate.render), and so do the tools
+(with tool_choice "none": kiln parses no tool calls).
 
 The models live in request_base.py (the shared bases), completion_request.py and chat_request.py, all importable
 from here; /tokenize's and /detokenize's are here.
@@ -22,7 +23,7 @@ from typing import ClassVar
 from kiln.server.chat_request import ChatCompletionRequest, ChatMessage, _Conversation, sort_message_fields  # noqa: F401
 from kiln.server.completion_request import CompletionRequest
 from kiln.server.errors import APIError, error_body, request_error
-from kiln.server.fields import CHAT_UNSUPPORTED
+from kiln.server.fields import TOKENIZE_TOOL_CHOICE
 from kiln.server.request_base import MAX_N, MAX_PROMPTS, StreamOptions, _Body, ignored_sink  # noqa: F401
 
 __all__ = ["APIError", "ChatCompletionRequest", "CompletionRequest", "error_body", "request_error"]
@@ -38,7 +39,9 @@ class TokenizeCompletionRequest(_Body):
 
 
 class TokenizeChatRequest(_Conversation):
-    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"tools": CHAT_UNSUPPORTED["tools"]}
+    # tools render as chat completions renders them (vLLM's /tokenize takes tools and no tool_choice); tool_choice
+    # "none" is taken too, so that a chat request's fields can be sent as they are
+    _UNSUPPORTED: ClassVar[dict[str, tuple]] = {"tool_choice": TOKENIZE_TOOL_CHOICE}
 
     return_token_strs: bool = False
 

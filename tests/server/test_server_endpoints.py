@@ -97,9 +97,10 @@ def test_tokenization_routes_check_the_model_the_key_and_the_fields(words, path)
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_field"
 
 
-def test_tokenize_refuses_tools_it_cannot_render(words):
+def test_tokenize_refuses_a_tool_without_a_function(words):
+    """Tools render into the prompt (tests/server/test_server_tools.py); one not of OpenAI's shape is a 400."""
     r = _post(words, "/tokenize", {"messages": MSGS, "tools": [{"type": "function"}]}, AUTH)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.function"
 
 
 def test_version_and_ping(words):
